@@ -1,0 +1,25 @@
+"""``build_app(args)``: the import_path of every graph file.
+
+Validates the graph once (a bad graph fails ``serve run`` with one message naming
+the field), then binds one stage deployment per stage, named after the stage so
+the graph file's ``deployments:`` entries apply to it, and the ingress on top.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import Application
+
+from omni_serve.config import INGRESS_NAME, GraphConfig, load_graph
+from omni_serve.ingress import Ingress
+from omni_serve.stage import StageDeployment
+
+
+def build_app(args: dict[str, Any] | GraphConfig) -> Application:
+    graph = load_graph(args)
+    stages = {
+        stage.name: StageDeployment.options(name=stage.name).bind(stage.model_dump(mode="json"))
+        for stage in graph.stages
+    }
+    return Ingress.options(name=INGRESS_NAME).bind(graph.model_dump(mode="json"), stages)

@@ -1,0 +1,50 @@
+"""The stage-engine interface every engine family implements.
+
+A stage deployment owns exactly one engine. The deployment resolves the upstream
+handoff (an ObjectRef) to a :class:`HandoffPayload` before calling :meth:`stream`, and
+puts any payload the engine yields back into the object store, so engines never see
+Ray. Engines must be safe under concurrent ``stream`` calls: per-request state lives
+in the call, never on ``self``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from typing import Any
+
+from omni_serve.types import HandoffPayload, RequestId, StageOutput, StageRequest
+
+
+class EngineError(RuntimeError):
+    """The engine failed on a request for a reason that is not the client's fault."""
+
+
+class InvalidStageInput(ValueError):
+    """The request is invalid for this engine (e.g. prompt longer than the context); maps to 400."""
+
+
+class StageEngine(abc.ABC):
+    """One engine instance serving one stage inside one replica."""
+
+    def __init__(self, stage_name: str, engine_args: dict[str, Any]):
+        self.stage_name = stage_name
+        self.engine_args = engine_args
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load weights and get ready; called once in the replica before any request."""
+
+    @abc.abstractmethod
+    def stream(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]:
+        """Run one request; yield outputs in order, the last one with ``finished=True``."""
+
+    async def abort(self, request_id: RequestId) -> None:
+        """Stop work for ``request_id`` (client gone). Default: nothing is running detached."""
+
+    async def check_health(self) -> None:
+        """Raise if the engine can no longer serve."""
+
+    def stats(self) -> dict[str, Any]:
+        """Engine-level numbers for metrics and autoscaling (e.g. waiting/running requests)."""
+        return {}

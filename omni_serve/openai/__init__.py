@@ -1,0 +1,1 @@
+"""OpenAI-compatible request models and response builders."""

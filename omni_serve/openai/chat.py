@@ -1,0 +1,117 @@
+"""Chat-completion responses and stream chunks built from stage outputs (pure functions).
+
+Audio in a stream follows vLLM-Omni's shape: every audio chunk is its own SSE chunk
+with ``modality: "audio"`` and ``delta.audio = {id, data}``, where ``data`` is a
+self-contained file in the requested format (a whole WAV/FLAC per chunk, or raw
+16-bit PCM for ``pcm``, which is what OpenAI's own streaming audio sends).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from omni_serve.media import AudioFormat, b64, encode_audio
+from omni_serve.types import FinishReason, Modality, StageOutput, Usage
+
+AUDIO_TTL_S = 3600
+
+
+@dataclass
+class ChatResult:
+    """The merged final outputs of one request."""
+
+    text: list[str] = field(default_factory=list)
+    audio: list[np.ndarray] = field(default_factory=list)
+    sample_rate: int = 24000
+    finish_reason: FinishReason | None = None
+    usage: Usage = field(default_factory=Usage)
+
+    def add(self, output: StageOutput, text_stage: bool) -> None:
+        if output.text:
+            self.text.append(output.text)
+        if output.audio is not None:
+            self.audio.append(output.audio)
+            self.sample_rate = output.sample_rate or self.sample_rate
+        if text_stage and output.finished:
+            self.finish_reason = output.finish_reason
+            if output.usage:
+                self.usage = output.usage
+
+
+def usage_json(usage: Usage) -> dict[str, int]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+def completion(
+    request_id: str, model: str, created: int, result: ChatResult, modalities: set[Modality], audio_format: AudioFormat
+) -> dict[str, Any]:
+    text = "".join(result.text)
+    message: dict[str, Any] = {"role": "assistant", "content": text if Modality.TEXT in modalities else None}
+    if Modality.AUDIO in modalities:
+        samples = np.concatenate(result.audio) if result.audio else np.zeros(0, dtype=np.float32)
+        message["audio"] = {
+            "id": f"audio-{request_id}",
+            "data": b64(encode_audio(samples, result.sample_rate, audio_format)),
+            "expires_at": int(time.time()) + AUDIO_TTL_S,
+            "transcript": text,
+        }
+    finish = result.finish_reason or FinishReason.STOP
+    return {
+        "id": f"chatcmpl-{request_id}",
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish.value, "logprobs": None}],
+        "usage": usage_json(result.usage),
+    }
+
+
+def chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    delta: dict[str, Any],
+    *,
+    finish_reason: FinishReason | None = None,
+    modality: Modality | None = None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": f"chatcmpl-{request_id}",
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason.value if finish_reason else None}],
+    }
+    if modality is not None:
+        body["modality"] = modality.value
+    return body
+
+
+def audio_delta(request_id: str, output: StageOutput, audio_format: AudioFormat) -> dict[str, Any]:
+    assert output.audio is not None
+    data = encode_audio(output.audio, output.sample_rate or 24000, audio_format)
+    return {"audio": {"id": f"audio-{request_id}", "data": b64(data)}}
+
+
+def usage_chunk(request_id: str, model: str, created: int, usage: Usage) -> dict[str, Any]:
+    return {
+        "id": f"chatcmpl-{request_id}",
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage_json(usage),
+    }
+
+
+def sse(body: dict[str, Any] | str) -> str:
+    return f"data: {body if isinstance(body, str) else json.dumps(body, separators=(',', ':'))}\n\n"

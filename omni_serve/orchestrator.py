@@ -1,0 +1,195 @@
+"""The DAG walk for one request: model-agnostic, routes references, never payloads.
+
+Given the wanted modalities, only the stages that produce them (and their upstream
+stages) run. Every output of a stage that carries a handoff starts one call of each
+needed downstream stage with that handoff reference; downstream calls run
+concurrently and their outputs are relayed in handoff order, so a talker's codec
+chunks can be decoded by several code2wav replicas at once yet reach the client in
+order. Cancellation (client gone) cancels every stage call this request started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from omni_serve.config import GraphConfig, StageConfig
+from omni_serve.types import ChatMessage, ImageParams, Modality, SamplingParams, StageOutput, StageRequest
+
+
+class StageTimeout(TimeoutError):
+    def __init__(self, stage: str, seconds: float):
+        super().__init__(f"stage '{stage}' produced nothing for {seconds:.0f} s")
+        self.stage = stage
+
+
+class StageFailed(RuntimeError):
+    """A stage call failed; ``cause`` is the original error (Ray wraps engine errors)."""
+
+    def __init__(self, stage: str, cause: BaseException):
+        super().__init__(f"stage '{stage}' failed: {type(cause).__name__}")
+        self.stage = stage
+        self.cause = cause
+
+
+class StageCaller(Protocol):
+    """Starts one streaming call of a stage; a Serve handle in production, anything async in tests."""
+
+    def __call__(self, stage: str, request: StageRequest) -> AsyncIterator[StageOutput]: ...
+
+
+@dataclass
+class OmniRequest:
+    """What the ingress hands the orchestrator: one client request, already validated."""
+
+    request_id: str
+    modalities: set[Modality]
+    sampling: dict[str, SamplingParams]  # resolved per stage
+    messages: list[ChatMessage] | None = None
+    voice: str | None = None
+    image: ImageParams | None = None
+
+
+@dataclass
+class _Walk:
+    request: OmniRequest
+    stages: set[str]
+    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+
+
+_END = object()
+
+
+@dataclass
+class _Failure:
+    error: BaseException
+
+
+class Orchestrator:
+    def __init__(self, graph: GraphConfig, call: StageCaller, stage_timeout_s: float | None = None):
+        self.graph = graph
+        self.call = call
+        self.stage_timeout_s = stage_timeout_s or graph.stage_timeout_s
+
+    def plan(self, modalities: set[Modality]) -> set[str]:
+        return self.graph.stages_for(modalities)
+
+    async def run(self, request: OmniRequest) -> AsyncIterator[StageOutput]:
+        """Yield the final outputs the request asked for, in order per modality."""
+        walk = _Walk(request, self.plan(request.modalities))
+        entry = self.graph.entry
+        first = StageRequest(
+            request_id=request.request_id,
+            sampling=request.sampling[entry.name],
+            messages=request.messages,
+            voice=request.voice,
+            image=request.image,
+        )
+        try:
+            async for output in self._walk(entry, first, walk):
+                yield output
+        finally:
+            for task in walk.tasks:
+                task.cancel()
+            if walk.tasks:
+                await asyncio.gather(*walk.tasks, return_exceptions=True)
+
+    async def _stage_stream(self, stage: StageConfig, request: StageRequest) -> AsyncIterator[StageOutput]:
+        stream = aiter(self.call(stage.name, request))
+        try:
+            while True:
+                try:
+                    output = await asyncio.wait_for(anext(stream), self.stage_timeout_s)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise StageTimeout(stage.name, self.stage_timeout_s) from None
+                except (asyncio.CancelledError, StageFailed, StageTimeout):
+                    raise
+                except Exception as err:  # Ray wraps the stage's exception; keep it as the cause
+                    raise StageFailed(stage.name, err) from err
+                yield output
+                if output.finished:
+                    return
+        finally:
+            close = getattr(stream, "aclose", None) or getattr(stream, "cancel", None)
+            if close is not None:
+                result = close()
+                if isinstance(result, Awaitable):
+                    await result
+
+    async def _walk(self, stage: StageConfig, request: StageRequest, walk: _Walk) -> AsyncIterator[StageOutput]:
+        emit = stage.final_output is not None and stage.final_output in walk.request.modalities
+        children = [c for c in self.graph.children(stage.name) if c.name in walk.stages]
+        if not children:
+            async for output in self._stage_stream(stage, request):
+                if emit:
+                    yield dataclasses.replace(output, handoff=None)
+            return
+
+        merged: asyncio.Queue[Any] = asyncio.Queue()
+        # One queue per downstream call, in handoff order; None closes the sequence.
+        downstream: asyncio.Queue[asyncio.Queue[Any] | None] = asyncio.Queue()
+
+        async def pump(source: AsyncIterator[StageOutput], sink: asyncio.Queue[Any]) -> None:
+            try:
+                async for item in source:
+                    await sink.put(item)
+                await sink.put(_END)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as err:
+                await sink.put(_Failure(err))
+
+        async def produce() -> None:
+            index = 0
+            async for output in self._stage_stream(stage, request):
+                if emit:
+                    await merged.put(dataclasses.replace(output, handoff=None))
+                if output.handoff is None:
+                    continue
+                for child in children:
+                    child_request = StageRequest(
+                        request_id=request.request_id,
+                        sampling=walk.request.sampling[child.name],
+                        handoff=output.handoff,
+                        chunk_index=index,
+                        voice=walk.request.voice,
+                        image=walk.request.image,
+                    )
+                    sink: asyncio.Queue[Any] = asyncio.Queue()
+                    walk.tasks.append(asyncio.create_task(pump(self._walk(child, child_request, walk), sink)))
+                    await downstream.put(sink)
+                index += 1
+            await downstream.put(None)
+
+        async def sequence() -> None:
+            while (sink := await downstream.get()) is not None:
+                while (item := await sink.get()) is not _END:
+                    if isinstance(item, _Failure):
+                        raise item.error
+                    await merged.put(item)
+
+        async def guarded(work: Any) -> None:
+            try:
+                await work
+                await merged.put(_END)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as err:
+                await merged.put(_Failure(err))
+
+        workers = [asyncio.create_task(guarded(produce())), asyncio.create_task(guarded(sequence()))]
+        walk.tasks.extend(workers)
+        finished = 0
+        while finished < len(workers):
+            item = await merged.get()
+            if item is _END:
+                finished += 1
+            elif isinstance(item, _Failure):
+                raise item.error
+            else:
+                yield item

@@ -1,0 +1,80 @@
+"""The stage deployment: one engine, its inputs resolved from the object store.
+
+A stage knows nothing about HTTP. It resolves the upstream handoff reference
+itself (so the payload moves object store -> this replica, never through the
+ingress), runs its engine, and puts any handoff the engine yields back into the
+object store, yielding only the reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from ray import serve
+
+from omni_serve.config import StageConfig
+from omni_serve.engines import create_engine
+from omni_serve.handoff import payload_loads
+from omni_serve.types import HandoffPayload, StageOutput, StageRequest
+
+logger = logging.getLogger("ray.serve")
+
+
+@serve.deployment(
+    # Engines batch internally, so a replica takes several requests at once; the
+    # graph file's `deployments:` entry overrides these defaults.
+    max_ongoing_requests=16,
+    ray_actor_options={"num_cpus": 0.25},
+    health_check_period_s=5,
+)
+class StageDeployment:
+    async def __init__(self, stage: dict[str, Any]):
+        self.config = StageConfig.model_validate(stage)
+        self.name = self.config.name
+        self.calls = 0
+        self.engine = create_engine(self.config.engine, self.name, self.config.engine_args)
+        started = time.perf_counter()
+        await self.engine.start()
+        logger.info(
+            "stage %s ready: engine=%s args=%s load=%.1fs",
+            self.name,
+            self.config.engine,
+            self.config.engine_args,
+            time.perf_counter() - started,
+        )
+
+    async def generate(self, request: StageRequest) -> AsyncIterator[StageOutput]:
+        self.calls += 1
+        handoff = request.handoff
+        if isinstance(handoff, ray.ObjectRef):
+            handoff = await handoff
+        if handoff is not None and not isinstance(handoff, HandoffPayload):
+            raise TypeError(f"stage {self.name}: expected a HandoffPayload, got {type(handoff).__name__}")
+        stream = self.engine.stream(request, handoff)
+        try:
+            async for output in stream:
+                if isinstance(output.handoff, HandoffPayload):
+                    output.handoff = ray.put(output.handoff)
+                yield output
+        except (asyncio.CancelledError, GeneratorExit):
+            # Client gone or orchestrator gave up: free the engine's slot now.
+            await self.engine.abort(request.request_id)
+            raise
+        finally:
+            await stream.aclose()
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    async def ready(self) -> bool:
+        await self.engine.check_health()
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        """Calls served by this replica plus engine stats (tests and autoscaling read these)."""
+        return {"stage": self.name, "calls": self.calls, "payload_loads": payload_loads(), **self.engine.stats()}

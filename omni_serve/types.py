@@ -1,0 +1,126 @@
+"""The contract that crosses deployment boundaries: plain typed structs, no logic.
+
+Everything a stage receives or yields is one of these. Small final results (text
+deltas, token ids, audio for the client) travel inline; the heavy handoff for the
+next stage travels as an ``ObjectRef`` to a :class:`HandoffPayload` that the
+producing replica put into the Ray object store itself.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+RequestId = str
+StageName = str
+
+
+class Modality(str, enum.Enum):
+    TEXT = "text"
+    AUDIO = "audio"
+    IMAGE = "image"
+
+
+class FinishReason(str, enum.Enum):
+    """Why a stage call ended; the value is the OpenAI ``finish_reason`` string."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class SamplingParams(BaseModel):
+    """Sampling for one stage of one request: graph defaults merged with request overrides."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 means greedy decoding.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="0 disables top-k filtering.")
+    max_tokens: int = Field(256, ge=1, description="Tokens (or codec frames) this stage may generate.")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="1.0 disables it.")
+    seed: int | None = Field(None, description="Per-request seed; None draws one.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings (text stages).")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop token ids.")
+
+
+class ChatMessage(BaseModel):
+    """One validated chat turn as the entry stage sees it (text content only)."""
+
+    role: str
+    content: str
+
+
+class ImageParams(BaseModel):
+    """Image-generation parameters for diffusion stages."""
+
+    width: int
+    height: int
+    num_inference_steps: int
+    guidance_scale: float
+    negative_prompt: str | None = None
+    seed: int | None = None
+    n: int = 1
+
+
+@dataclass
+class HandoffPayload:
+    """Heavy data one stage hands to the next (hidden states, codec codes, latents).
+
+    Arrays are numpy (zero-copy through the object store on one node). ``kind`` names
+    the format, e.g. ``"qwen3_omni.thinker2talker"``; ``meta`` holds small scalars.
+    Unpickling is counted per process by :mod:`omni_serve.handoff` so tests can prove
+    the ingress never loads one.
+    """
+
+    kind: str
+    tensors: dict[str, np.ndarray]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __reduce__(self):  # noqa: D105 - see class docstring
+        from omni_serve.handoff import load_payload
+
+        return (load_payload, (self.kind, self.tensors, self.meta))
+
+
+@dataclass
+class StageRequest:
+    """One call of one stage for one client request.
+
+    The entry stage gets ``messages``; downstream stages get ``handoff``, an ObjectRef
+    to the upstream :class:`HandoffPayload` (the replica resolves it, never the ingress).
+    """
+
+    request_id: RequestId
+    sampling: SamplingParams
+    messages: list[ChatMessage] | None = None
+    handoff: Any = None  # ray.ObjectRef[HandoffPayload] | HandoffPayload (local tests)
+    chunk_index: int = 0  # position of ``handoff`` in the upstream stage's stream
+    voice: str | None = None
+    image: ImageParams | None = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class StageOutput:
+    """One item a stage yields. A stage call yields one or more; the last has ``finished``."""
+
+    stage: StageName
+    text: str = ""  # text delta
+    token_ids: list[int] = field(default_factory=list)  # token ids of this delta
+    audio: np.ndarray | None = None  # float32 mono samples of this chunk
+    sample_rate: int | None = None
+    images: list[np.ndarray] = field(default_factory=list)  # uint8 HxWx3
+    handoff: Any = None  # HandoffPayload inside the engine, ObjectRef once it left the replica
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None

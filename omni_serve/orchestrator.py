@@ -12,12 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import sys
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from omni_serve.config import GraphConfig, StageConfig
 from omni_serve.types import ChatMessage, ImageParams, Modality, SamplingParams, StageOutput, StageRequest
+
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _timeout
+else:  # pragma: no cover - Python 3.10
+    from async_timeout import timeout as _timeout
 
 
 class StageTimeout(TimeoutError):
@@ -102,7 +109,8 @@ class Orchestrator:
         try:
             while True:
                 try:
-                    output = await asyncio.wait_for(anext(stream), self.stage_timeout_s)
+                    async with _timeout(self.stage_timeout_s):
+                        output = await anext(stream)
                 except StopAsyncIteration:
                     return
                 except TimeoutError:

@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from omni_serve.launch import deploy_graph_file, wait_healthy
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-ROOT = Path(__file__).resolve().parent.parent
-GRAPHS = ROOT / "graphs"
 HTTP_PORT = int(os.environ.get("OMNI_SERVE_TEST_PORT", "18765"))
 
 
@@ -45,41 +41,10 @@ class Graphs:
         self.base_url = f"http://127.0.0.1:{HTTP_PORT}"
 
     def deploy(self, graph: str | Path, mutate: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-        import yaml
-
-        path = Path(graph) if Path(graph).is_absolute() else GRAPHS / graph
-        config = yaml.safe_load(path.read_text())
-        config.setdefault("http_options", {})["port"] = HTTP_PORT
-        config["http_options"]["host"] = "127.0.0.1"
-        if mutate:
-            mutate(config)
-        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-            yaml.safe_dump(config, f)
-        env = {**os.environ, "RAY_ADDRESS": self.address}
-        cli = [sys.executable, "-m", "ray.serve.scripts", "run", "--non-blocking", "--address", self.address, f.name]
-        subprocess.run(cli, check=True, env=env, timeout=180, capture_output=True)
-        return config
+        return deploy_graph_file(graph, self.address, HTTP_PORT, mutate)
 
     def wait_healthy(self, timeout_s: float = 300) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        last: Any = None
-        while time.monotonic() < deadline:
-            try:
-                last = httpx.get(f"{self.base_url}/health", timeout=15)
-                if last.status_code == 200:
-                    return
-            except httpx.HTTPError as err:
-                last = err
-            time.sleep(1)
-        raise TimeoutError(f"graph not healthy after {timeout_s}s: {last!r} {self.status()}")
-
-    @staticmethod
-    def status() -> str:
-        from ray import serve
-
-        return str(serve.status())
+        wait_healthy(self.base_url, timeout_s)
 
     @staticmethod
     def handle(deployment: str, app: str = "omni"):

@@ -1,0 +1,102 @@
+"""Graph validation: every bad graph fails with one message that names the field."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from omni_serve.config import GraphConfigError, load_graph
+from omni_serve.types import Modality
+
+GRAPHS = Path(__file__).resolve().parent.parent / "graphs"
+
+
+def tiny_args() -> dict:
+    return yaml.safe_load((GRAPHS / "tiny_omni.yaml").read_text())["applications"][0]["args"]
+
+
+def error_of(args: dict) -> str:
+    with pytest.raises(GraphConfigError) as info:
+        load_graph(args)
+    return str(info.value)
+
+
+def test_tiny_graph_validates() -> None:
+    graph = load_graph(tiny_args())
+    assert [s.name for s in graph.stages] == ["thinker", "talker", "code2wav"]
+    assert graph.entry.name == "thinker"
+    assert graph.modalities == {Modality.TEXT, Modality.AUDIO}
+
+
+@pytest.mark.parametrize("path", sorted(GRAPHS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_graph_validates(path: Path) -> None:
+    config = yaml.safe_load(path.read_text())
+    for app in config["applications"]:
+        graph = load_graph(app["args"])
+        deployments = {d["name"] for d in app.get("deployments", [])}
+        # Resources and autoscaling of every stage are set in the file, where Ray users look.
+        assert {s.name for s in graph.stages} <= deployments, path.name
+
+
+def test_unknown_upstream_stage() -> None:
+    args = tiny_args()
+    args["stages"][1]["input"] = "thinkr"
+    message = error_of(args)
+    assert "stages[1].input" in message and "unknown upstream stage 'thinkr'" in message
+
+
+def test_cycle() -> None:
+    args = tiny_args()
+    args["stages"][0]["input"] = "code2wav"
+    message = error_of(args)
+    assert "cycle" in message and "stages[" in message
+
+
+def test_no_final_output() -> None:
+    args = tiny_args()
+    for stage in args["stages"]:
+        stage.pop("final_output", None)
+    assert "no stage has a final_output" in error_of(args)
+
+
+def test_unknown_engine() -> None:
+    args = tiny_args()
+    args["stages"][2]["engine"] = "onnx"
+    message = error_of(args)
+    assert "stages[2].engine" in message and "transformers" in message
+
+
+def test_bad_engine_args_name_the_field() -> None:
+    args = tiny_args()
+    args["stages"][0]["engine_args"]["model_stage"] = "narrator"
+    assert "stages[0].engine_args" in error_of(args)
+
+
+def test_bad_sampling_default() -> None:
+    args = tiny_args()
+    args["stages"][0]["default_sampling"]["temperature"] = -1
+    assert "stages[0].default_sampling.temperature" in error_of(args)
+
+
+def test_duplicate_and_reserved_names() -> None:
+    args = tiny_args()
+    args["stages"].append(copy.deepcopy(args["stages"][2]))
+    assert "duplicate stage name 'code2wav'" in error_of(args)
+    args = tiny_args()
+    args["stages"][0]["name"] = "ingress"
+    assert "stages[0].name" in error_of(args)
+
+
+def test_unknown_key_is_rejected() -> None:
+    args = tiny_args()
+    args["stages"][0]["inputs"] = ["x"]
+    assert "stages[0].inputs" in error_of(args)
+
+
+def test_stages_for_modalities() -> None:
+    graph = load_graph(tiny_args())
+    assert graph.stages_for({Modality.TEXT}) == {"thinker"}
+    assert graph.stages_for({Modality.TEXT, Modality.AUDIO}) == {"thinker", "talker", "code2wav"}

@@ -91,6 +91,7 @@ class Orchestrator:
         first = StageRequest(
             request_id=request.request_id,
             sampling=request.sampling[entry.name],
+            wants_handoff=self._feeds_downstream(entry, walk),
             messages=request.messages,
             voice=request.voice,
             image=request.image,
@@ -103,6 +104,9 @@ class Orchestrator:
                 task.cancel()
             if walk.tasks:
                 await asyncio.gather(*walk.tasks, return_exceptions=True)
+
+    def _feeds_downstream(self, stage: StageConfig, walk: _Walk) -> bool:
+        return any(c.name in walk.stages for c in self.graph.children(stage.name))
 
     async def _stage_stream(self, stage: StageConfig, request: StageRequest) -> AsyncIterator[StageOutput]:
         stream = aiter(self.call(stage.name, request))
@@ -165,6 +169,7 @@ class Orchestrator:
                         sampling=walk.request.sampling[child.name],
                         handoff=output.handoff,
                         chunk_index=index,
+                        wants_handoff=self._feeds_downstream(child, walk),
                         voice=walk.request.voice,
                         image=walk.request.image,
                     )

@@ -100,6 +100,7 @@ class StageRequest:
     messages: list[ChatMessage] | None = None
     handoff: Any = None  # ray.ObjectRef[HandoffPayload] | HandoffPayload (local tests)
     chunk_index: int = 0  # position of ``handoff`` in the upstream stage's stream
+    wants_handoff: bool = True  # False when no downstream stage runs: engines may skip building one
     voice: str | None = None
     image: ImageParams | None = None
 

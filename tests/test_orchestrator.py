@@ -85,6 +85,7 @@ def test_text_only_runs_only_the_thinker() -> None:
     outputs = asyncio.run(collect(Orchestrator(GRAPH, stages), request(Modality.TEXT)))
     assert "".join(o.text for o in outputs) == "hello world"
     assert set(stages.calls) == {"thinker"}
+    assert stages.calls["thinker"][0].wants_handoff is False
     assert all(o.handoff is None for o in outputs)  # references are routed, never returned
 
 
@@ -95,6 +96,7 @@ def test_audio_chunks_relayed_in_handoff_order_despite_out_of_order_completion()
     assert audio == [0, 1, 2, 3]
     assert len(stages.calls["talker"]) == 1 and len(stages.calls["code2wav"]) == 4
     assert [r.chunk_index for r in stages.calls["code2wav"]] == [0, 1, 2, 3]
+    assert stages.calls["thinker"][0].wants_handoff and not stages.calls["code2wav"][0].wants_handoff
     assert "".join(o.text for o in outputs) == "hello world"
 
 

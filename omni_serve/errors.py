@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from pydantic import ValidationError
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.responses import JSONResponse
 
@@ -44,9 +44,12 @@ def from_validation(err: ValidationError) -> APIError:
 def from_failure(err: BaseException, request_id: str) -> APIError:
     """Map a failed request to a status; never leak raw exception text of unexpected errors."""
     cause = err.cause if isinstance(err, StageFailed) else err
+    # Ray re-raises a stage's exception as RayTaskError(<original>); its text is the remote traceback.
+    while isinstance(cause, RayTaskError) and getattr(cause, "cause", None) not in (None, cause):
+        cause = cause.cause
     stage = getattr(err, "stage", None)
     if isinstance(cause, InvalidStageInput):
-        return bad_request(str(cause).split("\n")[-1].strip() or "invalid input")
+        return bad_request(str(cause) or "invalid input")
     if isinstance(err, StageTimeout):
         return APIError(504, f"{err}; request {request_id}", type="timeout_error")
     if isinstance(cause, BackPressureError):

@@ -6,7 +6,8 @@ collect the outputs or stream them. For streams the first output is awaited befo
 the response starts, so failures that happen early still get a real status code.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: FastAPI resolves route annotations at runtime and the
+# ingress class travels to its replica by value, where string annotations no longer resolve.
 
 import asyncio
 import json
@@ -244,3 +245,35 @@ class Ingress:
             yield chat.sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    @api.post("/v1/images/generations")
+    async def images_generations(self, request: Request) -> JSONResponse:
+        """OpenAI images API on a graph with an image final output: PNGs as b64_json."""
+        from omni_serve.openai import images
+
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        body = await self._parse(request, images.ImageGenerationRequest)
+        self._check_model(body.model)
+        if Modality.IMAGE not in self.graph.modalities:
+            raise bad_request(f"model '{self.graph.served_model_name}' does not generate images", "model")
+        sampling = {s.name: s.default_sampling for s in self.graph.stages}
+        if body.seed is not None:
+            sampling = {name: params.model_copy(update={"seed": body.seed}) for name, params in sampling.items()}
+        omni = OmniRequest(
+            request_id=request_id,
+            modalities={Modality.IMAGE},
+            sampling=sampling,
+            messages=body.messages(),
+            image=body.image_params(),
+        )
+        generated = []
+        outputs = self.orchestrator.run(omni)
+        try:
+            async for output in outputs:
+                generated.extend(output.images)
+        except Exception as err:
+            raise images.name_stage_field(from_failure(err, request_id)) from None
+        finally:
+            await outputs.aclose()
+        body_json = images.generation_response(int(time.time()), generated)
+        return JSONResponse(body_json, headers={"x-request-id": request_id})

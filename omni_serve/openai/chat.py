@@ -27,6 +27,7 @@ class ChatResult:
 
     text: list[str] = field(default_factory=list)
     audio: list[np.ndarray] = field(default_factory=list)
+    images: list[np.ndarray] = field(default_factory=list)  # uint8 HxWx3
     sample_rate: int = 24000
     finish_reason: FinishReason | None = None
     usage: Usage = field(default_factory=Usage)
@@ -37,6 +38,7 @@ class ChatResult:
         if output.audio is not None:
             self.audio.append(output.audio)
             self.sample_rate = output.sample_rate or self.sample_rate
+        self.images.extend(output.images)
         if text_stage and output.finished:
             self.finish_reason = output.finish_reason
             if output.usage:
@@ -56,6 +58,11 @@ def completion(
 ) -> dict[str, Any]:
     text = "".join(result.text)
     message: dict[str, Any] = {"role": "assistant", "content": text if Modality.TEXT in modalities else None}
+    if Modality.IMAGE in modalities:  # content becomes parts: the text (if any), then each image
+        from omni_serve.openai.images import content_parts
+
+        parts = [{"type": "text", "text": text}] if text and Modality.TEXT in modalities else []
+        message["content"] = parts + content_parts(result.images)
     if Modality.AUDIO in modalities:
         samples = np.concatenate(result.audio) if result.audio else np.zeros(0, dtype=np.float32)
         message["audio"] = {

@@ -1,0 +1,122 @@
+"""Image generation end to end: `serve run graphs/tiny_image*.yaml`, real HTTP, the official client."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+pytestmark = pytest.mark.integration
+
+MODEL = "tiny-qwen-image"
+BASE = {"prompt": "a red fox in the snow", "size": "64x48", "num_inference_steps": 2, "seed": 5}
+
+
+@pytest.fixture(scope="module")
+def tiny_image(graphs) -> Iterator:
+    graphs.deploy("tiny_image.yaml")
+    graphs.wait_healthy()
+    yield graphs
+    graphs.delete()
+
+
+def generate(graphs, **body) -> httpx.Response:
+    return httpx.post(f"{graphs.base_url}/v1/images/generations", json={**BASE, **body}, timeout=120)
+
+
+def pngs(reply: httpx.Response) -> list[bytes]:
+    assert reply.status_code == 200, reply.text
+    return [base64.b64decode(item["b64_json"]) for item in reply.json()["data"]]
+
+
+def pixels(png: bytes) -> np.ndarray:
+    image = Image.open(io.BytesIO(png))
+    assert image.format == "PNG" and image.mode == "RGB"
+    return np.asarray(image)
+
+
+def test_png_of_requested_size_and_same_seed_same_bytes(tiny_image) -> None:
+    first = generate(tiny_image)
+    assert first.json()["created"] > 0 and first.headers["x-request-id"]
+    [png] = pngs(first)
+    assert pixels(png).shape == (48, 64, 3)
+    assert pngs(generate(tiny_image)) == [png]
+    assert pngs(generate(tiny_image, seed=6)) != [png]
+
+
+def test_n_images_differ(tiny_image) -> None:
+    images = pngs(generate(tiny_image, n=2, size="32x32"))
+    assert len(images) == 2 and images[0] != images[1]
+    assert [pixels(p).shape for p in images] == [(32, 32, 3)] * 2
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"size": "big"}, "size"),
+        ({"size": "50x48"}, "size"),  # not a multiple of 16: checked by the diffusion stage
+        ({"size": "1024x1024"}, "size"),  # over the graph's max_pixels
+        ({"n": 5}, "n"),
+        ({"n": 0}, "n"),
+        ({"num_inference_steps": 0}, "num_inference_steps"),
+        ({"response_format": "url"}, "response_format"),
+        ({"prompt": ""}, "prompt"),
+        ({"style": "vivid"}, "style"),
+    ],
+)
+def test_bad_inputs_get_400_naming_the_field(tiny_image, body: dict, field: str) -> None:
+    reply = generate(tiny_image, **body)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == field and error["message"].startswith(f"{field}: "), error
+
+
+def test_unknown_model_is_404(tiny_image) -> None:
+    assert generate(tiny_image, model="dall-e-3").status_code == 404
+
+
+def test_openai_client_images_generate(tiny_image) -> None:
+    client = openai.OpenAI(base_url=f"{tiny_image.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    reply = client.images.generate(
+        model=MODEL,
+        prompt=BASE["prompt"],
+        n=1,
+        size="64x48",
+        response_format="b64_json",
+        extra_body={"num_inference_steps": 2, "seed": 5},
+    )
+    png = base64.b64decode(reply.data[0].b64_json)
+    assert png == pngs(generate(tiny_image))[0]
+
+
+def test_chat_completion_returns_image_url_part(tiny_image) -> None:
+    client = openai.OpenAI(base_url=f"{tiny_image.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "a red fox"}], modalities=["image"], seed=5
+    )
+    [part] = reply.choices[0].message.content
+    url = part["image_url"]["url"]
+    assert part["type"] == "image_url" and url.startswith("data:image/png;base64,")
+    assert pixels(base64.b64decode(url.split(",", 1)[1])).shape == (64, 64, 3)  # the graph's default size
+
+
+def test_three_stage_graph_gives_the_same_image(tiny_image) -> None:
+    """Last in this module: it replaces the one-stage graph with encode -> denoise -> decode."""
+    request = {"negative_prompt": "blurry", "guidance_scale": 3.0, "n": 2}
+    expected = pngs(generate(tiny_image, **request))
+    tiny_image.delete()
+    tiny_image.deploy("tiny_image_3stage.yaml")
+    tiny_image.wait_healthy()
+    assert httpx.get(f"{tiny_image.base_url}/v1/models").json()["data"][0]["stages"] == ["encode", "denoise", "decode"]
+    assert pngs(generate(tiny_image, **request)) == expected
+    # Handoffs went replica to replica: the ingress never loaded one, the decode stage did.
+    assert tiny_image.handle("ingress").payload_loads.remote().result() == {}
+    assert tiny_image.handle("decode").stats.remote().result()["payload_loads"] == {"qwen_image.latents": 1}
+    assert generate(tiny_image, size="50x48").json()["error"]["param"] == "size"

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 TINY_NAME = "tiny-qwen3-omni"
 # Bump when the layout below changes: cached checkpoints with another version are rebuilt.
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 _MARKER = "omni_serve_tiny.json"
 _SEED = 1234
 
@@ -111,9 +111,8 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def _rope(head_dim: int) -> dict:
-    # sum(mrope_section) must be head_dim / 2.
-    return {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2], "interleaved": True}
+# 3D RoPE of the thinker and talker; sum(mrope_section) must be head_dim / 2 (head_dim 16).
+_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2], "interleaved": True}
 
 
 def tiny_config():
@@ -131,7 +130,7 @@ def tiny_config():
         "num_key_value_heads": 1,
         "head_dim": 16,
         "max_position_embeddings": 1024,
-        "rope_parameters": _rope(16),
+        "rope_parameters": _MROPE,
         "moe_intermediate_size": 32,
         "num_experts": 4,
         "num_experts_per_tok": 2,
@@ -179,7 +178,7 @@ def tiny_config():
             "num_key_value_heads": 1,
             "head_dim": 16,
             "max_position_embeddings": 4096,
-            "rope_parameters": _rope(16),
+            "rope_parameters": _MROPE,
             "moe_intermediate_size": 32,
             "shared_expert_intermediate_size": 32,  # read by the code, not declared by the config
             "num_experts": 4,
@@ -224,6 +223,9 @@ def tiny_config():
         "decoder_dim": 32,
         "sliding_window": 72,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        # Weights wide enough that the random vocoder makes audible noise (std ~0.03) instead
+        # of ~1e-7, yet does not saturate at the +-1 clamp (0.2 does).
+        "initializer_range": 0.1,
     }
     return Qwen3OmniMoeConfig(
         thinker_config=thinker,
@@ -252,11 +254,29 @@ def build_tiny_omni(path: str | os.PathLike) -> pathlib.Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_SEED)
         model = Qwen3OmniMoeForConditionalGeneration(config)
+        _init_talker_experts(model)
+    for name, param in model.named_parameters():
+        if not torch.isfinite(param).all() or param.abs().max() > 100:
+            raise RuntimeError(f"tiny checkpoint: parameter {name} was left uninitialized")
     model.eval()
     model.save_pretrained(out)
     build_byte_tokenizer().save_pretrained(out)
     (out / _MARKER).write_text(json.dumps({"name": TINY_NAME, "version": BUILD_VERSION, "seed": _SEED}))
     return out
+
+
+def _init_talker_experts(model) -> None:
+    import torch
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeTalkerTextExperts
+
+    # transformers 5.14's _init_weights skips the talker's fused expert weights: they would
+    # keep whatever torch.empty left in memory (nondeterministic, often 1e30-sized).
+    std = model.config.talker_config.text_config.initializer_range
+    with torch.no_grad():
+        for module in model.talker.modules():
+            if isinstance(module, Qwen3OmniMoeTalkerTextExperts):
+                module.gate_up_proj.normal_(0.0, std)
+                module.down_proj.normal_(0.0, std)
 
 
 def _cache_root(cache_dir: str | os.PathLike | None) -> pathlib.Path:
@@ -317,7 +337,9 @@ def resolve_model(model: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Build (or find) the tiny random-weight Qwen3-Omni checkpoint.")
-    parser.add_argument("--cache-dir", default=None, help="Cache root (default $OMNI_SERVE_CACHE or ~/.cache/omni_serve).")
+    parser.add_argument(
+        "--cache-dir", default=None, help="Cache root (default: $OMNI_SERVE_CACHE, else ~/.cache/omni_serve)."
+    )
     args = parser.parse_args(argv)
     print(ensure_tiny_omni(args.cache_dir))
 

@@ -150,7 +150,7 @@ def test_concurrent_requests_with_different_seeds(client: openai.OpenAI) -> None
             seed=seed,
             temperature=1.0,
             top_p=1.0,
-            top_k=0,
+            extra_body={"top_k": 0},
         )
         return reply.choices[0].message.content, reply.choices[0].message.audio.data
 

@@ -1,0 +1,379 @@
+"""Qwen3-Omni handoffs between thinker, talker and code2wav, as pure functions.
+
+These turn one stage's outputs into the next stage's inputs with no I/O, so they can be
+tested on CPU with real (tiny) tensors. The talker inputs follow, step by step, what
+``Qwen3OmniMoeForConditionalGeneration.generate`` in transformers does between its
+thinker and talker calls; the composition here is ours, the modules are transformers'.
+
+Payloads:
+
+- ``qwen3_omni.thinker2talker``: ``token_ids`` int64 [T] (prompt + generated),
+  ``embeds`` [R, D] (thinker layer-0 embeddings), ``hidden`` [R, D] (the talker's
+  ``accept_hidden_layer``), ``tts_embeds`` [3, D] (thinker embeddings of tts bos/eos/pad);
+  R <= T is the number of positions the thinker ran (HF never runs the last sampled token).
+- ``qwen3_omni.codec_chunk``: ``codes`` int64 [groups, left_context + frames]; meta
+  ``left_context``, ``index``, ``start_frame``, ``num_frames``. Every chunk carries its own
+  left context, so any code2wav replica decodes any chunk without state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from omni_serve.types import ChatMessage, HandoffPayload
+
+if TYPE_CHECKING:
+    import torch
+
+THINKER2TALKER = "qwen3_omni.thinker2talker"
+CODEC_CHUNK = "qwen3_omni.codec_chunk"
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    import torch
+
+    # numpy has no bfloat16: widen it; keep float16/float32 as they are.
+    if t.dtype == torch.bfloat16:
+        t = t.float()
+    return t.detach().cpu().numpy()
+
+
+# --- (a) thinker -> talker -----------------------------------------------------------------
+
+
+def thinker_states(hidden_states: Sequence[Sequence[torch.Tensor]], layer: int) -> torch.Tensor:
+    """Concatenate one layer over the steps of ``generate(output_hidden_states=True)``: [R, D] (batch 0)."""
+    import torch
+
+    return torch.cat([step[layer][0] for step in hidden_states], dim=0)
+
+
+def build_thinker2talker(
+    token_ids: Sequence[int] | np.ndarray,
+    prompt_len: int,
+    embeds: torch.Tensor | np.ndarray,
+    hidden: torch.Tensor | np.ndarray,
+    tts_embeds: torch.Tensor | np.ndarray,
+    accept_hidden_layer: int,
+) -> HandoffPayload:
+    """The thinker's handoff for one request.
+
+    ``token_ids``: prompt + generated ids; ``embeds``/``hidden``: [R, D] layer-0 and
+    ``accept_hidden_layer`` states of the first R positions; ``tts_embeds``: [3, D] thinker
+    input embeddings of (tts_bos, tts_eos, tts_pad).
+    """
+    arrays = {
+        "token_ids": np.asarray(token_ids, dtype=np.int64).reshape(-1),
+        "embeds": embeds if isinstance(embeds, np.ndarray) else _to_numpy(embeds),
+        "hidden": hidden if isinstance(hidden, np.ndarray) else _to_numpy(hidden),
+        "tts_embeds": tts_embeds if isinstance(tts_embeds, np.ndarray) else _to_numpy(tts_embeds),
+    }
+    rows = arrays["embeds"].shape[0]
+    if arrays["hidden"].shape[0] != rows or rows > arrays["token_ids"].shape[0]:
+        raise ValueError("embeds and hidden must cover the same leading positions of token_ids")
+    if arrays["tts_embeds"].shape[0] != 3:
+        raise ValueError("tts_embeds must hold (bos, eos, pad)")
+    meta = {
+        "prompt_len": int(prompt_len),
+        "num_generated": int(arrays["token_ids"].shape[0] - prompt_len),
+        "accept_hidden_layer": int(accept_hidden_layer),
+    }
+    return HandoffPayload(kind=THINKER2TALKER, tensors=arrays, meta=meta)
+
+
+# --- (b) talker inputs ---------------------------------------------------------------------
+
+
+@dataclass
+class TalkerInputs:
+    """Keyword arguments for ``Qwen3OmniMoeTalkerForConditionalGeneration.generate`` (batch 1)."""
+
+    inputs_embeds: torch.Tensor  # [1, L, D_talker]
+    trailing_text_hidden: torch.Tensor  # [1, N, D_talker]: one per step, then tts_pad
+    tts_pad_embed: torch.Tensor  # [1, 1, D_talker]
+    talker_input_ids: torch.Tensor  # [1, L]: for the talker's 3D RoPE index
+
+    def as_kwargs(self) -> dict[str, Any]:
+        return {
+            "inputs_embeds": self.inputs_embeds,
+            "trailing_text_hidden": self.trailing_text_hidden,
+            "tts_pad_embed": self.tts_pad_embed,
+            "talker_input_ids": self.talker_input_ids,
+        }
+
+
+def speaker_id(config: Any, voice: str | None, default: str = "ethan") -> int:
+    """Codec id of ``voice`` (case-insensitive); raises ``KeyError`` listing the valid voices."""
+    speakers = {k.lower(): v for k, v in (config.talker_config.speaker_id or {}).items()}
+    name = (voice or default).lower()
+    if name not in speakers:
+        raise KeyError(f"unknown voice {voice!r}; valid voices: {sorted(speakers)}")
+    return int(speakers[name])
+
+
+def build_talker_inputs(payload: HandoffPayload, talker: Any, config: Any, speaker: int) -> TalkerInputs | None:
+    """Talker inputs from a thinker2talker payload, as HF's ``generate`` builds them.
+
+    ``talker`` is the ``Qwen3OmniMoeTalkerForConditionalGeneration`` and ``config`` the
+    top-level ``Qwen3OmniMoeConfig``. Per ChatML segment (split at ``<|im_start|>`` in the
+    prompt): system segments and earlier assistant turns are skipped; user segments become
+    text-projected embeddings (hidden-projected accept-layer states at multimodal
+    positions); the last assistant segment becomes 3 role tokens, 4 tts_pad, tts_bos and
+    the first text token, plus codec (nothink, think_bos, think_eos, speaker, pad, bos)
+    embeddings; the rest of its text feeds the talker one position per step
+    (``trailing_text_hidden``, closed by tts_eos). Segments with any other role are skipped
+    (HF raises). Returns ``None`` when the assistant turn has no text to speak (HF fails there).
+    """
+    import torch
+
+    if payload.kind != THINKER2TALKER:
+        raise ValueError(f"expected a {THINKER2TALKER} payload, got {payload.kind}")
+    tcfg = config.talker_config
+    dev, dtype = talker.device, talker.dtype
+    # torch.tensor copies: arrays from the object store are read-only, which torch cannot wrap.
+    ids = torch.tensor(payload.tensors["token_ids"], dtype=torch.long, device=dev)[None]  # [1, T]
+    embed = torch.tensor(payload.tensors["embeds"], device=dev)[None].to(dtype)  # [1, R, D]
+    hidden = torch.tensor(payload.tensors["hidden"], device=dev)[None].to(dtype)
+    prompt = ids[0, : payload.meta["prompt_len"]]
+
+    mm_ids = (
+        config.thinker_config.audio_token_id,
+        config.thinker_config.image_token_id,
+        config.thinker_config.video_token_id,
+    )
+    mm_mask = torch.zeros_like(ids, dtype=torch.bool)
+    for mm in mm_ids:
+        mm_mask |= ids == mm
+
+    tts = talker.text_projection(torch.tensor(payload.tensors["tts_embeds"], device=dev)[None].to(dtype))
+    tts_bos, tts_eos, tts_pad = tts.chunk(3, dim=1)  # 3 x [1, 1, D_talker]
+
+    # Segment bounds: every <|im_start|> of the prompt, then the end of the whole sequence.
+    starts = torch.nonzero(prompt == config.im_start_token_id).flatten().tolist() + [ids.shape[1]]
+    parts: list[torch.Tensor] = []
+    part_ids: list[torch.Tensor] = []
+    trailing = None
+    for i in range(len(starts) - 1):
+        a, b = starts[i], starts[i + 1]
+        role = int(prompt[a + 1]) if a + 1 < prompt.shape[0] else -1
+        if role == config.user_token_id:
+            parts.append(_user_part(talker, embed, hidden, mm_mask, a, b))
+            part_ids.append(ids[:, a:b])
+        elif role == config.assistant_token_id and i == len(starts) - 2:
+            assistant = talker.text_projection(embed[:, a:b])  # [1, t, D]; t may be short by the last token
+            if assistant.shape[1] < 4:
+                return None
+            text_part = torch.cat((assistant[:, :3], tts_pad.expand(-1, 4, -1), tts_bos, assistant[:, 3:4]), dim=1)
+            codec_ids = torch.tensor(
+                [
+                    [
+                        tcfg.codec_nothink_id,
+                        tcfg.codec_think_bos_id,
+                        tcfg.codec_think_eos_id,
+                        speaker,
+                        tcfg.codec_pad_id,
+                        tcfg.codec_bos_id,
+                    ]
+                ],
+                device=dev,
+                dtype=torch.long,
+            )
+            codec_part = torch.cat(
+                (
+                    torch.zeros((1, 3, tcfg.text_config.hidden_size), device=dev, dtype=dtype),
+                    talker.get_input_embeddings()(codec_ids),
+                ),
+                dim=1,
+            )
+            parts.append(text_part + codec_part)
+            part_ids.append(torch.full((1, text_part.shape[1]), config.tts_pad_token_id, dtype=torch.long, device=dev))
+            trailing = torch.cat((assistant[:, 4:], tts_eos), dim=1)
+        # system turns, earlier assistant turns and unknown roles carry nothing for the talker
+    if trailing is None:
+        raise ValueError("the thinker2talker payload has no final assistant turn")
+    return TalkerInputs(
+        inputs_embeds=torch.cat(parts, dim=1),
+        trailing_text_hidden=trailing,
+        tts_pad_embed=tts_pad,
+        talker_input_ids=torch.cat(part_ids, dim=1),
+    )
+
+
+def _user_part(talker: Any, embed: torch.Tensor, hidden: torch.Tensor, mm_mask: torch.Tensor, a: int, b: int):
+    import torch
+
+    # Project the same row subsets HF projects, so the numbers match bit for bit.
+    seg_mm = mm_mask[:, a:b]
+    out = torch.empty((1, b - a, talker.config.text_config.hidden_size), device=embed.device, dtype=talker.dtype)
+    if seg_mm.any():
+        out[seg_mm] = talker.hidden_projection(hidden[:, a:b][seg_mm])
+    out[~seg_mm] = talker.text_projection(embed[:, a:b][~seg_mm])
+    return out
+
+
+def talker_suppress_tokens(config: Any) -> list[int]:
+    """The codec ids HF never lets the talker sample: the top 1024 of its vocab except codec EOS."""
+    tcfg = config.talker_config
+    vocab = tcfg.text_config.vocab_size
+    return [i for i in range(vocab - 1024, vocab) if i != tcfg.codec_eos_token_id]
+
+
+# --- (c) codec chunks ----------------------------------------------------------------------
+
+
+class CodecChunker:
+    """Cuts a growing stream of codec frames into self-contained chunks.
+
+    Chunk 0 has ``first_chunk_frames`` frames, later ones ``chunk_frames``; each carries up
+    to ``left_context_frames`` frames before it. ``push`` returns the chunks completed so
+    far, ``flush`` the remainder. No I/O; the talker engine feeds it frame by frame.
+    """
+
+    def __init__(self, first_chunk_frames: int, chunk_frames: int, left_context_frames: int):
+        if first_chunk_frames < 1 or chunk_frames < 1 or left_context_frames < 0:
+            raise ValueError("chunk sizes must be >= 1 and the left context >= 0")
+        self.first_chunk_frames = first_chunk_frames
+        self.chunk_frames = chunk_frames
+        self.left_context_frames = left_context_frames
+        self._frames: list[np.ndarray] = []  # each [groups]
+        self._start = 0  # first frame not yet in a chunk
+        self._index = 0
+
+    @property
+    def num_frames(self) -> int:
+        return len(self._frames)
+
+    def _next_size(self) -> int:
+        return self.first_chunk_frames if self._index == 0 else self.chunk_frames
+
+    def _cut(self, end: int) -> HandoffPayload:
+        ctx = min(self.left_context_frames, self._start)
+        codes = np.stack(self._frames[self._start - ctx : end], axis=1).astype(np.int64)  # [groups, ctx + n]
+        payload = HandoffPayload(
+            kind=CODEC_CHUNK,
+            tensors={"codes": codes},
+            meta={
+                "left_context": ctx,
+                "index": self._index,
+                "start_frame": self._start,
+                "num_frames": end - self._start,
+            },
+        )
+        self._start = end
+        self._index += 1
+        return payload
+
+    def push(self, frames: np.ndarray) -> list[HandoffPayload]:
+        """Add frames ([groups] or [groups, n]); return the chunks that became complete."""
+        frames = np.asarray(frames)
+        self._frames.extend(frames.T if frames.ndim == 2 else [frames])
+        out = []
+        while len(self._frames) - self._start >= self._next_size():
+            out.append(self._cut(self._start + self._next_size()))
+        return out
+
+    def flush(self) -> list[HandoffPayload]:
+        """The last, possibly short, chunk (nothing if every frame is already in a chunk)."""
+        return [self._cut(len(self._frames))] if len(self._frames) > self._start else []
+
+
+def chunk_codec_codes(
+    codes: np.ndarray, first_chunk_frames: int = 25, chunk_frames: int = 25, left_context_frames: int = 25
+) -> list[HandoffPayload]:
+    """All chunks of ``codes`` [groups, frames] at once (what the streaming chunker yields in total)."""
+    chunker = CodecChunker(first_chunk_frames, chunk_frames, left_context_frames)
+    return chunker.push(np.asarray(codes)) + chunker.flush()
+
+
+# --- (d) code2wav --------------------------------------------------------------------------
+
+
+def decode_codec_chunk(code2wav: Any, payload: HandoffPayload) -> np.ndarray:
+    """float32 mono waveform of one chunk, its left context trimmed.
+
+    Code2wav is causal but its transposed convolutions hold back the last ``lag`` samples
+    (555 for upsampling 8*5*4*3 * 2*2) until the next frame arrives: a decode of n frames
+    yields ``n * upsample - lag`` samples. A chunk with left context therefore also emits
+    the ``lag`` samples its predecessor could not, so the concatenated chunks line up
+    sample for sample with one decode of all frames. (HF's ``chunked_decode`` drops them.)
+    """
+    import torch
+
+    if payload.kind != CODEC_CHUNK:
+        raise ValueError(f"expected a {CODEC_CHUNK} payload, got {payload.kind}")
+    codes = torch.tensor(payload.tensors["codes"], dtype=torch.long, device=code2wav.device)[
+        None
+    ]  # copy: may be read-only
+    ctx = int(payload.meta["left_context"])
+    with torch.inference_mode():
+        wav = code2wav(codes)[0, 0]
+    upsample = int(code2wav.total_upsample)
+    lag = codes.shape[-1] * upsample - wav.shape[-1]
+    trim = ctx * upsample - lag if ctx > 0 else 0
+    return wav[max(trim, 0) :].float().cpu().numpy()
+
+
+# --- HF in-process baseline ----------------------------------------------------------------
+
+_REFERENCE_MODELS: dict[str, Any] = {}
+
+
+def hf_reference_generate(
+    model_path: str,
+    messages: Sequence[ChatMessage | dict],
+    max_new_tokens: int = 16,
+    max_frames: int = 32,
+    voice: str = "ethan",
+    seed: int = 0,
+    talker_temperature: float = 0.0,
+    talker_top_k: int = 50,
+    talker_top_p: float = 1.0,
+    talker_repetition_penalty: float = 1.0,
+) -> tuple[str, np.ndarray]:
+    """Text and 24 kHz waveform from transformers' own ``generate(return_audio=True)``: the in-process baseline.
+
+    ``model_path`` is a checkpoint path or ``"tiny"``; the loaded model is cached per path.
+
+    The thinker decodes greedily (EOS ``<|im_end|>``/``<|endoftext|>``); ``talker_temperature``
+    0 makes the talker's first code group greedy. HF's code predictor always samples the
+    residual groups (top_k 50, top_p 0.8), so ``seed`` seeds torch before the call; a
+    stage engine seeded the same way consumes the RNG identically (the greedy thinker draws
+    nothing). ``max_frames`` maps to ``talker_max_new_tokens = max_frames + 1`` because HF
+    gives the last sampled codec token no residual codes.
+    """
+    import torch
+    from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
+
+    from omni_serve.tiny import resolve_model
+
+    model_path = resolve_model(model_path)
+    if model_path not in _REFERENCE_MODELS:
+        model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32).eval()
+        _REFERENCE_MODELS[model_path] = (model, AutoTokenizer.from_pretrained(model_path))
+    model, tokenizer = _REFERENCE_MODELS[model_path]
+    chat = [m.model_dump() if isinstance(m, ChatMessage) else dict(m) for m in messages]
+    input_ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
+    eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    torch.manual_seed(seed)
+    sequences, wav = model.generate(
+        input_ids,
+        speaker=voice,
+        return_audio=True,
+        thinker_max_new_tokens=max_new_tokens,
+        thinker_eos_token_id=eos,
+        thinker_do_sample=False,
+        talker_max_new_tokens=max_frames + 1,
+        talker_do_sample=talker_temperature > 0,
+        talker_temperature=talker_temperature if talker_temperature > 0 else 1.0,
+        talker_top_k=talker_top_k,
+        talker_top_p=talker_top_p,
+        talker_repetition_penalty=talker_repetition_penalty,
+    )
+    text = tokenizer.decode(sequences[0, input_ids.shape[1] :], skip_special_tokens=True)
+    return text, wav.reshape(-1).float().numpy()

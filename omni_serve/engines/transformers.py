@@ -1,0 +1,601 @@
+"""The ``transformers`` engine family: Qwen3-Omni stages run by Hugging Face transformers.
+
+One engine serves one stage (thinker, talker or code2wav) of a Qwen3-Omni checkpoint;
+``model: tiny`` is the random-weight checkpoint of :mod:`omni_serve.tiny`. It runs
+anywhere (CPU included) and is the reference the faster engine families are compared with.
+
+Concurrency: each engine runs its model work on one dedicated worker thread, one request
+at a time, in arrival order. HF ``generate`` samples from torch's global RNG, so a request
+seeds it when its turn comes, and sampling stages of one process share one lock: a
+request's draws are a function of its seed alone, whatever else runs. Results travel back
+to the event loop with ``call_soon_threadsafe``; the consumer merges whatever has piled up
+into one output. torch/transformers are imported in ``start()``, so importing this module
+is cheap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from contextlib import aclosing
+from dataclasses import dataclass
+from queue import SimpleQueue
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from omni_serve.engines import qwen3_omni
+from omni_serve.engines.base import EngineError, InvalidStageInput, StageEngine
+from omni_serve.types import (
+    FinishReason,
+    HandoffPayload,
+    RequestId,
+    SamplingParams,
+    StageOutput,
+    StageRequest,
+    Usage,
+)
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_RATE = 24000
+
+# Sampling stages in one process (in-process tests, a co-located graph) take turns on the
+# global torch RNG; in a deployment each replica has one engine and never waits here.
+_RNG_LOCK = threading.Lock()
+
+
+class TransformersEngineArgs(BaseModel):
+    """``engine_args`` of a ``transformers`` stage."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str = Field("tiny", description="Checkpoint path or hub-style name; 'tiny' builds the tiny random one.")
+    model_stage: Literal["thinker", "talker", "code2wav"] = Field(description="The Qwen3-Omni stage this engine runs.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights and activations dtype.")
+    num_threads: int = Field(1, ge=1, description="torch intra-op threads of the replica (torch.set_num_threads).")
+    default_voice: str = Field("ethan", description="Talker voice when the request names none.")
+    codec_first_chunk_frames: int = Field(
+        25, ge=1, description="Codec frames in the talker's first chunk (smaller: earlier first audio)."
+    )
+    codec_chunk_frames: int = Field(25, ge=1, description="Codec frames in each later talker chunk.")
+    codec_left_context_frames: int = Field(
+        25, ge=0, description="Frames before each chunk it carries for code2wav's context (>= 1 keeps joins seamless)."
+    )
+
+
+EngineArgs = TransformersEngineArgs  # the name omni_serve.engines looks up in every family
+
+
+def create(stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
+    """The engine for ``engine_args['model_stage']``; raises ``pydantic.ValidationError`` on bad args."""
+    args = TransformersEngineArgs.model_validate(engine_args)
+    cls = {"thinker": ThinkerEngine, "talker": TalkerEngine, "code2wav": Code2WavEngine}[args.model_stage]
+    return cls(stage_name, engine_args)
+
+
+# --- plumbing ------------------------------------------------------------------------------
+
+
+class _Worker:
+    """One daemon thread running submitted callables in order."""
+
+    def __init__(self, name: str):
+        self._jobs: SimpleQueue[tuple[Callable[[], Any], Future] | None] = SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        fut: Future = Future()
+        self._jobs.put((fn, fut))
+        return fut
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, fut = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # handed to the awaiting side
+                fut.set_exception(exc)
+
+
+@dataclass
+class _Failure:
+    exc: BaseException
+
+
+_END = object()
+Emit = Callable[[Any], None]
+
+
+class _HFEngine(StageEngine):
+    """Loading, the worker thread, abort registry and stats shared by the three stages."""
+
+    def __init__(self, stage_name: str, engine_args: dict[str, Any]):
+        super().__init__(stage_name, engine_args)
+        self.args = TransformersEngineArgs.model_validate(engine_args)
+        self._worker: _Worker | None = None
+        self._ready = False
+        self._cancel_events: dict[RequestId, set[threading.Event]] = {}  # one per in-flight call
+        self._counts_lock = threading.Lock()
+        self._waiting = 0
+        self._running = 0
+        self._total = 0
+
+    async def start(self) -> None:
+        self._worker = _Worker(f"{self.stage_name}-engine")
+        t0 = time.perf_counter()
+        await asyncio.wrap_future(self._worker.submit(self._load))
+        self._ready = True
+        logger.info(
+            "stage %s: transformers engine (%s, model %s, %s, %d threads) ready in %.1f s",
+            self.stage_name,
+            self.args.model_stage,
+            self.args.model,
+            self.args.dtype,
+            self.args.num_threads,
+            time.perf_counter() - t0,
+        )
+
+    def _load(self) -> None:
+        import torch
+        from transformers import Qwen3OmniMoeForConditionalGeneration
+
+        from omni_serve.tiny import resolve_model
+
+        torch.set_num_threads(self.args.num_threads)
+        self.model_path = resolve_model(self.args.model)
+        # The whole checkpoint is loaded and the other stages dropped: loading a sub-model class
+        # directly mis-converts the talker's MoE expert weights in transformers 5.14. The thinker
+        # skips building talker and code2wav.
+        thinker_only = self.args.model_stage == "thinker"
+        load_log = logging.getLogger("transformers.modeling_utils")
+        quiet = _DropLoadReport()
+        if thinker_only:  # its load report would list every talker/code2wav weight as "unexpected"
+            load_log.addFilter(quiet)
+        try:
+            model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+                self.model_path, dtype=getattr(torch, self.args.dtype), enable_audio_output=not thinker_only
+            ).eval()
+        finally:
+            load_log.removeFilter(quiet)
+        self.config = model.config
+        self._setup(model)
+
+    def _setup(self, model: Any) -> None:
+        raise NotImplementedError
+
+    async def abort(self, request_id: RequestId) -> None:
+        for event in list(self._cancel_events.get(request_id, ())):
+            event.set()
+
+    async def check_health(self) -> None:
+        if not self._ready or self._worker is None:
+            raise EngineError(f"stage {self.stage_name}: engine not started")
+        if not self._worker.alive():
+            raise EngineError(f"stage {self.stage_name}: engine worker thread died")
+
+    def stats(self) -> dict[str, Any]:
+        with self._counts_lock:
+            return {"running": self._running, "waiting": self._waiting, "requests_total": self._total}
+
+    async def _run(self, request_id: RequestId, job: Callable[[Emit, threading.Event], None]) -> AsyncIterator[list]:
+        """Run ``job(emit, cancelled)`` on the worker thread; yield what it emits, in batches.
+
+        Leaving the iteration early (client gone, ``CancelledError``, ``aclose``) sets
+        ``cancelled``, which the job's stopping criteria poll between decoding steps.
+        """
+        if not self._ready or self._worker is None:
+            raise EngineError(f"stage {self.stage_name}: engine not started")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancelled = threading.Event()
+
+        def emit(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is gone: nobody will read this
+                cancelled.set()
+
+        def run() -> None:
+            with self._counts_lock:
+                self._waiting -= 1
+                self._running += 1
+            last: Any = _END
+            try:
+                if not cancelled.is_set():
+                    job(emit, cancelled)
+            except BaseException as exc:
+                last = _Failure(exc)
+            finally:
+                with self._counts_lock:  # before the end marker: the caller may read stats right after
+                    self._running -= 1
+            emit(last)
+
+        self._cancel_events.setdefault(request_id, set()).add(cancelled)
+        with self._counts_lock:
+            self._waiting += 1
+            self._total += 1
+        self._worker.submit(run)
+        try:
+            while True:
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                done = batch[-1] is _END or isinstance(batch[-1], _Failure)
+                items = batch[:-1] if batch[-1] is _END else batch
+                for item in items:
+                    if isinstance(item, _Failure):
+                        raise _stage_error(self.stage_name, item.exc)
+                if items:
+                    yield items
+                if done:
+                    return
+        finally:
+            cancelled.set()  # a no-op once the job finished
+            events = self._cancel_events.get(request_id)
+            if events is not None:
+                events.discard(cancelled)
+                if not events:
+                    del self._cancel_events[request_id]
+
+
+class _DropLoadReport(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in record.getMessage()
+
+
+def _stage_error(stage: str, exc: BaseException) -> BaseException:
+    if isinstance(exc, (InvalidStageInput, EngineError)):
+        return exc
+    err = EngineError(f"stage {stage}: {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err
+
+
+def _seed(sampling: SamplingParams) -> int:
+    return sampling.seed if sampling.seed is not None else secrets.randbits(63)
+
+
+def _sampling_kwargs(s: SamplingParams) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"do_sample": s.temperature > 0}
+    if s.repetition_penalty != 1.0:  # 1.0 is HF's no-op; passing it only draws a warning with inputs_embeds
+        kwargs["repetition_penalty"] = s.repetition_penalty
+    if s.temperature > 0:
+        kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)  # top_k 0: HF adds no filter
+    return kwargs
+
+
+def _stopping(cancelled: threading.Event, extra: Callable[[], bool] | None = None) -> Any:
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class _Flag(StoppingCriteria):
+        def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+            import torch
+
+            stop = cancelled.is_set() or (extra is not None and extra())
+            return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([_Flag()])
+
+
+# --- thinker -------------------------------------------------------------------------------
+
+
+class _TextStream:
+    """Incremental detokenization with stop strings, fed one generated token at a time.
+
+    Emitted text never changes afterwards: trailing U+FFFD (a UTF-8 sequence still being
+    completed by the next byte tokens) and the last ``len(longest stop) - 1`` characters
+    (a stop string may be forming) are held back until ``finish``.
+    """
+
+    def __init__(self, tokenizer: Any, stop: list[str], stop_token_ids: set[int]):
+        self._tok = tokenizer
+        self._stop = [s for s in stop if s]
+        self._stop_ids = stop_token_ids
+        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._text_ids: list[int] = []
+        self._text_len: list[int] = []  # len(_text_ids) after each generated token
+        self.text = ""
+        self.emitted = 0
+        self.stop_at: int | None = None  # char offset of the matched stop string
+
+    def add(self, token_id: int) -> str:
+        if self.stop_at is not None:
+            return ""
+        if token_id not in self._stop_ids:  # a stop token ends the text without showing in it
+            self._text_ids.append(token_id)
+        self._text_len.append(len(self._text_ids))
+        text = self._tok.decode(self._text_ids, skip_special_tokens=True)
+        hits = [i for i in (text.find(s) for s in self._stop) if i >= 0]
+        if hits:
+            self.stop_at = min(hits)
+            self.text = text[: self.stop_at]
+            return self._emit(len(self.text))
+        self.text = text
+        end = len(text) - self._hold
+        while end > self.emitted and text[end - 1] == "\ufffd":
+            end -= 1
+        return self._emit(end)
+
+    def finish(self) -> str:
+        return self._emit(len(self.text))
+
+    def _emit(self, end: int) -> str:
+        if end <= self.emitted:
+            return ""
+        delta = self.text[self.emitted : end]
+        self.emitted = end
+        return delta
+
+    def tokens_before_stop(self) -> int:
+        """How many generated tokens lie wholly before the stop string (all of them if none matched)."""
+        k = len(self._text_len)
+        if self.stop_at is None:
+            return k
+        while k > 0 and len(self._decode_first(self._text_len[k - 1])) > self.stop_at:
+            k -= 1
+        return k
+
+    def _decode_first(self, n: int) -> str:
+        return self._tok.decode(self._text_ids[:n], skip_special_tokens=True)
+
+
+class ThinkerEngine(_HFEngine):
+    """Chat messages -> streamed text, then the thinker2talker handoff."""
+
+    def _setup(self, model: Any) -> None:
+        import torch
+        from transformers import AutoTokenizer
+
+        self.thinker = model.thinker
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        cfg = self.config
+        self.context_len = int(cfg.thinker_config.text_config.max_position_embeddings)
+        self.eos_ids = sorted(
+            {
+                i
+                for i in (self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>"))
+                if isinstance(i, int) and i >= 0
+            }
+        )
+        tc = cfg.thinker_config
+        self.reserved_ids = {
+            tc.audio_token_id,
+            tc.image_token_id,
+            tc.video_token_id,
+            tc.audio_start_token_id,
+            getattr(tc, "vision_start_token_id", -1),
+        }
+        self.accept_layer = int(cfg.talker_config.accept_hidden_layer)
+        with torch.inference_mode():
+            tts_ids = torch.tensor([cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id])
+            self.tts_embeds = self.thinker.get_input_embeddings()(tts_ids.to(self.thinker.device))
+
+    async def stream(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]:
+        if not request.messages:
+            raise InvalidStageInput(f"stage {self.stage_name}: the thinker needs chat messages")
+
+        def job(emit: Emit, cancelled: threading.Event) -> None:
+            self._generate(request, emit, cancelled)
+
+        async with aclosing(self._run(request.request_id, job)) as batches:
+            async for batch in batches:
+                text = "".join(item[1] for item in batch if item[0] == "delta")
+                token_ids = [t for item in batch if item[0] == "delta" for t in item[2]]
+                final = next((item for item in batch if item[0] == "final"), None)
+                if final is None:
+                    yield StageOutput(stage=self.stage_name, text=text, token_ids=token_ids)
+                else:
+                    _, tail, reason, usage, payload = final
+                    yield StageOutput(
+                        stage=self.stage_name,
+                        text=text + tail,
+                        token_ids=token_ids,
+                        finished=True,
+                        finish_reason=reason,
+                        usage=usage,
+                        handoff=payload,
+                    )
+
+    def _generate(self, request: StageRequest, emit: Emit, cancelled: threading.Event) -> None:
+        import torch
+        from transformers.generation.streamers import BaseStreamer
+
+        chat = [m.model_dump() for m in request.messages or []]
+        input_ids = self.tokenizer.apply_chat_template(
+            chat, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+        )["input_ids"].to(self.thinker.device)
+        prompt_len = int(input_ids.shape[1])
+        if prompt_len >= self.context_len:
+            raise InvalidStageInput(
+                f"stage {self.stage_name}: the prompt has {prompt_len} tokens; the model's context is "
+                f"{self.context_len} tokens and generation needs at least one more"
+            )
+        if self.reserved_ids.intersection(input_ids[0].tolist()):
+            raise InvalidStageInput(f"stage {self.stage_name}: the prompt contains reserved multimodal tokens")
+
+        s = request.sampling
+        stop_ids = set(s.stop_token_ids)
+        eos = sorted(set(self.eos_ids) | stop_ids)
+        text = _TextStream(self.tokenizer, s.stop, stop_ids)
+        generated: list[int] = []
+
+        class _Streamer(BaseStreamer):
+            first = True
+
+            def put(self, value: Any) -> None:
+                if self.first:  # generate() first hands the streamer the prompt
+                    self.first = False
+                    return
+                token = int(value.reshape(-1)[0])
+                generated.append(token)
+                emit(("delta", text.add(token), [token]))
+
+            def end(self) -> None:
+                pass
+
+        with _RNG_LOCK, torch.inference_mode():
+            torch.manual_seed(_seed(s))
+            out = self.thinker.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=min(s.max_tokens, self.context_len - prompt_len),
+                eos_token_id=eos,
+                pad_token_id=self.tokenizer.pad_token_id,
+                streamer=_Streamer(),
+                stopping_criteria=_stopping(cancelled, lambda: text.stop_at is not None),
+                output_hidden_states=request.wants_handoff,  # text-only requests skip the hidden states
+                return_dict_in_generate=True,
+                **_sampling_kwargs(s),
+            )
+
+        if text.stop_at is not None:
+            reason = FinishReason.STOP
+        elif cancelled.is_set():
+            reason = FinishReason.ABORT
+        elif generated and generated[-1] in eos:
+            reason = FinishReason.STOP
+        else:
+            reason = FinishReason.LENGTH
+        payload = self._handoff(out, prompt_len, text.tokens_before_stop()) if request.wants_handoff else None
+        usage = Usage(prompt_tokens=prompt_len, completion_tokens=len(generated))
+        emit(("final", text.finish(), reason, usage, payload))
+
+    def _handoff(self, out: Any, prompt_len: int, kept: int) -> HandoffPayload:
+        # The talker speaks only what the client sees: tokens from a stop string on are dropped.
+        rows = min(prompt_len + kept, sum(step[0].shape[1] for step in out.hidden_states))
+        return qwen3_omni.build_thinker2talker(
+            token_ids=out.sequences[0, : prompt_len + kept].tolist(),
+            prompt_len=prompt_len,
+            embeds=qwen3_omni.thinker_states(out.hidden_states, 0)[:rows],
+            hidden=qwen3_omni.thinker_states(out.hidden_states, self.accept_layer)[:rows],
+            tts_embeds=self.tts_embeds,
+            accept_hidden_layer=self.accept_layer,
+        )
+
+
+# --- talker --------------------------------------------------------------------------------
+
+
+class TalkerEngine(_HFEngine):
+    """thinker2talker handoff -> codec chunks, streamed as the frames are generated."""
+
+    def _setup(self, model: Any) -> None:
+        self.talker = model.talker
+        self.suppress_tokens = qwen3_omni.talker_suppress_tokens(self.config)
+
+    async def stream(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]:
+        if handoff is None or handoff.kind != qwen3_omni.THINKER2TALKER:
+            raise InvalidStageInput(f"stage {self.stage_name}: the talker needs a {qwen3_omni.THINKER2TALKER} handoff")
+        try:
+            speaker = qwen3_omni.speaker_id(self.config, request.voice, self.args.default_voice)
+        except KeyError as exc:
+            raise InvalidStageInput(f"stage {self.stage_name}: {exc.args[0]}") from None
+
+        def job(emit: Emit, cancelled: threading.Event) -> None:
+            self._generate(request, handoff, speaker, emit, cancelled)
+
+        async with aclosing(self._run(request.request_id, job)) as batches:
+            async for batch in batches:
+                for item in batch:  # one output per chunk: each becomes its own code2wav call
+                    if item[0] == "chunk":
+                        yield StageOutput(stage=self.stage_name, handoff=item[1])
+                    else:
+                        _, last_chunk, reason, usage = item
+                        yield StageOutput(
+                            stage=self.stage_name, handoff=last_chunk, finished=True, finish_reason=reason, usage=usage
+                        )
+
+    def _generate(
+        self, request: StageRequest, payload: HandoffPayload, speaker: int, emit: Emit, cancelled: threading.Event
+    ) -> None:
+        import torch
+
+        s = request.sampling
+        a = self.args
+        chunker = qwen3_omni.CodecChunker(a.codec_first_chunk_frames, a.codec_chunk_frames, a.codec_left_context_frames)
+        with torch.inference_mode():
+            inputs = qwen3_omni.build_talker_inputs(payload, self.talker, self.config, speaker)
+        if inputs is None:  # the thinker said nothing: no speech
+            emit(("final", None, FinishReason.STOP, Usage()))
+            return
+
+        def on_step(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+            # Each decoding step's forward carries the residual codes of the token sampled one step
+            # earlier (HF's hook for them): together with it, one complete frame of all code groups.
+            codes = output.hidden_states[-1]
+            if codes is not None:
+                for chunk in chunker.push(codes[0].cpu().numpy()):
+                    emit(("chunk", chunk))
+
+        eos = self.config.talker_config.codec_eos_token_id
+        hook = self.talker.register_forward_hook(on_step, with_kwargs=True)
+        try:
+            with _RNG_LOCK, torch.inference_mode():
+                torch.manual_seed(_seed(s))
+                sequences = self.talker.generate(
+                    **inputs.as_kwargs(),
+                    # HF's talker never gives the last sampled token residual codes: one more step
+                    # yields max_tokens complete frames.
+                    max_new_tokens=s.max_tokens + 1,
+                    eos_token_id=sorted({eos, *s.stop_token_ids}),
+                    suppress_tokens=self.suppress_tokens,
+                    stopping_criteria=_stopping(cancelled),
+                    output_hidden_states=True,  # the residual codes travel in the hidden states
+                    return_dict_in_generate=True,
+                    **_sampling_kwargs(s),
+                ).sequences
+        finally:
+            hook.remove()
+        last = int(sequences[0, -1]) if sequences.shape[1] else None
+        if cancelled.is_set():
+            reason = FinishReason.ABORT
+        elif last == eos or last in s.stop_token_ids:
+            reason = FinishReason.STOP
+        else:
+            reason = FinishReason.LENGTH
+        rest = chunker.flush()
+        for chunk in rest[:-1]:
+            emit(("chunk", chunk))
+        usage = Usage(prompt_tokens=int(inputs.inputs_embeds.shape[1]), completion_tokens=chunker.num_frames)
+        emit(("final", rest[-1] if rest else None, reason, usage))
+
+
+# --- code2wav ------------------------------------------------------------------------------
+
+
+class Code2WavEngine(_HFEngine):
+    """One codec chunk -> its float32 24 kHz waveform, left context trimmed."""
+
+    def _setup(self, model: Any) -> None:
+        self.code2wav = model.code2wav
+
+    async def stream(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]:
+        if handoff is None or handoff.kind != qwen3_omni.CODEC_CHUNK:
+            raise InvalidStageInput(f"stage {self.stage_name}: code2wav needs a {qwen3_omni.CODEC_CHUNK} handoff")
+
+        def job(emit: Emit, cancelled: threading.Event) -> None:
+            emit(qwen3_omni.decode_codec_chunk(self.code2wav, handoff))
+
+        async with aclosing(self._run(request.request_id, job)) as batches:
+            async for batch in batches:
+                yield StageOutput(
+                    stage=self.stage_name,
+                    audio=batch[0],
+                    sample_rate=SAMPLE_RATE,
+                    finished=True,
+                    finish_reason=FinishReason.STOP,
+                    usage=Usage(prompt_tokens=int(handoff.meta.get("num_frames", 0))),
+                )

@@ -1,0 +1,324 @@
+"""The transformers stage engines end to end, in process, on the tiny checkpoint (no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import pydantic
+import pytest
+
+from omni_serve.engines import qwen3_omni as q
+from omni_serve.engines import transformers as te
+from omni_serve.engines.base import InvalidStageInput, StageEngine
+from omni_serve.types import ChatMessage, FinishReason, HandoffPayload, SamplingParams, StageOutput, StageRequest
+
+HELLO = [ChatMessage(role="user", content="Hello there, how are you?")]
+FIRST, CHUNK = 4, 5  # small codec chunks so short requests still stream several
+
+
+@pytest.fixture(scope="module")
+def engines() -> dict[str, StageEngine]:
+    made = {
+        "thinker": te.create("thinker", {"model_stage": "thinker"}),
+        "talker": te.create(
+            "talker", {"model_stage": "talker", "codec_first_chunk_frames": FIRST, "codec_chunk_frames": CHUNK}
+        ),
+        "code2wav": te.create("code2wav", {"model_stage": "code2wav"}),
+    }
+
+    async def start_all() -> None:
+        for engine in made.values():
+            await engine.start()
+            await engine.check_health()
+
+    asyncio.run(start_all())
+    return made
+
+
+async def _collect(engine: StageEngine, request: StageRequest, handoff: HandoffPayload | None = None) -> list:
+    return [out async for out in engine.stream(request, handoff)]
+
+
+def run(engine: StageEngine, request: StageRequest, handoff: HandoffPayload | None = None) -> list[StageOutput]:
+    return asyncio.run(_collect(engine, request, handoff))
+
+
+def thinker_request(rid: str = "r", messages: list[ChatMessage] = HELLO, **sampling: Any) -> StageRequest:
+    return StageRequest(request_id=rid, sampling=SamplingParams(**sampling), messages=messages)
+
+
+def text_of(outs: list[StageOutput]) -> str:
+    return "".join(o.text for o in outs)
+
+
+def ids_of(outs: list[StageOutput]) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+@pytest.fixture(scope="module")
+def greedy_handoff(engines: dict[str, StageEngine]) -> HandoffPayload:
+    return run(engines["thinker"], thinker_request(temperature=0, max_tokens=8))[-1].handoff
+
+
+def talk(engines: dict[str, StageEngine], handoff: HandoffPayload, voice: str | None = None, **sampling: Any) -> list:
+    return run(engines["talker"], StageRequest("r", SamplingParams(**sampling), handoff=handoff, voice=voice), handoff)
+
+
+def codes_of(chunks: list[HandoffPayload]) -> np.ndarray:
+    return np.concatenate([c.tensors["codes"][:, c.meta["left_context"] :] for c in chunks], axis=1)
+
+
+def speak(engines: dict[str, StageEngine], chunks: list[HandoffPayload]) -> np.ndarray:
+    waves = []
+    for i, chunk in enumerate(chunks):
+        (out,) = run(engines["code2wav"], StageRequest("r", SamplingParams(), handoff=chunk, chunk_index=i), chunk)
+        assert out.finished and out.sample_rate == 24000 and out.audio.dtype == np.float32
+        waves.append(out.audio)
+    return np.concatenate(waves)
+
+
+# --- args ----------------------------------------------------------------------------------
+
+
+def test_engine_args() -> None:
+    args = te.TransformersEngineArgs(model_stage="talker")
+    assert (args.model, args.dtype, args.num_threads) == ("tiny", "float32", 1)
+    assert (args.codec_first_chunk_frames, args.codec_chunk_frames, args.codec_left_context_frames) == (25, 25, 25)
+    with pytest.raises(pydantic.ValidationError, match="unknown_field"):
+        te.create("thinker", {"model_stage": "thinker", "unknown_field": 1})
+    with pytest.raises(pydantic.ValidationError, match="model_stage"):
+        te.create("x", {"model_stage": "vocoder"})
+    assert isinstance(te.create("t", {"model_stage": "talker"}), te.TalkerEngine)
+
+
+def test_import_is_cheap() -> None:
+    code = "import sys, omni_serve.engines.transformers; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_unstarted_engine_is_unhealthy() -> None:
+    engine = te.create("thinker", {"model_stage": "thinker"})
+    with pytest.raises(Exception, match="not started"):
+        asyncio.run(engine.check_health())
+
+
+# --- thinker -------------------------------------------------------------------------------
+
+
+def test_thinker_streams_text_then_handoff(engines: dict[str, StageEngine]) -> None:
+    thinker = engines["thinker"]
+    outs = run(thinker, thinker_request(temperature=0, max_tokens=10))
+    assert len(outs) >= 2 and all(not o.finished for o in outs[:-1])
+    final = outs[-1]
+    assert final.finished and final.finish_reason is FinishReason.LENGTH
+    assert final.usage.completion_tokens == len(ids_of(outs)) == 10
+    assert text_of(outs) == thinker.tokenizer.decode(ids_of(outs), skip_special_tokens=True)
+    payload = final.handoff
+    assert payload.kind == q.THINKER2TALKER
+    assert payload.meta["prompt_len"] == final.usage.prompt_tokens
+    assert payload.tensors["token_ids"][final.usage.prompt_tokens :].tolist() == ids_of(outs)
+    assert thinker.stats() == {"running": 0, "waiting": 0, "requests_total": thinker.stats()["requests_total"]}
+
+
+def test_thinker_coalesces_tokens_for_a_slow_consumer(engines: dict[str, StageEngine]) -> None:
+    async def slow() -> list[StageOutput]:
+        outs = []
+        async for out in engines["thinker"].stream(thinker_request(temperature=0, max_tokens=30), None):
+            outs.append(out)
+            await asyncio.sleep(0.3)  # a consumer busy elsewhere: tokens pile up meanwhile
+        return outs
+
+    outs = asyncio.run(slow())
+    assert len(ids_of(outs)) == 30
+    assert len(outs) < 30 and max(len(o.token_ids) for o in outs) > 1
+
+
+def test_thinker_text_only_request_has_no_handoff(engines: dict[str, StageEngine]) -> None:
+    request = thinker_request(temperature=0, max_tokens=4)
+    request.wants_handoff = False
+    outs = run(engines["thinker"], request)
+    assert outs[-1].finished and outs[-1].handoff is None
+    assert ids_of(outs) == ids_of(run(engines["thinker"], thinker_request(temperature=0, max_tokens=4)))
+
+
+def test_thinker_same_seed_same_tokens(engines: dict[str, StageEngine]) -> None:
+    thinker = engines["thinker"]
+    a = ids_of(run(thinker, thinker_request(temperature=1.0, max_tokens=12, seed=1)))
+    b = ids_of(run(thinker, thinker_request(temperature=1.0, max_tokens=12, seed=1)))
+    c = ids_of(run(thinker, thinker_request(temperature=1.0, max_tokens=12, seed=2)))
+    assert a == b
+    assert a != c
+
+
+def test_concurrent_thinker_requests_match_solo_runs(engines: dict[str, StageEngine]) -> None:
+    thinker = engines["thinker"]
+    solo = [ids_of(run(thinker, thinker_request(f"s{s}", temperature=1.0, max_tokens=12, seed=s))) for s in (3, 4)]
+
+    async def together() -> list[list[StageOutput]]:
+        return await asyncio.gather(
+            *(_collect(thinker, thinker_request(f"c{s}", temperature=1.0, max_tokens=12, seed=s)) for s in (3, 4))
+        )
+
+    assert [ids_of(outs) for outs in asyncio.run(together())] == solo
+
+
+def test_thinker_stop_string(engines: dict[str, StageEngine]) -> None:
+    thinker = engines["thinker"]
+    full = run(thinker, thinker_request(temperature=0, max_tokens=20))
+    text = text_of(full)
+    stop = next(ch for ch in text[2:] if ch.isprintable() and ch != "\ufffd")
+    outs = run(thinker, thinker_request(temperature=0, max_tokens=20, stop=[stop]))
+    assert text_of(outs) == text[: text.index(stop)]
+    assert outs[-1].finish_reason is FinishReason.STOP
+    assert outs[-1].usage.completion_tokens < 20
+    # The talker is handed only the tokens before the stop string.
+    payload = outs[-1].handoff
+    spoken = payload.tensors["token_ids"][payload.meta["prompt_len"] :].tolist()
+    assert thinker.tokenizer.decode(spoken, skip_special_tokens=True) == text[: text.index(stop)]
+
+
+def test_thinker_stop_token_ids(engines: dict[str, StageEngine]) -> None:
+    thinker = engines["thinker"]
+    full = ids_of(run(thinker, thinker_request(temperature=0, max_tokens=12)))
+    outs = run(thinker, thinker_request(temperature=0, max_tokens=12, stop_token_ids=[full[3]]))
+    assert ids_of(outs) == full[: full.index(full[3]) + 1]
+    assert outs[-1].finish_reason is FinishReason.STOP
+
+
+def test_thinker_prompt_longer_than_context(engines: dict[str, StageEngine]) -> None:
+    long = [ChatMessage(role="user", content="x" * 2000)]
+    with pytest.raises(InvalidStageInput, match="context is 1024 tokens"):
+        run(engines["thinker"], thinker_request(messages=long))
+
+
+def test_thinker_abort(engines: dict[str, StageEngine]) -> None:
+    thinker = engines["thinker"]
+
+    async def go() -> list[StageOutput]:
+        outs = []
+        async for out in thinker.stream(thinker_request("abort-me", temperature=1.0, max_tokens=800, seed=0), None):
+            if not outs:
+                await thinker.abort("abort-me")
+            outs.append(out)
+        return outs
+
+    outs = asyncio.run(go())
+    assert outs[-1].finished and outs[-1].finish_reason is FinishReason.ABORT
+    assert outs[-1].usage.completion_tokens < 800
+
+
+def test_cancelled_consumer_stops_generation(engines: dict[str, StageEngine]) -> None:
+    thinker = engines["thinker"]
+
+    async def go() -> None:
+        stream = thinker.stream(thinker_request("gone", temperature=1.0, max_tokens=800, seed=0), None)
+        await anext(stream)
+        await stream.aclose()  # what a cancelled stage call does to the engine's stream
+
+    started = time.monotonic()
+    asyncio.run(go())
+    while thinker.stats()["running"] and time.monotonic() - started < 5:
+        time.sleep(0.01)
+    assert thinker.stats()["running"] == 0
+    assert time.monotonic() - started < 5  # 800 tokens would take far longer
+    # The worker is free again: the next request runs at once.
+    assert run(thinker, thinker_request(temperature=0, max_tokens=2))[-1].finished
+
+
+# --- talker and code2wav -------------------------------------------------------------------
+
+
+def test_talker_streams_chunks_code2wav_decodes(engines: dict[str, StageEngine], greedy_handoff: HandoffPayload):
+    outs = talk(engines, greedy_handoff, temperature=0.9, top_k=50, max_tokens=14, seed=0)
+    chunks = [o.handoff for o in outs if o.handoff is not None]
+    final = outs[-1]
+    assert final.finished and all(not o.finished for o in outs[:-1])
+    frames = final.usage.completion_tokens
+    assert frames == sum(c.meta["num_frames"] for c in chunks)
+    if final.finish_reason is FinishReason.LENGTH:
+        assert frames == 14
+        assert [c.meta["num_frames"] for c in chunks] == [FIRST, CHUNK, 14 - FIRST - CHUNK]
+    assert [c.meta["index"] for c in chunks] == list(range(len(chunks)))
+    assert all(c.tensors["codes"].shape[0] == 16 for c in chunks)
+    audio = speak(engines, chunks)
+    assert audio.shape == (frames * 1920 - 555,)
+    assert 0 < np.abs(audio).max() <= 1
+
+
+def test_talker_and_code2wav_are_deterministic_per_seed(engines: dict[str, StageEngine], greedy_handoff):
+    def codes(seed: int) -> np.ndarray:
+        outs = talk(engines, greedy_handoff, temperature=0.9, top_k=50, max_tokens=8, seed=seed)
+        return codes_of([o.handoff for o in outs if o.handoff is not None])
+
+    a, b, c = codes(5), codes(5), codes(6)
+    np.testing.assert_array_equal(a, b)
+    assert a.shape != c.shape or not np.array_equal(a, c)
+    chunks = q.chunk_codec_codes(a, FIRST, CHUNK, 25)
+    np.testing.assert_array_equal(speak(engines, chunks), speak(engines, chunks))
+
+
+def test_talker_rejects_unknown_voice(engines: dict[str, StageEngine], greedy_handoff: HandoffPayload) -> None:
+    with pytest.raises(InvalidStageInput, match=r"'nobody'.*\['aiden', 'chelsie', 'ethan'\]"):
+        talk(engines, greedy_handoff, voice="nobody")
+    outs = talk(engines, greedy_handoff, voice="Chelsie", temperature=0, max_tokens=2, seed=0)
+    assert outs[-1].finished
+
+
+def test_stages_reject_wrong_handoffs(engines: dict[str, StageEngine], greedy_handoff: HandoffPayload) -> None:
+    with pytest.raises(InvalidStageInput, match="thinker2talker"):
+        talk(engines, None)
+    with pytest.raises(InvalidStageInput, match="codec_chunk"):
+        run(engines["code2wav"], StageRequest("r", SamplingParams(), handoff=greedy_handoff), greedy_handoff)
+
+
+def test_talker_abort(engines: dict[str, StageEngine], greedy_handoff: HandoffPayload) -> None:
+    talker = engines["talker"]
+
+    async def go() -> list[StageOutput]:
+        outs = []
+        request = StageRequest("talk-abort", SamplingParams(temperature=0.9, max_tokens=500, seed=1))
+        async for out in talker.stream(request, greedy_handoff):
+            if not outs:
+                await talker.abort("talk-abort")
+            outs.append(out)
+        return outs
+
+    outs = asyncio.run(go())
+    assert outs[-1].finish_reason in (FinishReason.ABORT, FinishReason.STOP)  # STOP: codec EOS came first
+    assert outs[-1].usage.completion_tokens < 500
+
+
+# --- the reference: our chained stages reproduce transformers' own generate() --------------
+
+
+def test_chained_engines_reproduce_hf_generate(engines: dict[str, StageEngine]) -> None:
+    """Thinker (greedy) -> handoff -> talker (greedy first group, seeded residual groups) -> code2wav.
+
+    HF's code predictor always samples the 15 residual code groups, so both sides seed torch with
+    the same seed right before the talker's draws (HF's greedy thinker draws nothing in between).
+    """
+    messages = [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Hi! ¿Qué tal?")]
+    max_tokens, max_frames, seed = 10, 16, 11
+
+    thinker_outs = run(engines["thinker"], thinker_request(messages=messages, temperature=0, max_tokens=max_tokens))
+    talker_outs = talk(engines, thinker_outs[-1].handoff, temperature=0, max_tokens=max_frames, seed=seed)
+    chunks = [o.handoff for o in talker_outs if o.handoff is not None]
+    ours = speak(engines, chunks)
+
+    ref_text, ref_wav = q.hf_reference_generate(
+        engines["thinker"].model_path, messages, max_new_tokens=max_tokens, max_frames=max_frames, seed=seed
+    )
+    assert text_of(thinker_outs) == ref_text
+    assert len(chunks) > 1 and ours.shape == ref_wav.shape
+    # Same codes: one decode of all our frames is HF's waveform exactly (HF decodes <= 300 frames at once).
+    single = q.decode_codec_chunk(engines["code2wav"].code2wav, q.chunk_codec_codes(codes_of(chunks), 10**6)[0])
+    np.testing.assert_array_equal(single, ref_wav)
+    # Streamed chunks (4, then 5, with 25 frames of context) stay within the measured chunking tolerance.
+    err = ours - ref_wav
+    assert np.abs(err).max() < 0.03
+    assert np.sqrt(np.mean(err**2) / np.mean(ref_wav**2)) < 0.03

@@ -153,7 +153,8 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(args.baseline_threads)
     path = ensure_tiny_omni()
-    kwargs = dict(max_new_tokens=args.max_tokens, talker_max_new_tokens=args.talker_frames)
+    # Same budgets and the graph's talker sampling (the tiny graph's thinker uses top_k 1: greedy).
+    kwargs = dict(max_new_tokens=args.max_tokens, max_frames=args.talker_frames, talker_temperature=0.9)
     hf_reference_generate(path, MESSAGES, seed=10_000, **kwargs)  # warm-up
     e2e, audio_s = [], []
     start = time.perf_counter()

@@ -37,11 +37,15 @@ def from_validation(err: ValidationError) -> APIError:
     if first["type"] == "extra_forbidden":
         message = "unknown field"
     value = first.get("input")
-    shown = "" if first["type"] in ("missing", "extra_forbidden") or isinstance(value, dict | list) else f" (got {value!r:.80})"
+    shown = (
+        ""
+        if first["type"] in ("missing", "extra_forbidden") or isinstance(value, dict | list)
+        else f" (got {value!r:.80})"
+    )
     return bad_request(f"{param}: {message}{shown}" if param else message, param)
 
 
-def from_failure(err: BaseException, request_id: str) -> APIError:
+def from_failure(err: BaseException, request_id: str, log: bool = True) -> APIError:
     """Map a failed request to a status; never leak raw exception text of unexpected errors."""
     cause = err.cause if isinstance(err, StageFailed) else err
     # Ray re-raises a stage's exception as RayTaskError(<original>); its text is the remote traceback.
@@ -56,5 +60,6 @@ def from_failure(err: BaseException, request_id: str) -> APIError:
         return APIError(503, f"stage '{stage}' is overloaded, retry later", type="overloaded_error", code="overloaded")
     if isinstance(cause, (DeploymentUnavailableError, RayActorError, ActorDiedError, ActorUnavailableError)):
         return APIError(503, f"stage '{stage}' is unavailable, retry later", type="service_unavailable")
-    logger.error("request %s failed in stage %s", request_id, stage, exc_info=err)
+    if log:
+        logger.error("request %s failed in stage %s", request_id, stage, exc_info=err)
     return APIError(500, f"stage '{stage}' failed; see server logs for request {request_id}", type="server_error")

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
+import numpy as np
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
 from ray import serve
@@ -27,8 +28,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from omni_serve.config import GraphConfig, load_graph
 from omni_serve.errors import APIError, bad_request, from_failure, from_validation
 from omni_serve.handoff import payload_loads
-from omni_serve.openai import chat
+from omni_serve.media import encode_audio
+from omni_serve.metrics import RequestMetrics
+from omni_serve.openai import chat, speech
 from omni_serve.openai.protocol import ChatCompletionRequest
+from omni_serve.openai.speech import SpeechRequest
 from omni_serve.orchestrator import OmniRequest, Orchestrator
 from omni_serve.types import ChatMessage, Modality, SamplingParams, StageOutput, StageRequest
 
@@ -55,9 +59,25 @@ class Ingress:
         self.ready_handles = {name: h.options(method_name="ready") for name, h in stages.items()}
         self.orchestrator = Orchestrator(self.graph, self._call_stage)
         self.api_key = self.graph.api_key or os.environ.get("OMNI_SERVE_API_KEY") or None
+        self.metrics = RequestMetrics()
 
     def _call_stage(self, stage: str, request: StageRequest) -> AsyncIterator[StageOutput]:
         return self.handles[stage].generate.remote(request)
+
+    async def _observed(self, omni: OmniRequest, route: str) -> AsyncIterator[StageOutput]:
+        """The orchestrator's outputs for one request, timed for the request metrics."""
+        timer = self.metrics.timer(route)
+        status = 499  # the client left before the end
+        try:
+            async for item in self.orchestrator.run(omni):
+                timer.saw(item)
+                yield item
+            status = 200
+        except Exception as err:
+            status = from_failure(err, omni.request_id, log=False).status
+            raise
+        finally:
+            timer.done(status)
 
     # ---- not HTTP: handle methods for tests and operators -------------------------------------
     def payload_loads(self) -> dict[str, int]:
@@ -157,7 +177,10 @@ class Ingress:
         results = dict(await asyncio.gather(*(probe(n) for n in self.ready_handles)))
         ok = all(results.values())
         return JSONResponse(
-            {"status": "ok" if ok else "unavailable", "stages": {n: "ready" if r else "down" for n, r in results.items()}},
+            {
+                "status": "ok" if ok else "unavailable",
+                "stages": {n: "ready" if r else "down" for n, r in results.items()},
+            },
             status_code=200 if ok else 503,
         )
 
@@ -198,7 +221,7 @@ class Ingress:
         model = self.graph.served_model_name
         headers = {"x-request-id": request_id}
         text_stage = self.graph.entry.name
-        outputs = aiter(self.orchestrator.run(omni))
+        outputs = aiter(self._observed(omni, "chat"))
         try:
             first = await anext(outputs, None)
             if not body.stream:
@@ -246,6 +269,57 @@ class Ingress:
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
+    @api.post("/v1/audio/speech")
+    async def audio_speech(self, request: Request) -> Response:
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        body = await self._parse(request, SpeechRequest)
+        self._check_model(body.model)
+        if Modality.AUDIO not in self.graph.modalities:
+            raise bad_request(f"model '{self.graph.served_model_name}' does not produce audio", "model")
+        messages = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
+        messages.append(ChatMessage(role="user", content=body.input))
+        omni = OmniRequest(
+            request_id=request_id,
+            modalities={Modality.AUDIO},
+            sampling={s.name: s.default_sampling for s in self.graph.stages},
+            messages=messages,
+            voice=body.voice,
+            reply=body.input,
+        )
+        outputs = aiter(self._observed(omni, "speech"))
+        try:  # the first chunk decides the status code
+            first = await anext(outputs, None)
+        except Exception as err:
+            await outputs.aclose()
+            raise from_failure(err, request_id) from None
+        fmt = body.response_format
+
+        async def audio() -> AsyncIterator[bytes]:
+            item, chunks = first, []
+            try:
+                if fmt == "wav":
+                    yield speech.wav_stream_header(first.sample_rate if first and first.sample_rate else 24000)
+                while item is not None:
+                    if item.audio is not None:
+                        if fmt == "flac":
+                            chunks.append(item.audio)
+                        else:
+                            yield speech.pcm16(item.audio)
+                    item = await anext(outputs, None)
+            except Exception as err:
+                # The status line is sent: cut the body short, which a client sees as a broken
+                # transfer rather than a complete file.
+                from_failure(err, request_id)
+                raise
+            finally:
+                await outputs.aclose()
+            if fmt == "flac":
+                samples = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+                yield encode_audio(samples, first.sample_rate if first and first.sample_rate else 24000, "flac")
+
+        headers = {"x-request-id": request_id}
+        return StreamingResponse(audio(), media_type=speech.MEDIA_TYPES[fmt], headers=headers)
+
     @api.post("/v1/images/generations")
     async def images_generations(self, request: Request) -> JSONResponse:
         """OpenAI images API on a graph with an image final output: PNGs as b64_json."""
@@ -267,7 +341,7 @@ class Ingress:
             image=body.image_params(),
         )
         generated = []
-        outputs = self.orchestrator.run(omni)
+        outputs = self._observed(omni, "images")
         try:
             async for output in outputs:
                 generated.extend(output.images)

@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from omni_serve.config import GraphConfig, StageConfig
 from omni_serve.types import ChatMessage, ImageParams, Modality, SamplingParams, StageOutput, StageRequest
-
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout as _timeout
@@ -58,6 +58,7 @@ class OmniRequest:
     messages: list[ChatMessage] | None = None
     voice: str | None = None
     image: ImageParams | None = None
+    reply: str | None = None  # text-to-speech: the entry stage speaks this instead of generating
 
 
 @dataclass
@@ -95,6 +96,7 @@ class Orchestrator:
             messages=request.messages,
             voice=request.voice,
             image=request.image,
+            reply=request.reply,
         )
         try:
             async for output in self._walk(entry, first, walk):
@@ -109,6 +111,7 @@ class Orchestrator:
         return any(c.name in walk.stages for c in self.graph.children(stage.name))
 
     async def _stage_stream(self, stage: StageConfig, request: StageRequest) -> AsyncIterator[StageOutput]:
+        request.sent_at = time.time()
         stream = aiter(self.call(stage.name, request))
         try:
             while True:

@@ -20,6 +20,7 @@ from ray import serve
 from omni_serve.config import StageConfig
 from omni_serve.engines import create_engine
 from omni_serve.handoff import payload_loads
+from omni_serve.metrics import StageMetrics
 from omni_serve.types import HandoffPayload, StageOutput, StageRequest
 
 logger = logging.getLogger("ray.serve")
@@ -37,6 +38,8 @@ class StageDeployment:
         self.config = StageConfig.model_validate(stage)
         self.name = self.config.name
         self.calls = 0
+        self.in_flight = 0
+        self.metrics = StageMetrics()
         self.engine = create_engine(self.config.engine, self.name, self.config.engine_args)
         started = time.perf_counter()
         await self.engine.start()
@@ -50,23 +53,38 @@ class StageDeployment:
 
     async def generate(self, request: StageRequest) -> AsyncIterator[StageOutput]:
         self.calls += 1
-        handoff = request.handoff
-        if isinstance(handoff, ray.ObjectRef):
-            handoff = await handoff
-        if handoff is not None and not isinstance(handoff, HandoffPayload):
-            raise TypeError(f"stage {self.name}: expected a HandoffPayload, got {type(handoff).__name__}")
-        stream = self.engine.stream(request, handoff)
+        started = time.time()
+        if request.sent_at:
+            self.metrics.queue_wait.observe(max(0.0, started - request.sent_at))
+        self.in_flight += 1
+        self.metrics.in_flight.set(self.in_flight)
+        outcome = "error"
+        stream: AsyncIterator[StageOutput] | None = None
         try:
+            handoff = request.handoff
+            if isinstance(handoff, ray.ObjectRef):
+                handoff = await handoff
+            if handoff is not None and not isinstance(handoff, HandoffPayload):
+                raise TypeError(f"stage {self.name}: expected a HandoffPayload, got {type(handoff).__name__}")
+            stream = self.engine.stream(request, handoff)
             async for output in stream:
+                self.metrics.output(output)
                 if isinstance(output.handoff, HandoffPayload):
                     output.handoff = ray.put(output.handoff)
                 yield output
+            outcome = "ok"
         except (asyncio.CancelledError, GeneratorExit):
             # Client gone or orchestrator gave up: free the engine's slot now.
+            outcome = "cancelled"
             await self.engine.abort(request.request_id)
             raise
         finally:
-            await stream.aclose()
+            if stream is not None:
+                await stream.aclose()
+            self.in_flight -= 1
+            self.metrics.in_flight.set(self.in_flight)
+            self.metrics.processing.observe(time.time() - started)
+            self.metrics.calls.inc(tags={"outcome": outcome})
 
     async def check_health(self) -> None:
         await self.engine.check_health()
@@ -78,3 +96,15 @@ class StageDeployment:
     def stats(self) -> dict[str, Any]:
         """Calls served by this replica plus engine stats (tests and autoscaling read these)."""
         return {"stage": self.name, "calls": self.calls, "payload_loads": payload_loads(), **self.engine.stats()}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom-metrics hook: engine queue for ``omni_serve.autoscaling`` (``engine_waiting``/``_running``).
+
+        Only numbers the engine reports are sent (vllm_omni reports neither; then this is empty).
+        """
+        stats = self.engine.stats()
+        return {
+            f"engine_{key}": float(value)
+            for key in ("waiting", "running")
+            if isinstance(value := stats.get(key), (int, float)) and not isinstance(value, bool)
+        }

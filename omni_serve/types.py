@@ -103,6 +103,10 @@ class StageRequest:
     wants_handoff: bool = True  # False when no downstream stage runs: engines may skip building one
     voice: str | None = None
     image: ImageParams | None = None
+    # Text-to-speech: the assistant reply to speak. The thinker teacher-forces it (one forward
+    # pass, no sampling) so the talker gets the hidden states of exactly this text.
+    reply: str | None = None
+    sent_at: float = 0.0  # wall-clock time the orchestrator dispatched this call (queue-wait metric)
 
 
 @dataclass

@@ -15,6 +15,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 HTTP_PORT = int(os.environ.get("OMNI_SERVE_TEST_PORT", "18765"))
+METRICS_PORT = HTTP_PORT + 1  # Prometheus endpoint of the session cluster's node
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +24,14 @@ def ray_cluster() -> Iterator[str]:
     import ray
     from ray import serve
 
-    ray.init(num_cpus=4, include_dashboard=False, namespace="serve", log_to_driver=False)
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        namespace="serve",
+        log_to_driver=False,
+        _metrics_export_port=METRICS_PORT,
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
     try:
         yield ray.get_runtime_context().gcs_address
     finally:
@@ -39,9 +47,19 @@ class Graphs:
     def __init__(self, address: str):
         self.address = address
         self.base_url = f"http://127.0.0.1:{HTTP_PORT}"
+        self.current: str | None = None
 
     def deploy(self, graph: str | Path, mutate: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-        return deploy_graph_file(graph, self.address, HTTP_PORT, mutate)
+        self.current = None
+        config = deploy_graph_file(graph, self.address, HTTP_PORT, mutate)
+        self.current = None if mutate else str(graph)
+        return config
+
+    def ensure(self, graph: str | Path) -> None:
+        """Deploy the unmodified graph unless it is what runs now (saves a redeploy per test module)."""
+        if self.current != str(graph):
+            self.deploy(graph)
+        self.wait_healthy()
 
     def wait_healthy(self, timeout_s: float = 300) -> None:
         wait_healthy(self.base_url, timeout_s)
@@ -52,10 +70,10 @@ class Graphs:
 
         return serve.get_deployment_handle(deployment, app_name=app)
 
-    @staticmethod
-    def delete(app: str = "omni") -> None:
+    def delete(self, app: str = "omni") -> None:
         from ray import serve
 
+        self.current = None
         serve.delete(app)
 
 
@@ -65,9 +83,7 @@ def graphs(ray_cluster: str) -> Graphs:
 
 
 @pytest.fixture(scope="module")
-def tiny_omni(graphs: Graphs) -> Iterator[Graphs]:
-    """The CPU default graph, deployed from graphs/tiny_omni.yaml, healthy."""
-    graphs.deploy("tiny_omni.yaml")
-    graphs.wait_healthy()
-    yield graphs
-    graphs.delete()
+def tiny_omni(graphs: Graphs) -> Graphs:
+    """The CPU default graph from graphs/tiny_omni.yaml, healthy; shared by consecutive modules."""
+    graphs.ensure("tiny_omni.yaml")
+    return graphs

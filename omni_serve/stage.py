@@ -30,6 +30,8 @@ logger = logging.getLogger("ray.serve")
     # Engines batch internally, so a replica takes several requests at once; the
     # graph file's `deployments:` entry overrides these defaults.
     max_ongoing_requests=16,
+    # Bounded queue per caller: overload answers 503 + Retry-After instead of growing memory.
+    max_queued_requests=64,
     ray_actor_options={"num_cpus": 0.25},
     health_check_period_s=5,
 )
@@ -85,6 +87,12 @@ class StageDeployment:
             self.metrics.in_flight.set(self.in_flight)
             self.metrics.processing.observe(time.time() - started)
             self.metrics.calls.inc(tags={"outcome": outcome})
+
+    def __del__(self) -> None:
+        # Serve calls this when the replica stops; engines with child processes stop them here.
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
 
     async def check_health(self) -> None:
         await self.engine.check_health()

@@ -45,6 +45,9 @@ class StageEngine(abc.ABC):
     async def check_health(self) -> None:
         """Raise if the engine can no longer serve."""
 
+    def shutdown(self) -> None:
+        """Release what start() acquired (child processes, device memory); called when the replica stops."""
+
     def stats(self) -> dict[str, Any]:
         """Engine-level numbers for metrics and autoscaling (e.g. waiting/running requests)."""
         return {}

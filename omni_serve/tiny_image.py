@@ -15,14 +15,11 @@ The tokenizer is the byte-level one of :mod:`omni_serve.tiny` (any UTF-8 prompt 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
 import os
 import pathlib
-import shutil
-import tempfile
-from collections.abc import Iterator
+
+from omni_serve.checkpoints import ensure_checkpoint
 
 TINY_NAME = "tiny-qwen-image"
 # Bump when the layout below changes: cached checkpoints with another version are rebuilt.
@@ -131,55 +128,9 @@ def build_tiny_qwen_image(path: str | os.PathLike) -> pathlib.Path:
     return out
 
 
-def _cache_root(cache_dir: str | os.PathLike | None) -> pathlib.Path:
-    if cache_dir is not None:
-        return pathlib.Path(cache_dir)
-    return pathlib.Path(os.environ.get("OMNI_SERVE_CACHE", pathlib.Path.home() / ".cache" / "omni_serve"))
-
-
-def _is_current(path: pathlib.Path) -> bool:
-    try:
-        return json.loads((path / _MARKER).read_text()).get("version") == BUILD_VERSION
-    except (OSError, ValueError):
-        return False
-
-
-@contextlib.contextmanager
-def _file_lock(path: pathlib.Path) -> Iterator[None]:
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def ensure_tiny_qwen_image(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
-    """Path of the cached tiny Qwen-Image checkpoint, building it on first use.
-
-    Safe across processes (several stage replicas start at once): builders serialize on
-    a file lock, build into a temporary directory beside the target and rename it into
-    place, so readers only ever see a complete checkpoint.
-    """
-    root = _cache_root(cache_dir)
-    target = root / TINY_NAME
-    if _is_current(target):
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    with _file_lock(root / f".{TINY_NAME}.lock"):
-        if _is_current(target):  # another process built it while we waited
-            return target
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{TINY_NAME}.build-", dir=root))
-        try:
-            build_tiny_qwen_image(tmp)
-            if target.exists():  # stale version: move aside first, rename cannot replace a directory
-                stale = pathlib.Path(tempfile.mkdtemp(prefix=f".{TINY_NAME}.stale-", dir=root))
-                os.rename(target, stale / "old")
-                shutil.rmtree(stale, ignore_errors=True)
-            os.rename(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    """Path of the cached tiny Qwen-Image checkpoint, building it on first use. (see :mod:`omni_serve.checkpoints`)."""
+    return ensure_checkpoint(TINY_NAME, build_tiny_qwen_image, _MARKER, BUILD_VERSION, cache_dir)
 
 
 def resolve_model(model: str) -> str:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,17 @@ CODEC_CHUNK_KEYS = {
     "codec_left_context_frames": "left_context_frames",
     "initial_codec_chunk_frames": "initial_chunk_frames",
 }
+
+# Multi-node placement (cluster.yaml, deploy/kuberay.yaml): each node type advertises a marker
+# custom resource and a stage asks for a sliver of its node type's marker, so Ray places it only
+# there. Ray's autoscalers (v1 and v2, and KubeRay's) launch the node type that supplies a
+# pending resource; label selectors are not honoured by the v1 autoscaler.
+NODE_RESOURCES: dict[str, dict[str, str]] = {
+    "qwen3_omni_moe": {"thinker": "omni_gpu_big", "talker": "omni_gpu_shared", "code2wav": "omni_gpu_shared"},
+}
+NODE_RESOURCE_PER_REPLICA = 0.01  # a node type advertises 1: room for 100 replicas, the GPUs bind first
+# Application-level autoscaling (omni_serve.autoscaling): at least one code2wav replica per two talkers.
+MIN_RATIOS = {"code2wav": {"talker": 0.5}}
 
 # Serve defaults the deploy config has no word for; the graph header says so.
 HTTP_OPTIONS = {"host": "0.0.0.0", "port": 8000, "request_timeout_s": 600}
@@ -199,6 +211,18 @@ def _deployment(stage: Any, engine: dict[str, Any], shared: bool, num_replicas: 
     return entry
 
 
+def _autoscaling_policy(stages: set[str]) -> dict[str, Any]:
+    ratios = {
+        stage: {other: r for other, r in partners.items() if other in stages}
+        for stage, partners in MIN_RATIOS.items()
+        if stage in stages and any(other in stages for other in partners)
+    }
+    return {
+        "policy_function": "omni_serve.autoscaling:StagePolicy",
+        "policy_kwargs": {"min_ratios": ratios} if ratios else {},
+    }
+
+
 def generate(
     source: str, *, model: str | None = None, pipeline: str | None = None, platform: str = "cuda"
 ) -> dict[str, Any]:
@@ -254,6 +278,9 @@ def generate(
         devices = _devices(s)
         shared = devices is not None and device_users[devices] > 1
         deployments.append(_deployment(s, engine, shared, int((s.yaml_runtime or {}).get("num_replicas", 1))))
+        node_resource = NODE_RESOURCES.get(pipeline, {}).get(s.model_stage)
+        if node_resource:
+            deployments[-1]["ray_actor_options"]["resources"] = {node_resource: NODE_RESOURCE_PER_REPLICA}
 
     return {
         "proxy_location": "EveryNode",
@@ -264,6 +291,7 @@ def generate(
                 "route_prefix": "/",
                 "import_path": "omni_serve.app:build_app",
                 "args": {"served_model_name": model, "stages": graph_stages, "stage_timeout_s": 600},
+                "autoscaling_policy": _autoscaling_policy({s["name"] for s in graph_stages}),
                 "deployments": deployments,
             }
         ],
@@ -285,6 +313,20 @@ def gpus_needed(config: dict[str, Any]) -> int:
     return whole + math.ceil(round(shared, 6))
 
 
+def _placement_header(app: dict[str, Any], output: str | None) -> list[str]:
+    pins = sorted(
+        {r for d in app["deployments"] for r in d.get("ray_actor_options", {}).get("resources", {})}
+    )
+    if not pins:
+        return []
+    advertise = json.dumps({r: 1 for r in pins}, separators=(",", ":"))
+    return [
+        f"# Stages are pinned to node types by custom resources ({', '.join(pins)}; cluster.yaml and",
+        "# deploy/kuberay.yaml define the node types). On one machine, advertise them all:",
+        f"#   ray start --head --resources='{advertise}' && serve deploy {output or 'THIS_FILE.yaml'}",
+    ]
+
+
 def header(config: dict[str, Any], command: str, deploy_path: Path, output: str | None) -> str:
     import vllm_omni
 
@@ -301,7 +343,7 @@ def header(config: dict[str, Any], command: str, deploy_path: Path, output: str 
         + f" -> {gpus_needed(config)} GPU(s).",
         "# Stages with fractional num_gpus share a GPU as in the deploy config; each one's vLLM",
         "# gpu_memory_utilization equals its fraction. Needs: pip install 'omni_serve[vllm]' on the nodes.",
-        f"#   serve run {output or 'THIS_FILE.yaml'}",
+        *(_placement_header(app, output) or [f"#   serve run {output or 'THIS_FILE.yaml'}"]),
     ]
     return "\n".join(lines) + "\n"
 

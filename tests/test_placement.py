@@ -1,0 +1,210 @@
+"""Multi-node placement on one machine: stages pinned to node types land and fail over correctly.
+
+A real multi-raylet Ray cluster (``ray.cluster_utils.Cluster``; CPU only, fractional CPUs)
+whose worker nodes advertise the node-type marker resources of cluster.yaml /
+deploy/kuberay.yaml (``omni_gpu_big``, ``omni_gpu_shared``). The tiny graph is deployed
+with the real ``serve run`` CLI, its stages pinned like graphs/qwen3_omni.yaml pins the GPU
+stages: thinker on a big node, talker + code2wav on a shared node. Then the nodes hosting
+them are removed and the replicas must come back on the surviving node of the same type.
+
+That test owns its cluster, so it cannot share the session ``ray_cluster`` fixture: it is
+marked ``multinode`` and runs in its own pytest process (``pytest -m multinode``; the rest
+with ``-m "not multinode"``). The fast checks at the end keep the graph's pins, cluster.yaml
+and deploy/kuberay.yaml in agreement.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from omni_serve.launch import GRAPHS, deploy_graph_file, wait_healthy
+
+HTTP_PORT = int(os.environ.get("OMNI_SERVE_TEST_PORT", "18765"))
+BIG, SHARED, HEAD = "omni_gpu_big", "omni_gpu_shared", "omni_head"
+PINS = {"thinker": BIG, "talker": SHARED, "code2wav": SHARED}
+PER_REPLICA = 0.01  # as graphs/qwen3_omni.yaml asks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class NodeTypes:
+    """The test cluster: a CPU head and two worker nodes of each pinned type."""
+
+    def __init__(self) -> None:
+        from ray.cluster_utils import Cluster
+
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 1,
+                "resources": {HEAD: 1},
+                "include_dashboard": True,  # ray.util.state (list_actors) goes through it
+                "dashboard_port": _free_port(),
+            },
+        )
+        self.kind: dict[str, str] = {self.cluster.head_node.node_id: HEAD}
+        self.nodes: dict[str, Any] = {}
+        for kind in (BIG, BIG, SHARED, SHARED):
+            node = self.cluster.add_node(num_cpus=1, resources={kind: 1})
+            self.kind[node.node_id] = kind
+            self.nodes[node.node_id] = node
+        self.cluster.wait_for_nodes()
+
+    def replicas(self) -> dict[str, list[str]]:
+        """Stage -> node ids of its ALIVE replicas."""
+        from ray.util.state import list_actors
+
+        found: dict[str, list[str]] = {stage: [] for stage in PINS}
+        for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
+            name = actor.class_name or ""
+            if name.startswith("ServeReplica:omni:"):
+                stage = name.rsplit(":", 1)[1]
+                if stage in found:
+                    found[stage].append(actor.node_id)
+        return found
+
+    def wait_placed(self, timeout_s: float, avoid: set[str] = frozenset()) -> dict[str, str]:
+        """Wait until every stage has exactly one ALIVE replica, not on ``avoid``; stage -> node id."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = self.replicas()
+            if all(len(nodes) == 1 and nodes[0] not in avoid for nodes in found.values()):
+                return {stage: nodes[0] for stage, nodes in found.items()}
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replicas not placed after {timeout_s:.0f}s: {found}")
+            time.sleep(1)
+
+
+def _pin(config: dict[str, Any]) -> None:
+    """tiny_omni.yaml with its stages pinned to node types (as graphs/qwen3_omni.yaml), ingress on the head."""
+    for d in config["applications"][0]["deployments"]:
+        pin = PINS.get(d["name"], HEAD)
+        d["ray_actor_options"] = {"num_cpus": 0.2, "resources": {pin: PER_REPLICA}}
+
+
+@pytest.fixture(scope="module")
+def node_types() -> Iterator[NodeTypes]:
+    import ray
+
+    if ray.is_initialized():
+        pytest.skip(
+            "Ray is already initialized in this process; the multinode test starts its own "
+            "multi-raylet cluster: run it alone with `pytest -m multinode`"
+        )
+    nodes = NodeTypes()
+    try:
+        ray.init(address=nodes.cluster.address, namespace="serve", log_to_driver=False)
+        deploy_graph_file("tiny_omni.yaml", nodes.cluster.address, HTTP_PORT, _pin)
+        yield nodes
+    finally:
+        try:
+            if ray.is_initialized():
+                from ray import serve
+
+                serve.shutdown()
+        finally:
+            ray.shutdown()
+            nodes.cluster.shutdown()
+
+
+@pytest.mark.multinode
+@pytest.mark.integration
+def test_stages_land_on_their_node_type_and_fail_over_within_it(node_types: NodeTypes):
+    base_url = f"http://127.0.0.1:{HTTP_PORT}"
+    wait_healthy(base_url, timeout_s=150)
+    placed = node_types.wait_placed(timeout_s=60)
+    for stage, node_id in placed.items():
+        assert node_types.kind[node_id] == PINS[stage], (stage, node_types.kind[node_id])
+
+    # Lose the big node with the thinker and the shared node with the talker (and maybe code2wav).
+    lost = {placed["thinker"], placed["talker"]}
+    for node_id in lost:
+        node_types.cluster.remove_node(node_types.nodes[node_id], allow_graceful=False)
+
+    moved = node_types.wait_placed(timeout_s=150, avoid=lost)
+    for stage, node_id in moved.items():
+        assert node_types.kind[node_id] == PINS[stage], (stage, node_types.kind[node_id])
+    assert moved["thinker"] != placed["thinker"] and moved["talker"] != placed["talker"]
+    wait_healthy(base_url, timeout_s=120)
+
+    reply = httpx.post(
+        f"{base_url}/v1/chat/completions",
+        json={
+            "model": "tiny-qwen3-omni",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "modalities": ["text", "audio"],
+            "max_tokens": 4,
+            "stage_sampling": {"talker": {"max_tokens": 8}},
+        },
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["audio"]["data"]
+
+
+# ---- the shipped placement files agree (fast, no cluster) ---------------------------------------------
+
+ROOT = GRAPHS.parent
+
+
+def _qwen3_pins() -> dict[str, dict[str, float]]:
+    app = yaml.safe_load((GRAPHS / "qwen3_omni.yaml").read_text())["applications"][0]
+    return {d["name"]: d["ray_actor_options"].get("resources", {}) for d in app["deployments"]}
+
+
+def test_qwen3_graph_pins_its_stages_like_this_test_does():
+    assert _qwen3_pins() == {
+        "ingress": {},
+        **{stage: {kind: PER_REPLICA} for stage, kind in PINS.items()},
+    }
+
+
+def test_cluster_launcher_node_types_advertise_the_pins_and_fit_the_stages():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    validate_config(prepare_config(config))  # what `ray up` checks: Ray's cluster-launcher schema
+    types = config["available_node_types"]
+    deployments = {
+        d["name"]: d for d in yaml.safe_load((GRAPHS / "qwen3_omni.yaml").read_text())["applications"][0]["deployments"]
+    }
+    for stage, kind in PINS.items():
+        offering = [name for name, t in types.items() if kind in t.get("resources", {})]
+        assert len(offering) == 1, (kind, offering)
+        node = types[offering[0]]["resources"]
+        options = deployments[stage]["ray_actor_options"]
+        assert node["GPU"] >= options["num_gpus"] and node["CPU"] >= options["num_cpus"], stage
+    on_shared = [deployments[s]["ray_actor_options"]["num_gpus"] for s, k in PINS.items() if k == SHARED]
+    assert sum(on_shared) <= 1  # talker + code2wav share one GPU of a gpu_shared node
+    assert not set(types[config["head_node_type"]].get("resources", {})) & {BIG, SHARED}
+
+
+def test_kuberay_service_serves_the_qwen3_graph_on_the_same_node_types():
+    import json
+
+    service = yaml.safe_load((ROOT / "deploy" / "kuberay.yaml").read_text())
+    assert service["kind"] == "RayService"
+    graph = yaml.safe_load((GRAPHS / "qwen3_omni.yaml").read_text())
+    assert yaml.safe_load(service["spec"]["serveConfigV2"]) == graph
+    cluster = service["spec"]["rayClusterConfig"]
+    advertised = {}
+    for group in cluster["workerGroupSpecs"]:
+        # KubeRay passes rayStartParams.resources to `ray start --resources` as a quoted JSON string.
+        resources = json.loads(json.loads(group["rayStartParams"]["resources"]))
+        gpus = int(group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+        for kind in resources:
+            advertised[kind] = gpus
+    assert advertised == {BIG: 4, SHARED: 1}
+    assert "resources" not in cluster["headGroupSpec"]["rayStartParams"]

@@ -21,7 +21,9 @@ serve: install
 
 test: install-test
 	$(PYTHON) -m ruff check omni_serve tests benchmarks
-	$(PYTHON) -m pytest -q -m "not gpu" -p no:cacheprovider
+	$(PYTHON) -m pytest -q -m "not gpu and not multinode" -p no:cacheprovider
+	# Own multi-raylet cluster: needs a process where Ray was never initialized.
+	$(PYTHON) -m pytest -q -m multinode -p no:cacheprovider
 
 lint:
 	$(PYTHON) -m ruff check omni_serve tests benchmarks

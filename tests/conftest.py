@@ -50,7 +50,9 @@ class Graphs:
         self.current: str | None = None
 
     def deploy(self, graph: str | Path, mutate: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-        self.current = None
+        # Serve rolls a changed app out in the background while the old one keeps answering:
+        # delete what runs first, so "healthy" can only mean the graph deployed here.
+        self.delete_all()
         config = deploy_graph_file(graph, self.address, HTTP_PORT, mutate)
         self.current = None if mutate else str(graph)
         return config
@@ -75,6 +77,13 @@ class Graphs:
 
         self.current = None
         serve.delete(app)
+
+    def delete_all(self) -> None:
+        from ray import serve
+
+        self.current = None
+        for app in list(serve.status().applications):
+            serve.delete(app)
 
 
 @pytest.fixture(scope="session")

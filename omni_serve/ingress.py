@@ -10,7 +10,6 @@ the response starts, so failures that happen early still get a real status code.
 # ingress class travels to its replica by value, where string annotations no longer resolve.
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -23,15 +22,22 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from omni_serve.config import GraphConfig, load_graph
-from omni_serve.errors import APIError, bad_request, from_failure, from_validation
+from omni_serve.errors import APIError, bad_request, from_failure, from_validation, http_exception_handler
 from omni_serve.handoff import payload_loads
 from omni_serve.media import encode_audio
 from omni_serve.metrics import RequestMetrics
 from omni_serve.openai import chat, speech
-from omni_serve.openai.protocol import ChatCompletionRequest
+from omni_serve.openai.protocol import (
+    ChatCompletionRequest,
+    api_key_matches,
+    check_content_type,
+    parse_json_object,
+    read_body,
+)
 from omni_serve.openai.speech import SpeechRequest
 from omni_serve.orchestrator import OmniRequest, Orchestrator
 from omni_serve.types import ChatMessage, Modality, SamplingParams, StageOutput, StageRequest
@@ -48,7 +54,10 @@ async def _api_error(request: Request, err: APIError) -> JSONResponse:
     return err.response()
 
 
-@serve.deployment(max_ongoing_requests=64, ray_actor_options={"num_cpus": 0.1})
+api.add_exception_handler(StarletteHTTPException, http_exception_handler)  # 404/405 as OpenAI errors
+
+
+@serve.deployment(max_ongoing_requests=64, max_queued_requests=256, ray_actor_options={"num_cpus": 0.1})
 @serve.ingress(api)
 class Ingress:
     def __init__(self, graph: dict[str, Any], stages: dict[str, DeploymentHandle]):
@@ -88,26 +97,13 @@ class Ingress:
     def _check_auth(self, request: Request) -> None:
         if self.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        if header != f"Bearer {self.api_key}":
+        if not api_key_matches(request.headers.get("authorization"), self.api_key):
             raise APIError(401, "missing or invalid API key (Authorization: Bearer ...)", type="authentication_error")
 
     async def _parse(self, request: Request, model: type[Body]) -> Body:
         self._check_auth(request)
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.graph.max_request_bytes:
-            raise APIError(413, f"request body over {self.graph.max_request_bytes} bytes", type="invalid_request_error")
-        raw = await request.body()
-        if len(raw) > self.graph.max_request_bytes:
-            raise APIError(413, f"request body over {self.graph.max_request_bytes} bytes", type="invalid_request_error")
-        try:
-            data = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise bad_request("request body is not valid UTF-8") from None
-        except json.JSONDecodeError as err:
-            raise bad_request(f"request body is not valid JSON: {err.msg} at position {err.pos}") from None
-        if not isinstance(data, dict):
-            raise bad_request("request body must be a JSON object")
+        check_content_type(request.headers.get("content-type"))
+        data = parse_json_object(await read_body(request, self.graph.max_request_bytes))
         try:
             return model.model_validate(data)
         except ValidationError as err:

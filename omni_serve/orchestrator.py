@@ -6,20 +6,36 @@ needed downstream stage with that handoff reference; downstream calls run
 concurrently and their outputs are relayed in handoff order, so a talker's codec
 chunks can be decoded by several code2wav replicas at once yet reach the client in
 order. Cancellation (client gone) cancels every stage call this request started.
+
+Failure rules (what a client can rely on):
+
+- A stage call that ends without its ``finished`` output is a failure, never a short
+  result: a replica that dies midway cannot turn into a truncated reply sent as success.
+- A stage call that fails *before it yielded anything* because the replica serving it
+  died or became unreachable is retried once (Serve routes the retry to another
+  replica; the dead one is out of rotation). Nothing reached the client or a downstream
+  stage yet, so the retry is invisible. Errors raised *by* the stage (bad input, engine
+  errors, a lost upstream handoff, backpressure) are never retried.
+- Each request keeps at most ``max_fanout`` calls of one downstream stage in flight, so
+  the calls one request queues at a stage are bounded (the talker's codec chunks wait
+  for a code2wav slot here instead of piling up in the stage's queue).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from omni_serve.config import GraphConfig, StageConfig
 from omni_serve.types import ChatMessage, ImageParams, Modality, SamplingParams, StageOutput, StageRequest
+
+logger = logging.getLogger("ray.serve")
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout as _timeout
@@ -40,6 +56,39 @@ class StageFailed(RuntimeError):
         super().__init__(f"stage '{stage}' failed: {type(cause).__name__}")
         self.stage = stage
         self.cause = cause
+
+
+class IncompleteStageStream(RuntimeError):
+    """The stage's stream ended before its ``finished`` output (e.g. its replica went away)."""
+
+
+def replica_gone(err: BaseException) -> bool:
+    """True when the call failed because the replica serving it died or is unreachable.
+
+    Ray raises these (``ActorDiedError``, ``ActorUnavailableError``) directly for the
+    called actor. The same classes wrapped in a ``RayTaskError`` come from *inside* the
+    stage (something it called died), so retrying elsewhere would not help.
+    """
+    from ray.exceptions import RayActorError, RayTaskError
+
+    return isinstance(err, RayActorError) and not isinstance(err, RayTaskError)
+
+
+async def _close(stream: Any) -> None:
+    """Stop a stage call; a no-op once it finished, a cancel in its replica while it runs.
+
+    Never raises: Serve's ``DeploymentResponseGenerator.cancel()`` re-raises the error of a
+    call that failed to start (e.g. BackPressureError), which the caller already handled.
+    """
+    close = getattr(stream, "aclose", None) or getattr(stream, "cancel", None)
+    if close is None:
+        return
+    try:
+        result = close()
+        if isinstance(result, Awaitable):
+            await result
+    except Exception as err:
+        logger.debug("closing a stage call raised %s (already handled)", type(err).__name__)
 
 
 class StageCaller(Protocol):
@@ -77,10 +126,20 @@ class _Failure:
 
 
 class Orchestrator:
-    def __init__(self, graph: GraphConfig, call: StageCaller, stage_timeout_s: float | None = None):
+    def __init__(
+        self,
+        graph: GraphConfig,
+        call: StageCaller,
+        stage_timeout_s: float | None = None,
+        *,
+        retryable: Callable[[BaseException], bool] = replica_gone,
+        max_fanout: int = 4,
+    ):
         self.graph = graph
         self.call = call
         self.stage_timeout_s = stage_timeout_s or graph.stage_timeout_s
+        self.retryable = retryable
+        self.max_fanout = max_fanout
 
     def plan(self, modalities: set[Modality]) -> set[str]:
         return self.graph.stages_for(modalities)
@@ -111,30 +170,41 @@ class Orchestrator:
         return any(c.name in walk.stages for c in self.graph.children(stage.name))
 
     async def _stage_stream(self, stage: StageConfig, request: StageRequest) -> AsyncIterator[StageOutput]:
-        request.sent_at = time.time()
-        stream = aiter(self.call(stage.name, request))
-        try:
-            while True:
-                try:
-                    async with _timeout(self.stage_timeout_s):
-                        output = await anext(stream)
-                except StopAsyncIteration:
-                    return
-                except TimeoutError:
-                    raise StageTimeout(stage.name, self.stage_timeout_s) from None
-                except (asyncio.CancelledError, StageFailed, StageTimeout):
-                    raise
-                except Exception as err:  # Ray wraps the stage's exception; keep it as the cause
-                    raise StageFailed(stage.name, err) from err
-                yield output
-                if output.finished:
-                    return
-        finally:
-            close = getattr(stream, "aclose", None) or getattr(stream, "cancel", None)
-            if close is not None:
-                result = close()
-                if isinstance(result, Awaitable):
-                    await result
+        """One stage call; retried once if its replica died before it yielded anything."""
+        for attempt in (1, 2):
+            request.sent_at = time.time()
+            stream: AsyncIterator[StageOutput] | None = None
+            produced = False
+            try:
+                while True:
+                    try:
+                        if stream is None:  # starting the call may raise too (e.g. the queue is full)
+                            stream = aiter(self.call(stage.name, request))
+                        async with _timeout(self.stage_timeout_s):
+                            output = await anext(stream)
+                    except StopAsyncIteration:
+                        raise StageFailed(stage.name, IncompleteStageStream("ended before its final output")) from None
+                    except TimeoutError:
+                        raise StageTimeout(stage.name, self.stage_timeout_s) from None
+                    except (asyncio.CancelledError, StageFailed, StageTimeout):
+                        raise
+                    except Exception as err:  # Ray wraps the stage's exception; keep it as the cause
+                        if attempt == 1 and not produced and self.retryable(err):
+                            logger.warning(
+                                "request %s: stage %s replica lost before any output (%s); retrying once",
+                                request.request_id,
+                                stage.name,
+                                type(err).__name__,
+                            )
+                            break
+                        raise StageFailed(stage.name, err) from err
+                    produced = True
+                    yield output
+                    if output.finished:
+                        return
+            finally:
+                if stream is not None:
+                    await _close(stream)
 
     async def _walk(self, stage: StageConfig, request: StageRequest, walk: _Walk) -> AsyncIterator[StageOutput]:
         emit = stage.final_output is not None and stage.final_output in walk.request.modalities
@@ -159,6 +229,15 @@ class Orchestrator:
             except BaseException as err:
                 await sink.put(_Failure(err))
 
+        # At most max_fanout calls of each child stage in flight for this request.
+        slots = {child.name: asyncio.Semaphore(self.max_fanout) for child in children}
+
+        async def child_walk(child: StageConfig, child_request: StageRequest, sink: asyncio.Queue[Any]) -> None:
+            try:
+                await pump(self._walk(child, child_request, walk), sink)
+            finally:
+                slots[child.name].release()
+
         async def produce() -> None:
             index = 0
             async for output in self._stage_stream(stage, request):
@@ -177,7 +256,8 @@ class Orchestrator:
                         image=walk.request.image,
                     )
                     sink: asyncio.Queue[Any] = asyncio.Queue()
-                    walk.tasks.append(asyncio.create_task(pump(self._walk(child, child_request, walk), sink)))
+                    await slots[child.name].acquire()
+                    walk.tasks.append(asyncio.create_task(child_walk(child, child_request, sink)))
                     await downstream.put(sink)
                 index += 1
             await downstream.put(None)

@@ -9,6 +9,7 @@ object store, yielding only the reference.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -24,6 +25,13 @@ from omni_serve.metrics import StageMetrics
 from omni_serve.types import HandoffPayload, StageOutput, StageRequest
 
 logger = logging.getLogger("ray.serve")
+
+# Ray 2.60 can free an object this replica put while a downstream replica still holds the
+# reference it got through our streamed output (it then fails with ReferenceCountingAssertionError;
+# reproduced with plain Serve deployments under concurrency). The owner (this replica) therefore
+# keeps every handoff it yields for this long: longer than the orchestrator's default
+# stage_timeout_s (120 s), the longest a downstream call waits before it resolves its input.
+HANDOFF_HOLD_S = 180.0
 
 
 @serve.deployment(
@@ -41,6 +49,7 @@ class StageDeployment:
         self.name = self.config.name
         self.calls = 0
         self.in_flight = 0
+        self.held: collections.deque[tuple[float, ray.ObjectRef]] = collections.deque()  # see HANDOFF_HOLD_S
         self.metrics = StageMetrics()
         self.engine = create_engine(self.config.engine, self.name, self.config.engine_args)
         started = time.perf_counter()
@@ -73,6 +82,7 @@ class StageDeployment:
                 self.metrics.output(output)
                 if isinstance(output.handoff, HandoffPayload):
                     output.handoff = ray.put(output.handoff)
+                    self._hold(output.handoff)
                 yield output
             outcome = "ok"
         except (asyncio.CancelledError, GeneratorExit):
@@ -87,6 +97,12 @@ class StageDeployment:
             self.metrics.in_flight.set(self.in_flight)
             self.metrics.processing.observe(time.time() - started)
             self.metrics.calls.inc(tags={"outcome": outcome})
+
+    def _hold(self, ref: ray.ObjectRef) -> None:
+        now = time.monotonic()
+        self.held.append((now + HANDOFF_HOLD_S, ref))
+        while self.held[0][0] < now:
+            self.held.popleft()
 
     def __del__(self) -> None:
         # Serve calls this when the replica stops; engines with child processes stop them here.

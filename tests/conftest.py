@@ -25,6 +25,7 @@ def ray_cluster() -> Iterator[str]:
     from ray import serve
 
     ray.init(
+        address="local",  # never join a cluster someone started with `ray start`
         num_cpus=4,
         include_dashboard=False,
         namespace="serve",

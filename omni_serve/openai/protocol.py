@@ -8,11 +8,89 @@ so nothing is silently dropped.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import hmac
+import json
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from omni_serve.errors import APIError, bad_request
 from omni_serve.types import Modality
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+# Generation lengths above this are refused outright (stages also cap at their context).
+MAX_TOKENS_LIMIT = 1 << 20
+
+
+# ---- the wire: body bytes -> JSON object ----------------------------------------------------
+
+
+def check_content_type(content_type: str | None) -> None:
+    """JSON bodies only; a missing header is tolerated (some clients omit it)."""
+    if not content_type:
+        return
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise APIError(415, f"Content-Type must be application/json (got '{media:.60}')", type="invalid_request_error")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it passes ``limit`` bytes (never buffered whole)."""
+    too_large = APIError(413, f"request body over {limit} bytes", type="invalid_request_error")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """Decode a JSON object body; every malformed body is a 400 naming what is wrong."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise bad_request(f"request body is not valid UTF-8 (byte {err.start})") from None
+    if not text.strip():
+        raise bad_request("request body is empty; expected a JSON object")
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as err:
+        raise bad_request(f"request body is not valid JSON: {err.msg} at position {err.pos}") from None
+    except RecursionError:
+        raise bad_request("request body is not valid JSON: nested too deeply") from None
+    except ValueError as err:  # e.g. an integer literal longer than Python's digit limit
+        raise bad_request(f"request body is not valid JSON: {str(err)[:120]}") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"request body must be a JSON object, not {type(data).__name__}")
+    return data
+
+
+def api_key_matches(authorization: str | None, api_key: str) -> bool:
+    """``Authorization: Bearer <key>`` (scheme case-insensitive), compared in constant time."""
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _valid_unicode(text: str, what: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} contains an unpaired UTF-16 surrogate escape") from None
+    return text
+
+
+# ---- request models ---------------------------------------------------------------------------
 
 
 class _Strict(BaseModel):
@@ -22,6 +100,11 @@ class _Strict(BaseModel):
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
+
+    @field_validator("text")
+    @classmethod
+    def _unicode(cls, text: str) -> str:
+        return _valid_unicode(text, "text")
 
 
 class MediaPart(BaseModel):
@@ -38,6 +121,11 @@ class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _unicode(cls, content: Any) -> Any:
+        return _valid_unicode(content, "content") if isinstance(content, str) else content
 
     @model_validator(mode="after")
     def _content_present(self) -> Message:
@@ -75,8 +163,8 @@ class ChatCompletionRequest(_Strict):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
@@ -99,6 +187,15 @@ class ChatCompletionRequest(_Strict):
         if len(values) > 4 or any(not s for s in values):
             raise ValueError("at most 4 non-empty stop strings")
         return stop
+
+    @field_validator("stage_sampling")
+    @classmethod
+    def _stage_max_tokens(cls, per_stage: dict[str, dict[str, Any]] | None) -> dict[str, dict[str, Any]] | None:
+        for stage, values in (per_stage or {}).items():
+            limit = values.get("max_tokens")
+            if isinstance(limit, int | float) and limit > MAX_TOKENS_LIMIT:
+                raise ValueError(f"{stage}.max_tokens: must be at most {MAX_TOKENS_LIMIT}")
+        return per_stage
 
     @field_validator("modalities")
     @classmethod

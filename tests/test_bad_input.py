@@ -1,0 +1,228 @@
+"""Malformed and hostile requests against the tiny graph: each gets a 4xx OpenAI error naming the problem.
+
+One deployment for the module; the server must stay healthy and keep answering normal requests.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.integration
+
+MODEL = "tiny-qwen3-omni"
+OK_MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    """A valid small request with ``fields`` changed (a value of ``...`` removes the field)."""
+    body: dict[str, Any] = {"model": MODEL, "messages": OK_MESSAGES, "max_tokens": 4}
+    body.update(fields)
+    return {k: v for k, v in body.items() if v is not ...}
+
+
+def msg(content: Any, role: str = "user", **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": role, "content": content, **extra}]}
+
+
+JSON = {"content-type": "application/json"}
+
+# (id, request kwargs for httpx, expected status, text that must appear in message or param)
+CORPUS: list[tuple[str, dict[str, Any], int, str]] = [
+    # --- the body as bytes ---
+    ("empty body", {"content": b"", "headers": JSON}, 400, "empty"),
+    ("not json", {"content": b"hello", "headers": JSON}, 400, "not valid JSON"),
+    ("truncated json", {"content": b'{"messages": [', "headers": JSON}, 400, "not valid JSON"),
+    ("trailing garbage", {"content": b'{"messages": []} xx', "headers": JSON}, 400, "not valid JSON"),
+    ("json array", {"content": b"[1, 2]", "headers": JSON}, 400, "JSON object"),
+    ("json string", {"content": b'"hi"', "headers": JSON}, 400, "JSON object"),
+    ("json null", {"content": b"null", "headers": JSON}, 400, "JSON object"),
+    ("non-utf8 body", {"content": b'{"messages": "\xff\xfe"}', "headers": JSON}, 400, "UTF-8"),
+    ("latin-1 body", {"content": '{"model": "café"}'.encode("latin-1"), "headers": JSON}, 400, "UTF-8"),
+    ("utf-8 bom", {"content": b"\xef\xbb\xbf" + json.dumps(chat()).encode(), "headers": JSON}, 400, "not valid JSON"),
+    ("NaN literal", {"content": b'{"messages": [], "temperature": NaN}', "headers": JSON}, 400, "NaN"),
+    ("nested 100k deep", {"content": b"[" * 100_000 + b"]" * 100_000, "headers": JSON}, 400, "not valid JSON"),
+    ("huge int literal", {"content": b'{"max_tokens": 1' + b"0" * 5000 + b"}", "headers": JSON}, 400, "JSON"),
+    ("oversized body", {"content": json.dumps(msg("x" * (2 << 20))).encode(), "headers": JSON}, 413, "bytes"),
+    ("oversized chunked body", {"content": iter([b'{"a": "' + b"x" * (1 << 16)] * 40), "headers": JSON}, 413, "bytes"),
+    (
+        "wrong content-type text",
+        {"content": json.dumps(chat()).encode(), "headers": {"content-type": "text/plain"}},
+        415,
+        "application/json",
+    ),
+    (
+        "form content-type",
+        {"content": b"messages=hi", "headers": {"content-type": "application/x-www-form-urlencoded"}},
+        415,
+        "application/json",
+    ),
+    ("multipart", {"files": {"file": ("a.json", b"{}")}}, 415, "application/json"),
+    # --- the top level ---
+    ("missing messages", {"json": chat(messages=...)}, 400, "messages"),
+    ("empty messages", {"json": chat(messages=[])}, 400, "messages"),
+    ("messages not a list", {"json": chat(messages={"role": "user"})}, 400, "messages"),
+    ("unknown field tools", {"json": chat(tools=[{"type": "function"}])}, 400, "tools"),
+    ("unknown field response_format", {"json": chat(response_format={"type": "json_object"})}, 400, "response_format"),
+    ("unknown model", {"json": chat(model="gpt-5")}, 404, "model"),
+    (
+        "model lone surrogate",
+        {"content": b'{"model": "\\udfff", "messages": [{"role": "user", "content": "hi"}]}', "headers": JSON},
+        404,
+        "model",
+    ),
+    ("model not a string", {"json": chat(model=["x"])}, 400, "model"),
+    ("n=2", {"json": chat(n=2)}, 400, "n"),
+    ("stream not bool", {"json": chat(stream="maybe")}, 400, "stream"),
+    ("stream_options unknown key", {"json": chat(stream=True, stream_options={"x": 1})}, 400, "stream_options"),
+    ("logprobs true", {"json": chat(logprobs=True)}, 400, "logprobs"),
+    ("frequency_penalty set", {"json": chat(frequency_penalty=0.5)}, 400, "frequency_penalty"),
+    # --- sampling ---
+    ("negative max_tokens", {"json": chat(max_tokens=-1)}, 400, "max_tokens"),
+    ("zero max_tokens", {"json": chat(max_tokens=0)}, 400, "max_tokens"),
+    ("huge max_tokens", {"json": chat(max_tokens=10**30)}, 400, "max_tokens"),
+    ("max_tokens string", {"json": chat(max_tokens="many")}, 400, "max_tokens"),
+    ("max_completion_tokens float", {"json": chat(max_completion_tokens=3.5)}, 400, "max_completion_tokens"),
+    ("temperature too high", {"json": chat(temperature=5)}, 400, "temperature"),
+    ("temperature string", {"json": chat(temperature="hot")}, 400, "temperature"),
+    ("top_p zero", {"json": chat(top_p=0)}, 400, "top_p"),
+    ("top_k negative", {"json": chat(top_k=-3)}, 400, "top_k"),
+    ("seed negative", {"json": chat(seed=-1)}, 400, "seed"),
+    ("seed over 64 bits", {"json": chat(seed=2**64)}, 400, "seed"),
+    ("five stop strings", {"json": chat(stop=["a", "b", "c", "d", "e"])}, 400, "stop"),
+    ("empty stop string", {"json": chat(stop="")}, 400, "stop"),
+    ("repetition_penalty zero", {"json": chat(repetition_penalty=0)}, 400, "repetition_penalty"),
+    # --- messages ---
+    ("message without role", {"json": chat(messages=[{"content": "hi"}])}, 400, "role"),
+    ("unknown role", {"json": chat(**msg("hi", role="tool"))}, 400, "role"),
+    ("content null", {"json": chat(**msg(None))}, 400, "content"),
+    ("content empty list", {"json": chat(**msg([]))}, 400, "content"),
+    ("content number", {"json": chat(**msg(123))}, 400, "content"),
+    ("content dict", {"json": chat(**msg({"text": "hi"}))}, 400, "content"),
+    ("part without type", {"json": chat(**msg([{"text": "hi"}]))}, 400, "type"),
+    ("unknown part type", {"json": chat(**msg([{"type": "hologram", "data": "x"}]))}, 400, "hologram"),
+    ("text part without text", {"json": chat(**msg([{"type": "text"}]))}, 400, "text"),
+    ("text part extra key", {"json": chat(**msg([{"type": "text", "text": "hi", "x": 1}]))}, 400, "x"),
+    ("message extra key", {"json": chat(**msg("hi", tool_calls=[]))}, 400, "tool_calls"),
+    (
+        "lone surrogate",
+        {"content": b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "headers": JSON},
+        400,
+        "surrogate",
+    ),
+    ("nested garbage in content", {"json": chat(**msg([[[[{"type": "text"}]]]]))}, 400, "content"),
+    ("prompt longer than context", {"json": chat(**msg("word " * 20_000))}, 400, "context"),
+    # --- modalities and audio ---
+    ("unknown modality", {"json": chat(modalities=["video"])}, 400, "modalities"),
+    ("image modality on audio graph", {"json": chat(modalities=["text", "image"])}, 400, "image"),
+    ("empty modalities", {"json": chat(modalities=[])}, 400, "modalities"),
+    ("modalities a string", {"json": chat(modalities="audio")}, 400, "modalities"),
+    ("audio format mp3", {"json": chat(modalities=["text", "audio"], audio={"format": "mp3"})}, 400, "audio.format"),
+    ("audio not an object", {"json": chat(modalities=["text", "audio"], audio="wav")}, 400, "audio"),
+    ("unknown voice", {"json": chat(modalities=["text", "audio"], audio={"voice": "nobody"})}, 400, "nobody"),
+    # --- stage_sampling ---
+    ("stage_sampling unknown stage", {"json": chat(stage_sampling={"vocoder": {}})}, 400, "vocoder"),
+    ("stage_sampling unknown key", {"json": chat(stage_sampling={"talker": {"beam": 4}})}, 400, "stage_sampling"),
+    ("stage_sampling bad value", {"json": chat(stage_sampling={"talker": {"max_tokens": -5}})}, 400, "max_tokens"),
+    (
+        "stage_sampling huge max_tokens",
+        {"json": chat(stage_sampling={"talker": {"max_tokens": 10**12}})},
+        400,
+        "max_tokens",
+    ),
+    ("stage_sampling not a dict", {"json": chat(stage_sampling=["talker"])}, 400, "stage_sampling"),
+    ("stage_sampling stage not a dict", {"json": chat(stage_sampling={"talker": 0.9})}, 400, "stage_sampling"),
+    ("stage_sampling wrong type", {"json": chat(stage_sampling={"thinker": {"stop": 7}})}, 400, "stop"),
+]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_omni) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=tiny_omni.base_url, timeout=60) as client:
+        yield client
+
+
+def error_of(reply: httpx.Response) -> dict[str, Any]:
+    body = reply.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"]
+    assert "Traceback" not in error["message"]
+    return error
+
+
+@pytest.mark.parametrize(("request_kwargs", "status", "names"), [c[1:] for c in CORPUS], ids=[c[0] for c in CORPUS])
+def test_bad_request_gets_an_openai_error_naming_the_problem(
+    client: httpx.Client, request_kwargs: dict[str, Any], status: int, names: str
+) -> None:
+    reply = client.post("/v1/chat/completions", **request_kwargs)
+    assert reply.status_code == status, reply.text[:500]
+    error = error_of(reply)
+    assert names.lower() in f"{error['message']} {error['param']}".lower(), error
+
+
+def test_unknown_route_and_wrong_method_are_openai_errors(client: httpx.Client) -> None:
+    assert error_of(missing := client.post("/v1/completions", json={})) and missing.status_code == 404
+    assert error_of(wrong := client.get("/v1/chat/completions")) and wrong.status_code == 405
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    hits: list[str] = []
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        self.hits.append(self.path)
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture()
+def media_server() -> Iterator[str]:
+    """A local HTTP server that records every fetch; media URLs point at it."""
+    _Recorder.hits = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_media_inputs_are_refused_and_never_fetched(client: httpx.Client, media_server: str) -> None:
+    parts = [
+        {"type": "image_url", "image_url": {"url": f"{media_server}/cat.png"}},
+        {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        {"type": "audio_url", "audio_url": {"url": f"{media_server}/speech.wav"}},
+        {"type": "video_url", "video_url": {"url": f"{media_server}/clip.mp4"}},
+        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+        {"type": "file", "file": {"file_id": "/etc/passwd"}},
+    ]
+    for part in parts:
+        content = [{"type": "text", "text": "What is this?"}, part]
+        reply = client.post("/v1/chat/completions", json=chat(**msg(content)))
+        assert reply.status_code == 400, reply.text
+        error = error_of(reply)
+        assert part["type"] in error["message"] and "not supported" in error["message"]
+        assert error["param"] == "messages.0.content"
+    assert _Recorder.hits == []  # nothing was fetched
+
+
+def test_server_is_healthy_and_serves_after_the_corpus(client: httpx.Client) -> None:
+    assert client.get("/health").status_code == 200
+    reply = client.post(
+        "/v1/chat/completions",
+        json=chat(modalities=["text", "audio"], seed=1, stage_sampling={"talker": {"max_tokens": 8}}),
+    )
+    assert reply.status_code == 200, reply.text
+    message = reply.json()["choices"][0]["message"]
+    assert message["content"] and message["audio"]["data"]

@@ -1,0 +1,123 @@
+"""A client that disconnects mid-request stops the work in every stage it reached (streaming and not).
+
+The talker is asked for 4000 greedy codec frames (greedy decoding of the tiny random talker never
+samples codec EOS, so the request would otherwise run for minutes and make ~160 code2wav calls).
+The client hangs up once the request is in the talker and code2wav; afterwards every engine must
+drain (`running` and `waiting` back to 0), code2wav must stop receiving calls, and it must have
+seen only a small fraction of the calls the full request would have made.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+STAGES = ("thinker", "talker", "code2wav")
+TALKER_FRAMES = 4000
+FULL_CHUNKS = TALKER_FRAMES // 25  # code2wav calls the uncancelled request would make
+BODY = {
+    "model": "tiny-qwen3-omni",
+    "messages": [{"role": "user", "content": "Tell me a long story."}],
+    "modalities": ["text", "audio"],
+    "max_tokens": 8,
+    "seed": 7,
+    "stage_sampling": {"talker": {"temperature": 0.0, "max_tokens": TALKER_FRAMES}},
+}
+
+
+def pin_single_replicas(config: dict[str, Any]) -> None:
+    app = config["applications"][0]
+    app.pop("autoscaling_policy", None)
+    for deployment in app["deployments"]:
+        deployment.pop("autoscaling_config", None)
+        deployment["num_replicas"] = 1
+
+
+@pytest.fixture(scope="module")
+def graph(graphs) -> Iterator[Any]:
+    """The tiny graph with one replica per stage, so one handle call sees a stage's whole state."""
+    from ray import serve
+
+    graphs.ensure("tiny_omni.yaml")
+    replicas = serve.status().applications["omni"].deployments
+    if any(sum(replicas[s].replica_states.values()) != 1 for s in STAGES):
+        graphs.deploy("tiny_omni.yaml", pin_single_replicas)
+        graphs.wait_healthy()
+    yield graphs
+
+
+def stats(graph: Any) -> dict[str, dict[str, Any]]:
+    return {s: graph.handle(s).stats.remote().result() for s in STAGES}
+
+
+def open_request(base_url: str, stream: bool) -> socket.socket:
+    """Send the request on a raw socket, so the test decides exactly when the client goes away."""
+    url = urlparse(base_url)
+    body = json.dumps({**BODY, "stream": stream}).encode()
+    sock = socket.create_connection((url.hostname, url.port), timeout=120)
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    sock.sendall(head.encode() + body)
+    return sock
+
+
+def wait_for(condition: Any, what: str, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def idle(graph: Any) -> bool:
+    return all(s["running"] == 0 and s["waiting"] == 0 for s in stats(graph).values())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
+def test_disconnect_stops_every_stage(graph, stream: bool) -> None:
+    wait_for(lambda: idle(graph), "idle stages before the test")
+    before = stats(graph)
+    sock = open_request(graph.base_url, stream)
+    try:
+
+        def in_talker_and_code2wav() -> bool:
+            now = stats(graph)
+            return (
+                now["talker"]["running"] == 1
+                and now["code2wav"]["requests_total"] > before["code2wav"]["requests_total"]
+            )
+
+        wait_for(in_talker_and_code2wav, "the request to reach the talker and code2wav")
+        if stream:  # the client really is reading the stream when it leaves
+            received = sock.recv(65536)
+            assert received.startswith(b"HTTP/1.1 200") and b"data: " in received
+    finally:
+        sock.close()
+
+    wait_for(lambda: idle(graph), "every stage to drop the request after the disconnect")
+    settled = stats(graph)["code2wav"]["requests_total"]
+    time.sleep(2)
+    after = stats(graph)
+    assert after["code2wav"]["requests_total"] == settled, "code2wav still receives chunks of a cancelled request"
+    assert after["talker"]["requests_total"] == before["talker"]["requests_total"] + 1
+    assert after["thinker"]["requests_total"] == before["thinker"]["requests_total"] + 1
+    made = settled - before["code2wav"]["requests_total"]
+    assert 1 <= made < FULL_CHUNKS // 2, f"{made} code2wav calls: the talker was not aborted early"
+
+
+def test_graph_serves_normally_after_cancellations(graph) -> None:
+    import httpx
+
+    body = {**BODY, "stage_sampling": {"talker": {"max_tokens": 8}}}
+    reply = httpx.post(f"{graph.base_url}/v1/chat/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["audio"]["data"]

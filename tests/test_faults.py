@@ -1,0 +1,363 @@
+"""Faults: a stage replica dies under load.
+
+Every in-flight request either completes in full or ends with a clear 503 (OpenAI error JSON; in
+SSE an in-band error event and no [DONE]); none hangs, none returns a short result as success; the
+graph recovers without a restart. Stage calls that fail before yielding anything because their
+replica died are retried once on another replica; the unit tests pin down exactly what is retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+import io
+import json
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+from ray.exceptions import ActorDiedError, ActorUnavailableError, OwnerDiedError, RayTaskError
+
+from omni_serve.config import GraphConfig
+from omni_serve.engines.base import InvalidStageInput
+from omni_serve.errors import from_failure
+from omni_serve.orchestrator import IncompleteStageStream, OmniRequest, Orchestrator, StageFailed, replica_gone
+from omni_serve.types import ChatMessage, FinishReason, HandoffPayload, Modality, SamplingParams, StageOutput
+
+# ---- unit: what is retried, and what a failure maps to (no Ray cluster) ------------------------
+
+GRAPH = GraphConfig.model_validate(
+    {
+        "served_model_name": "fake",
+        "stages": [
+            {"name": "thinker", "engine": "transformers", "final_output": "text"},
+            {"name": "talker", "engine": "transformers", "input": "thinker"},
+            {"name": "code2wav", "engine": "transformers", "input": "talker", "final_output": "audio"},
+        ],
+    }
+)
+
+
+def actor_died() -> ActorDiedError:
+    return ActorDiedError()
+
+
+def wrapped(cause: BaseException) -> BaseException:
+    """How Ray re-raises an exception raised inside the stage replica."""
+    return RayTaskError("generate", "Traceback ...", cause).as_instanceof_cause()
+
+
+class FlakyStages:
+    """Fake stage callers; ``faults[stage]`` is a list of (error, after_n_outputs) per successive call."""
+
+    def __init__(self, faults: dict[str, list[tuple[BaseException, int] | None]], chunks: int = 3):
+        self.faults = faults
+        self.chunks = chunks
+        self.calls: Counter[str] = Counter()
+
+    async def __call__(self, stage: str, request: Any) -> AsyncIterator[StageOutput]:
+        attempt = self.calls[stage]
+        self.calls[stage] += 1
+        plan = self.faults.get(stage, [])
+        fault = plan[attempt] if attempt < len(plan) else None
+        outputs = self._outputs(stage, request)
+        for n, output in enumerate(outputs):
+            if fault is not None and n == fault[1]:
+                raise fault[0]
+            yield output
+        if fault is not None and fault[1] >= len(outputs):
+            raise fault[0]
+
+    def _outputs(self, stage: str, request: Any) -> list[StageOutput]:
+        if stage == "thinker":
+            payload = HandoffPayload("fake.t2t", {"x": np.zeros(2, np.float32)})
+            return [
+                StageOutput(stage=stage, text="hi "),
+                StageOutput(stage=stage, text="there", finished=True, finish_reason=FinishReason.STOP, handoff=payload),
+            ]
+        if stage == "talker":
+            return [
+                StageOutput(
+                    stage=stage,
+                    handoff=HandoffPayload("fake.codes", {"i": np.array([i])}),
+                    finished=i == self.chunks - 1,
+                )
+                for i in range(self.chunks)
+            ]
+        index = int(request.handoff.tensors["i"][0])
+        return [StageOutput(stage=stage, audio=np.full(4, index, np.float32), sample_rate=24000, finished=True)]
+
+
+def omni_request() -> OmniRequest:
+    return OmniRequest(
+        request_id="r",
+        modalities={Modality.TEXT, Modality.AUDIO},
+        sampling={s.name: SamplingParams() for s in GRAPH.stages},
+        messages=[ChatMessage(role="user", content="hi")],
+    )
+
+
+def run(stages: FlakyStages) -> list[StageOutput]:
+    async def collect() -> list[StageOutput]:
+        return [o async for o in Orchestrator(GRAPH, stages).run(omni_request())]
+
+    return asyncio.run(collect())
+
+
+def audio_of(outputs: list[StageOutput]) -> list[int]:
+    return [int(o.audio[0]) for o in outputs if o.audio is not None]
+
+
+@pytest.mark.parametrize("stage", ["thinker", "talker", "code2wav"])
+def test_replica_death_before_any_output_is_retried_once(stage: str) -> None:
+    stages = FlakyStages({stage: [(actor_died(), 0)]})
+    outputs = run(stages)
+    assert audio_of(outputs) == [0, 1, 2]  # the whole reply, nothing lost or duplicated
+    assert "".join(o.text for o in outputs) == "hi there"
+    assert stages.calls[stage] == (2 if stage != "code2wav" else 4)  # code2wav: 3 chunks + 1 retry
+
+
+def test_unreachable_replica_is_retried_too() -> None:
+    stages = FlakyStages({"talker": [(ActorUnavailableError("gone", b"\0" * 16), 0)]})
+    assert audio_of(run(stages)) == [0, 1, 2]
+    assert stages.calls["talker"] == 2
+
+
+def test_second_death_is_not_retried_again() -> None:
+    stages = FlakyStages({"talker": [(actor_died(), 0), (actor_died(), 0)]})
+    with pytest.raises(StageFailed) as info:
+        run(stages)
+    assert info.value.stage == "talker" and stages.calls["talker"] == 2
+    assert from_failure(info.value, "r").status == 503
+
+
+def test_death_after_output_fails_the_request_instead_of_truncating_it() -> None:
+    stages = FlakyStages({"talker": [(actor_died(), 1)]})
+    with pytest.raises(StageFailed) as info:
+        run(stages)
+    assert info.value.stage == "talker" and stages.calls["talker"] == 1
+    error = from_failure(info.value, "r")
+    assert error.status == 503 and error.retry_after_s and "talker" in error.message
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        wrapped(InvalidStageInput("prompt too long")),
+        wrapped(actor_died()),  # something the stage called died: not this replica
+        wrapped(OwnerDiedError("ff" * 28, None, "")),  # its input handoff was lost with the upstream replica
+        RuntimeError("engine exploded"),
+    ],
+    ids=["invalid-input", "inner-actor-death", "lost-handoff", "engine-error"],
+)
+def test_errors_raised_by_the_stage_are_not_retried(error: BaseException) -> None:
+    assert not replica_gone(error)
+    stages = FlakyStages({"talker": [(error, 0)]})
+    with pytest.raises(StageFailed):
+        run(stages)
+    assert stages.calls["talker"] == 1
+
+
+def test_stream_that_ends_without_its_final_output_is_a_failure() -> None:
+    class Truncating(FlakyStages):
+        def _outputs(self, stage: str, request: Any) -> list[StageOutput]:
+            outputs = super()._outputs(stage, request)
+            return outputs[:-1] if stage == "talker" else outputs
+
+    with pytest.raises(StageFailed) as info:
+        run(Truncating({}))
+    assert isinstance(info.value.cause, IncompleteStageStream)
+    assert from_failure(info.value, "r").status == 503
+
+
+def test_a_call_refused_when_it_starts_names_the_stage() -> None:
+    """Serve refuses the call when a full queue is reached; closing the call re-raises that error."""
+    from ray.serve.exceptions import BackPressureError
+
+    class Refused:
+        """Like Serve's generator: iterating raises the error, and so does cancel() afterwards."""
+
+        def __aiter__(self) -> Refused:
+            return self
+
+        async def __anext__(self) -> StageOutput:
+            raise BackPressureError(1, 1)
+
+        def cancel(self) -> None:
+            raise BackPressureError(1, 1)
+
+    class FullTalker(FlakyStages):
+        def __call__(self, stage: str, request: Any) -> Any:
+            return Refused() if stage == "talker" else super().__call__(stage, request)
+
+    with pytest.raises(StageFailed) as info:
+        run(FullTalker({}))
+    error = from_failure(info.value, "r")
+    assert info.value.stage == "talker" and (error.status, error.code) == (503, "overloaded")
+    assert "'talker'" in error.message
+
+
+def test_failure_status_mapping() -> None:
+    from ray.serve.exceptions import BackPressureError
+
+    assert from_failure(StageFailed("thinker", wrapped(InvalidStageInput("too long"))), "r").status == 400
+    assert from_failure(StageFailed("code2wav", wrapped(OwnerDiedError("ff" * 28, None, ""))), "r").status == 503
+    overloaded = from_failure(StageFailed("talker", BackPressureError(3, 2)), "r")
+    assert (overloaded.status, overloaded.retry_after_s) == (503, 1)
+    told = from_failure(StageFailed("talker", BackPressureError(3, 2, status_code=429, retry_after_s=2.5)), "r")
+    assert (told.status, told.retry_after_s) == (429, 3)
+    hidden = from_failure(StageFailed("talker", wrapped(ValueError("secret internals"))), "r", log=False)
+    assert hidden.status == 500 and "secret" not in hidden.message
+
+
+# ---- integration: kill a talker replica under load ---------------------------------------------
+
+N_REQUESTS = 8
+TALKER_FRAMES = 40  # greedy: the tiny talker never samples codec EOS, so every reply has exactly this many frames
+BODY = {
+    "model": "tiny-qwen3-omni",
+    "messages": [{"role": "user", "content": "Say something."}],
+    "modalities": ["text", "audio"],
+    "audio": {"format": "wav"},
+    "max_tokens": 6,
+    "seed": 11,
+    "stage_sampling": {"talker": {"temperature": 0.0, "max_tokens": TALKER_FRAMES}},
+}
+CLIENT_TIMEOUT_S = 150  # above the graph's request_timeout_s (120): a hang shows as a client timeout
+
+
+def two_talkers(config: dict[str, Any]) -> None:
+    app = config["applications"][0]
+    app.pop("autoscaling_policy", None)
+    for deployment in app["deployments"]:
+        deployment.pop("autoscaling_config", None)
+        deployment["num_replicas"] = 2 if deployment["name"] == "talker" else 1
+
+
+@pytest.fixture(scope="module")
+def graph(graphs) -> Iterator[Any]:
+    graphs.deploy("tiny_omni.yaml", two_talkers)
+    graphs.wait_healthy()
+    yield graphs
+    graphs.current = None  # replicas were killed and the variant differs: the next module redeploys
+
+
+def samples(b64: str) -> int:
+    data, rate = sf.read(io.BytesIO(base64.b64decode(b64)), dtype="float32")
+    assert rate == 24000
+    return len(data)
+
+
+def one_request(base_url: str, stream: bool) -> dict[str, Any]:
+    """Send one request; classify the outcome and measure the audio it delivered."""
+    body = {**BODY, "stream": stream}
+    started = time.monotonic()
+    with httpx.Client(timeout=CLIENT_TIMEOUT_S) as client:
+        if not stream:
+            reply = client.post(f"{base_url}/v1/chat/completions", json=body)
+            outcome = {"stream": False, "status": reply.status_code, "seconds": time.monotonic() - started}
+            if reply.status_code == 200:
+                message = reply.json()["choices"][0]["message"]
+                outcome.update(ok=True, samples=samples(message["audio"]["data"]), text=message["content"])
+            else:
+                outcome.update(ok=False, error=reply.json()["error"], retry_after=reply.headers.get("retry-after"))
+            return outcome
+        with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as reply:
+            events = [line.removeprefix("data: ") for line in reply.iter_lines() if line.startswith("data: ")]
+        outcome = {"stream": True, "status": reply.status_code, "seconds": time.monotonic() - started}
+        if reply.status_code != 200:
+            return {**outcome, "ok": False, "error": json.loads(reply.read())["error"]}
+        chunks = [json.loads(e) for e in events if e != "[DONE]"]
+        errors = [c["error"] for c in chunks if "error" in c]
+        audio = [c["choices"][0]["delta"]["audio"]["data"] for c in chunks if c.get("modality") == "audio"]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("modality") == "text")
+        done = bool(events) and events[-1] == "[DONE]"
+        assert done != bool(errors), f"a stream ends with [DONE] xor an error event: {events[-2:]}"
+        if errors:
+            assert events[-1] == json.dumps(chunks[-1], separators=(",", ":")) and len(errors) == 1
+            return {**outcome, "ok": False, "error": errors[0]}
+        return {**outcome, "ok": True, "samples": sum(samples(a) for a in audio), "text": text}
+
+
+def replica_names(deployment: str) -> list[str]:
+    import ray
+
+    prefix = f"SERVE_REPLICA::omni#{deployment}#"
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))
+
+
+def ingress_log_lines(pattern: str) -> list[str]:
+    import ray
+
+    session = Path(ray._private.worker.global_worker.node.get_session_dir_path())
+    return [
+        line
+        for log in (session / "logs" / "serve").glob("replica_omni_ingress_*.log")
+        for line in log.read_text(errors="replace").splitlines()
+        if pattern in line
+    ]
+
+
+def test_killing_a_talker_replica_under_load(graph) -> None:
+    import ray
+
+    reference = one_request(graph.base_url, stream=False)
+    assert reference["ok"], reference
+    full = reference["samples"]
+    retries_before = len(ingress_log_lines("retrying once"))
+
+    talkers = replica_names("talker")
+    assert len(talkers) == 2
+    code2wav_calls = graph.handle("code2wav").stats.remote().result()["requests_total"]
+    with concurrent.futures.ThreadPoolExecutor(N_REQUESTS) as pool:
+        futures = [pool.submit(one_request, graph.base_url, i % 2 == 1) for i in range(N_REQUESTS)]
+        # Both talker replicas are busy with some requests and hold others in their engine queue.
+        deadline = time.monotonic() + 60
+        while graph.handle("code2wav").stats.remote().result()["requests_total"] < code2wav_calls + 3:
+            assert time.monotonic() < deadline, "the load never reached code2wav"
+            time.sleep(0.1)
+        ray.kill(ray.get_actor(talkers[0], namespace="serve"), no_restart=True)
+        outcomes = [f.result() for f in futures]
+
+    for outcome in outcomes:
+        assert outcome["seconds"] < CLIENT_TIMEOUT_S
+        if outcome["ok"]:
+            # Success means the whole reply: the same audio length as the undisturbed reference.
+            assert outcome["status"] == 200 and outcome["samples"] == full, outcome
+            assert outcome["text"] == reference["text"]
+        else:
+            error = outcome["error"]
+            assert error["type"] == "service_unavailable", outcome
+            assert "'talker'" in error["message"] or "'code2wav'" in error["message"], outcome
+            if outcome["stream"]:
+                assert error["code"] == 503
+            else:
+                assert outcome["status"] == 503 and outcome["retry_after"], outcome
+    failed = [o for o in outcomes if not o["ok"]]
+    retries = len(ingress_log_lines("retrying once")) - retries_before
+    print(f"{len(outcomes) - len(failed)} complete, {len(failed)} failed with 503, {retries} stage calls retried")
+    assert len(failed) < len(outcomes)
+    # Requests waiting in the killed replica's engine queue had produced nothing: retried elsewhere.
+    assert retries >= 1
+
+    # Recovery without a restart: Serve replaces the replica, /health is 200, requests work.
+    deadline = time.monotonic() + 180
+    while True:
+        health = httpx.get(f"{graph.base_url}/health", timeout=30)
+        if (
+            health.status_code == 200
+            and len(replica_names("talker")) == 2
+            and talkers[0] not in replica_names("talker")
+        ):
+            break
+        assert time.monotonic() < deadline, f"graph did not recover: {health.text}"
+        time.sleep(1)
+    after = [one_request(graph.base_url, stream) for stream in (False, True)]
+    assert all(o["ok"] and o["samples"] == full for o in after), after

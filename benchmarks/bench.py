@@ -19,7 +19,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -179,8 +179,20 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    cols = ["scenario", "requests", "errors", "concurrency", "ttft_p50", "ttfa_p50", "e2e_p50", "e2e_p90",
-            "e2e_p99", "rtf_p50", "audio_s_p50", "req_per_s"]
+    cols = [
+        "scenario",
+        "requests",
+        "errors",
+        "concurrency",
+        "ttft_p50",
+        "ttfa_p50",
+        "e2e_p50",
+        "e2e_p90",
+        "e2e_p99",
+        "rtf_p50",
+        "audio_s_p50",
+        "req_per_s",
+    ]
 
     def fmt(v: Any) -> str:
         return "–" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
@@ -200,7 +212,9 @@ SCENARIOS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--start-tiny", action="store_true", help="start graphs/tiny_omni.yaml on a private Ray cluster")
+    parser.add_argument(
+        "--start-tiny", action="store_true", help="start graphs/tiny_omni.yaml on a private Ray cluster"
+    )
     parser.add_argument("--model", default="tiny-qwen3-omni")
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1])

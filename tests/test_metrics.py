@@ -49,9 +49,13 @@ def test_stage_and_request_series_after_a_request(tiny_omni) -> None:
         gone = [name for name in wanted if not any(line.startswith(name) for line in lines)]
         # Serve tags stage series with the stage's deployment; requests with their route and status.
         for stage in ("thinker", "talker", "code2wav"):
-            if not any(line.startswith("ray_omni_stage_calls_total") and f'deployment="{stage}"' in line for line in lines):
+            if not any(
+                line.startswith("ray_omni_stage_calls_total") and f'deployment="{stage}"' in line for line in lines
+            ):
                 gone.append(f"calls of {stage}")
-        if not any("omni_requests_total" in line and 'route="chat"' in line and 'status="200"' in line for line in lines):
+        if not any(
+            "omni_requests_total" in line and 'route="chat"' in line and 'status="200"' in line for line in lines
+        ):
             gone.append("chat request counted with status 200")
         return gone
 

@@ -122,7 +122,7 @@ def test_consumer_leaving_cancels_every_stage_call() -> None:
         async for out in stream:
             if out.stage == "thinker" and out.finished:
                 break
-        while not stages.calls["code2wav"]:  # the talker's first chunk reached code2wav
+        while not stages.calls["code2wav"]:  # noqa: ASYNC110 - poll until the first chunk reached code2wav
             await asyncio.sleep(0.01)
         await stream.aclose()
 

@@ -202,6 +202,25 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _fixed(replicas: dict[str, int]) -> Any:
+    """Config edit: fixed replica counts instead of autoscaling, so scenarios measure a steady graph."""
+
+    def mutate(config: dict[str, Any]) -> None:
+        app = config["applications"][0]
+        if replicas:
+            app.pop("autoscaling_policy", None)
+        for deployment in app["deployments"]:
+            if deployment["name"] in replicas:
+                deployment.pop("autoscaling_config", None)
+                deployment["num_replicas"] = replicas[deployment["name"]]
+
+    return mutate
+
+
+def _replica_counts(text: str) -> dict[str, int]:
+    return {name: int(count) for name, count in (item.split("=") for item in text.split(",") if item)}
+
+
 SCENARIOS = {
     "text": (False, False),
     "text+audio": (False, True),
@@ -225,6 +244,12 @@ def main() -> None:
     parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--baseline-threads", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument(
+        "--replicas",
+        type=_replica_counts,
+        default={},
+        help="with --start-tiny: fixed replicas per stage, e.g. thinker=1,talker=2,code2wav=1 (default: autoscaling)",
+    )
     parser.add_argument("--out", default="benchmarks/results.json")
     args = parser.parse_args()
 
@@ -239,7 +264,7 @@ def main() -> None:
         ray.init(num_cpus=4, include_dashboard=False, namespace="serve", log_to_driver=False)
         started_ray = True
         port = int(args.url.rsplit(":", 1)[1])
-        deploy_graph_file("tiny_omni.yaml", ray.get_runtime_context().gcs_address, port)
+        deploy_graph_file("tiny_omni.yaml", ray.get_runtime_context().gcs_address, port, _fixed(args.replicas))
         wait_healthy(args.url)
     try:
         for name in args.scenarios:

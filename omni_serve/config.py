@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from omni_serve.types import Modality, SamplingParams
 
-EngineFamily = Literal["transformers", "vllm", "vllm_omni", "diffusers"]
+EngineFamily = Literal["transformers", "vllm", "vllm_omni", "diffusers", "vllm_omni_diffusion"]
 
 INGRESS_NAME = "ingress"
 

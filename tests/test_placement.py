@@ -15,6 +15,9 @@ and deploy/kuberay.yaml in agreement.
 
 from __future__ import annotations
 
+import base64
+import concurrent.futures
+import io
 import os
 import socket
 import time
@@ -23,6 +26,7 @@ from typing import Any
 
 import httpx
 import pytest
+import soundfile as sf
 import yaml
 
 from omni_serve.launch import GRAPHS, deploy_graph_file, wait_healthy
@@ -128,10 +132,33 @@ def test_stages_land_on_their_node_type_and_fail_over_within_it(node_types: Node
     for stage, node_id in placed.items():
         assert node_types.kind[node_id] == PINS[stage], (stage, node_types.kind[node_id])
 
-    # Lose the big node with the thinker and the shared node with the talker (and maybe code2wav).
+    # Under load, lose the big node with the thinker and the shared node with the talker (and maybe
+    # code2wav): every request in flight completes or fails cleanly with a JSON 5xx, none hangs.
+    def ask(i: int) -> httpx.Response:
+        body = {
+            "model": "tiny-qwen3-omni",
+            "messages": [{"role": "user", "content": f"Hi {i}"}],
+            "modalities": ["text", "audio"],
+            "max_tokens": 8,
+            "stage_sampling": {"talker": {"max_tokens": 48}},
+        }
+        return httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=150)
+
     lost = {placed["thinker"], placed["talker"]}
-    for node_id in lost:
-        node_types.cluster.remove_node(node_types.nodes[node_id], allow_graceful=False)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        in_flight = [pool.submit(ask, i) for i in range(6)]
+        time.sleep(1.0)
+        for node_id in lost:
+            node_types.cluster.remove_node(node_types.nodes[node_id], allow_graceful=False)
+        outcomes = [f.result() for f in in_flight]  # httpx raises if one hangs past its timeout
+    for response in outcomes:
+        if response.status_code == 200:
+            audio = response.json()["choices"][0]["message"]["audio"]
+            samples, rate = sf.read(io.BytesIO(base64.b64decode(audio["data"])), dtype="float32")
+            assert rate == 24000 and samples.size > 0
+        else:
+            assert response.status_code in (500, 503, 504), response.text
+            assert response.json()["error"]["message"], response.text
 
     moved = node_types.wait_placed(timeout_s=150, avoid=lost)
     for stage, node_id in moved.items():

@@ -27,9 +27,8 @@ A cancelled request stops at the next denoising step. Heavy imports happen in
 :meth:`DiffusersEngine.start` only.
 
 GPU serving through vLLM-Omni's own diffusion engine (``DiffusionEngine`` with its
-sequence-parallel / CFG-parallel and cache-dit/TeaCache options) is not wrapped here:
-it is a separate engine family to write against ``vllm_omni.diffusion`` 0.30 and test on
-a GPU; this family serves Qwen-Image on GPUs through diffusers meanwhile.
+sequence-parallel / CFG-parallel and cache-dit/TeaCache options) is the separate
+``vllm_omni_diffusion`` family (:mod:`omni_serve.engines.vllm_omni_diffusion`).
 """
 
 from __future__ import annotations

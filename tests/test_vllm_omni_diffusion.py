@@ -1,0 +1,452 @@
+"""The ``vllm_omni_diffusion`` family: Qwen-Image on vLLM-Omni 0.30's DiffusionEngine.
+
+CPU tests (always run; the ones needing vLLM-Omni skip when ``vllm_omni`` is not importable):
+engine-args validation, every passthrough name checked against the real 0.30 config classes
+(``OmniDiffusionConfig``, ``DiffusionParallelConfig``, ``DiffusionCacheConfig``) and built
+into them, the pure request -> vLLM-Omni mapping, and the stream/abort/stats bookkeeping
+against a stand-in for ``DiffusionEngine`` (the real one needs CUDA).
+
+GPU tests (marker ``gpu``; skipped without CUDA) serve graphs/qwen_image_vllm_omni.yaml
+through Serve and HTTP. vLLM-Omni 0.30's diffusion ``load_format: dummy`` builds no pipeline
+at all (its worker skips ``load_model``), so it cannot make images; random weights here are
+the tiny random-weight Qwen-Image checkpoint of :mod:`omni_serve.tiny_image` (diffusers
+layout, real Qwen-Image classes), built locally. One CUDA GPU (any size) with vllm==0.30.*
++ vllm-omni==0.30.0 (``pip install -e '.[vllm,test]'``):
+
+    python -m pytest -m gpu tests/test_vllm_omni_diffusion.py -x -v
+
+For the real weights on one >= 80 GB GPU (H100/H200), point OMNI_SERVE_QWEN_IMAGE at the
+checkpoint (hub id or local directory):
+
+    OMNI_SERVE_QWEN_IMAGE=Qwen/Qwen-Image python -m pytest -m gpu tests/test_vllm_omni_diffusion.py -x -v
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+
+from omni_serve.engines import FAMILIES, validate_engine_args
+from omni_serve.engines.base import EngineError, InvalidStageInput
+from omni_serve.engines.vllm_omni_diffusion import (
+    CacheArgs,
+    EngineArgs,
+    ParallelArgs,
+    VllmOmniDiffusionEngine,
+    diffusion_config_kwargs,
+    diffusion_request_fields,
+    image_arrays,
+    resolve_image_params,
+    unknown_config_fields,
+)
+from omni_serve.types import ChatMessage, FinishReason, ImageParams, SamplingParams, StageRequest
+
+GRAPH = Path(__file__).resolve().parent.parent / "graphs" / "qwen_image_vllm_omni.yaml"
+
+
+def graph_engine_args() -> dict[str, Any]:
+    return yaml.safe_load(GRAPH.read_text())["applications"][0]["args"]["stages"][0]["engine_args"]
+
+
+def request(image: ImageParams | None = None, seed: int | None = None, rid: str = "r1") -> StageRequest:
+    return StageRequest(
+        request_id=rid,
+        sampling=SamplingParams(seed=seed),
+        messages=[ChatMessage(role="system", content="be nice"), ChatMessage(role="user", content="a red fox")],
+        image=image,
+    )
+
+
+def image(**kw: Any) -> ImageParams:
+    return ImageParams(**{"width": 64, "height": 48, "num_inference_steps": 2, "guidance_scale": 4.0, **kw})
+
+
+@pytest.fixture(scope="module")
+def vllm_omni() -> Any:
+    return pytest.importorskip("vllm_omni")
+
+
+# ---- engine args -------------------------------------------------------------------------------
+
+
+def test_registered_and_cheap_to_import() -> None:
+    assert FAMILIES["vllm_omni_diffusion"] == "omni_serve.engines.vllm_omni_diffusion"
+    code = (
+        "import sys, omni_serve.engines.vllm_omni_diffusion as m; "
+        "heavy = [n for n in ('vllm_omni', 'vllm', 'torch') if n in sys.modules]; "
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=GRAPH.parent.parent)
+
+
+def test_shipped_graph_args_validate() -> None:
+    assert validate_engine_args("vllm_omni_diffusion", graph_engine_args()) is None
+    args = EngineArgs.model_validate(graph_engine_args())
+    assert args.parallel.world_size == 1 and args.cache.backend == "none"
+
+
+@pytest.mark.parametrize(
+    ("patch", "field"),
+    [
+        ({"load_format": "dummy"}, "load_format"),
+        ({"parallel": {"ulysses_degre": 2}}, "parallel.ulysses_degre"),
+        ({"parallel": {"cfg_parallel_size": 3}}, "parallel.cfg_parallel_size"),
+        ({"parallel": {"ring_degree": 0}}, "parallel.ring_degree"),
+        ({"parallel": {"vae_patch_parallel_size": 2}}, "parallel"),
+        ({"cache": {"backend": "deep_cache"}}, "cache.backend"),
+        ({"cache": {"rel_l1_thresh": 0.2}}, "cache"),  # an option without its backend
+        ({"cache": {"backend": "tea_cache", "rel_l1": 0.2}}, "cache.rel_l1"),
+        ({"default_width": 1000}, "default_width"),
+        ({"enable_cpu_offload": True, "enable_layerwise_offload": True}, "enable_cpu_offload"),
+        ({"dtype": "int8"}, "dtype"),
+    ],
+)
+def test_bad_engine_args_name_the_field(patch: dict[str, Any], field: str) -> None:
+    message = validate_engine_args("vllm_omni_diffusion", {**graph_engine_args(), **patch})
+    assert message is not None and field in message, message
+
+
+def test_parallel_degrees_multiply_into_the_replica_gpus() -> None:
+    parallel = ParallelArgs(tensor_parallel_size=2, ulysses_degree=2, ring_degree=2, cfg_parallel_size=2)
+    assert parallel.world_size == 16
+    kwargs = diffusion_config_kwargs(EngineArgs(model="m", parallel=parallel))
+    assert kwargs["num_gpus"] == 16 and kwargs["parallel_config"]["ulysses_degree"] == 2
+
+
+def test_cache_config_carries_only_what_was_set() -> None:
+    cache = CacheArgs(backend="cache_dit", Fn_compute_blocks=2, residual_diff_threshold=0.1)
+    kwargs = diffusion_config_kwargs(EngineArgs(model="m", cache=cache))
+    assert kwargs["cache_backend"] == "cache_dit"
+    assert kwargs["cache_config"] == {"Fn_compute_blocks": 2, "residual_diff_threshold": 0.1}
+    # Never left to DIFFUSION_CACHE_BACKEND in the replica's environment.
+    assert diffusion_config_kwargs(EngineArgs(model="m"))["cache_backend"] == "none"
+
+
+# ---- against the real vLLM-Omni 0.30 config classes --------------------------------------------
+
+
+def _everything_set() -> EngineArgs:
+    cache = {name: field.annotation for name, field in CacheArgs.model_fields.items()}
+    values = {"rel_l1_thresh": 0.2, "Fn_compute_blocks": 1, "Bn_compute_blocks": 0, "max_warmup_steps": 4,
+              "max_cached_steps": -1, "max_continuous_cached_steps": 3, "residual_diff_threshold": 0.24,
+              "enable_taylorseer": False, "taylorseer_order": 1, "scm_steps_mask_policy": "fast",
+              "scm_steps_policy": "dynamic"}  # fmt: skip
+    assert set(values) == set(cache) - {"backend"}  # a new CacheArgs field must be added here too
+    return EngineArgs(
+        model="Qwen/Qwen-Image",
+        revision="main",
+        parallel=ParallelArgs(ulysses_degree=2, ring_degree=1, cfg_parallel_size=2, vae_patch_parallel_size=4),
+        cache=CacheArgs(backend="cache_dit", **values),
+        step_execution=True,
+        max_num_seqs=2,
+        enforce_eager=True,
+        enable_cpu_offload=True,
+        vae_use_slicing=True,
+        vae_use_tiling=True,
+    )
+
+
+def test_every_passthrough_name_exists_on_the_vllm_omni_config_classes(vllm_omni: Any) -> None:
+    kwargs = diffusion_config_kwargs(_everything_set())
+    assert set(kwargs["parallel_config"]) == set(ParallelArgs.model_fields)
+    assert set(kwargs["cache_config"]) == set(CacheArgs.model_fields) - {"backend"}
+    assert unknown_config_fields(kwargs) == []
+    # ... and the check does catch names vLLM-Omni lacks (its cache config would swallow them silently).
+    bogus = {**kwargs, "ulysses": 2, "parallel_config": {"ulysses": 2}, "cache_config": {"thresh": 1}}
+    assert unknown_config_fields(bogus) == ["ulysses", "parallel_config.ulysses", "cache_config.thresh"]
+
+
+def test_the_real_omni_diffusion_config_takes_the_kwargs(vllm_omni: Any) -> None:
+    import torch
+    from vllm_omni.diffusion.data import DiffusionCacheConfig, DiffusionParallelConfig, OmniDiffusionConfig
+
+    config = OmniDiffusionConfig.from_kwargs(**diffusion_config_kwargs(_everything_set()))
+    parallel = config.parallel_config
+    assert isinstance(parallel, DiffusionParallelConfig) and isinstance(config.cache_config, DiffusionCacheConfig)
+    assert config.num_gpus == parallel.world_size == 4 and parallel.data_parallel_size == 1
+    assert (parallel.ulysses_degree, parallel.sequence_parallel_size, parallel.cfg_parallel_size) == (2, 2, 2)
+    assert parallel.vae_patch_parallel_size == 4
+    assert config.cache_backend == "cache_dit" and config.cache_config.Fn_compute_blocks == 1
+    assert config.cache_config.scm_steps_mask_policy == "fast" and config.cache_config._extra_params == {}
+    assert (config.step_execution, config.max_num_seqs, config.enforce_eager) == (True, 2, True)
+    assert config.revision == "main"
+    assert config.enable_cpu_offload and config.vae_use_slicing and config.vae_use_tiling
+
+    plain = OmniDiffusionConfig.from_kwargs(**diffusion_config_kwargs(EngineArgs(model="Qwen/Qwen-Image")))
+    assert plain.num_gpus == 1 and plain.cache_backend == "none" and plain.dtype == torch.bfloat16
+
+
+# ---- request mapping ---------------------------------------------------------------------------
+
+
+def test_request_fields_follow_the_qwen_image_api_mapping() -> None:
+    prompt, sampling = diffusion_request_fields("a red fox", image(negative_prompt="blurry", seed=5, n=3))
+    assert prompt == {"prompt": "a red fox", "negative_prompt": "blurry"}
+    assert sampling == {
+        "width": 64,
+        "height": 48,
+        "num_inference_steps": 2,
+        "true_cfg_scale": 4.0,
+        "num_outputs_per_prompt": 3,
+        "seed": 5,
+        "generator_device": "cpu",
+        "emit_request_lifecycle": True,
+    }
+
+
+@pytest.mark.parametrize("scale", [0.0, 1.0])
+def test_no_true_cfg_sends_no_negative_prompt(scale: float) -> None:
+    # vLLM-Omni's Qwen-Image runs CFG at 4.0 whenever a negative prompt is present.
+    prompt, sampling = diffusion_request_fields("p", image(guidance_scale=scale, negative_prompt="blurry", seed=1))
+    assert prompt == {"prompt": "p"} and sampling["true_cfg_scale"] == scale
+
+
+def test_seed_is_folded_into_torch_range() -> None:
+    _, sampling = diffusion_request_fields("p", image(seed=2**64 + 3))
+    assert sampling["seed"] == (2**64 + 3) % 2**63
+
+
+def test_real_sampling_params_and_request_accept_the_fields(vllm_omni: Any) -> None:
+    from vllm_omni.diffusion.data import OmniDiffusionConfig  # noqa: F401  - data before request (import order)
+    from vllm_omni.diffusion.request import OmniDiffusionRequest
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+    prompt, sampling = diffusion_request_fields("a red fox", image(negative_prompt="blurry", seed=9, n=2))
+    req = OmniDiffusionRequest(prompt=prompt, sampling_params=OmniDiffusionSamplingParams(**sampling), request_id="x")
+    params = req.sampling_params
+    assert (params.width, params.height, params.num_inference_steps, params.true_cfg_scale) == (64, 48, 2, 4.0)
+    assert (params.num_outputs_per_prompt, params.seed, params.generator_device) == (2, 9, "cpu")
+    assert params.generator is None  # the worker seeds it (DiffusionModelRunner._initialize_generator)
+    assert not params.guidance_scale_provided  # guidance embeddings stay off, as the API leaves them
+
+
+def test_image_params_checked_and_seeded() -> None:
+    args = EngineArgs(model="m", default_width=512, default_height=256, max_images=2)
+    chat = resolve_image_params(request(None, seed=11), args)  # chat requests carry no ImageParams
+    assert (chat.width, chat.height, chat.num_inference_steps, chat.guidance_scale) == (512, 256, 50, 4.0)
+    assert chat.seed == 11
+    assert resolve_image_params(request(image(seed=3), seed=11), args).seed == 3
+    assert resolve_image_params(request(image()), args).seed is not None  # drawn, then fixed for the request
+    for bad, field in [
+        (image(width=60), "size"),
+        (image(width=4096, height=4096), "size"),
+        (image(num_inference_steps=0), "num_inference_steps"),
+        (image(n=3), "n"),
+        (image(guidance_scale=-1.0), "guidance_scale"),
+    ]:
+        with pytest.raises(InvalidStageInput, match=f"^{field}:"):
+            resolve_image_params(request(bad), args)
+
+
+def test_pil_images_become_uint8_rgb_arrays() -> None:
+    [array] = image_arrays([Image.new("RGBA", (64, 48), (10, 20, 30, 40))])
+    assert array.dtype == np.uint8 and array.shape == (48, 64, 3) and array[0, 0].tolist() == [10, 20, 30]
+
+
+# ---- stream / abort / stats against a stand-in DiffusionEngine ---------------------------------
+
+
+class _Executor:
+    def check_health(self) -> None:
+        pass
+
+
+class FakeDiffusionEngine:
+    """What VllmOmniDiffusionEngine uses of DiffusionEngine: step_streaming, abort, executor."""
+
+    def __init__(self) -> None:
+        self.executor = _Executor()
+        self.aborted: list[str] = []
+        self.requests: list[Any] = []
+        self.release = asyncio.Event()
+
+    def abort(self, request_id: str | list[str]) -> None:
+        self.aborted += [request_id] if isinstance(request_id, str) else list(request_id)
+
+    async def step_streaming(self, request: Any) -> Any:
+        from vllm_omni.diffusion.data import DIFFUSION_REQUEST_LIFECYCLE_KEY, DIFFUSION_REQUEST_STARTED
+        from vllm_omni.outputs import OmniRequestOutput
+
+        self.requests.append(request)
+        started = {DIFFUSION_REQUEST_LIFECYCLE_KEY: DIFFUSION_REQUEST_STARTED}
+        yield [OmniRequestOutput.from_diffusion(request.request_id, images=[], custom_output=started, finished=False)]
+        await self.release.wait()
+        sampling = request.sampling_params
+        size = (sampling.width, sampling.height)
+        frames = [Image.new("RGB", size, (i, 0, 0)) for i in range(sampling.num_outputs_per_prompt)]
+        yield [OmniRequestOutput.from_diffusion(request.request_id, images=frames)]
+
+
+def _engine_with_fake() -> tuple[VllmOmniDiffusionEngine, FakeDiffusionEngine]:
+    engine = VllmOmniDiffusionEngine("image", graph_engine_args())
+    fake = FakeDiffusionEngine()
+    engine._engine = fake
+    return engine, fake
+
+
+def test_stream_yields_the_images_and_tracks_waiting_running(vllm_omni: Any) -> None:
+    async def go() -> None:
+        engine, fake = _engine_with_fake()
+        outputs: list[Any] = []
+
+        async def consume() -> None:
+            outputs.extend([o async for o in engine.stream(request(image(seed=4, n=2)), None)])
+
+        task = asyncio.create_task(consume())
+        for _ in range(100):
+            await asyncio.sleep(0)
+            if engine.stats()["running"]:
+                break
+        assert engine.stats() == {"waiting": 0, "running": 1, "client_requests": 1, "served": 0}
+        fake.release.set()
+        await task
+        [out] = outputs
+        assert out.finished and out.finish_reason == FinishReason.STOP and out.stage == "image"
+        assert [a.shape for a in out.images] == [(48, 64, 3)] * 2 and out.images[1][0, 0, 0] == 1
+        assert engine.stats() == {"waiting": 0, "running": 0, "client_requests": 0, "served": 1}
+        [sent] = fake.requests
+        assert sent.prompt == {"prompt": "a red fox"}  # no negative prompt given: no true CFG
+        assert sent.sampling_params.seed == 4 and fake.aborted == []
+        await engine.check_health()
+
+    asyncio.run(go())
+
+
+def test_cancelled_call_aborts_its_engine_request(vllm_omni: Any) -> None:
+    async def go() -> None:
+        engine, fake = _engine_with_fake()
+
+        async def consume() -> None:
+            async for _ in engine.stream(request(image(seed=4), rid="gone"), None):
+                pass
+
+        task = asyncio.create_task(consume())
+        for _ in range(100):
+            await asyncio.sleep(0)
+            if engine.stats()["running"]:
+                break
+        await engine.abort("gone")  # what the stage deployment does when the client leaves
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert fake.aborted[0] == "gone-image-0" and set(fake.aborted) == {"gone-image-0"}
+        assert engine.stats() == {"waiting": 0, "running": 0, "client_requests": 0, "served": 0}
+
+    asyncio.run(go())
+
+
+def test_not_started_and_handoff_are_engine_errors(vllm_omni: Any) -> None:
+    async def first(engine: VllmOmniDiffusionEngine, handoff: Any = None) -> Any:
+        return [o async for o in engine.stream(request(image()), handoff)]
+
+    engine = VllmOmniDiffusionEngine("image", graph_engine_args())
+    with pytest.raises(EngineError, match="not started"):
+        asyncio.run(first(engine))
+    with pytest.raises(EngineError, match="not started"):
+        asyncio.run(engine.check_health())
+    engine._engine = FakeDiffusionEngine()
+    with pytest.raises(EngineError, match="no upstream handoff"):
+        asyncio.run(first(engine, object()))
+
+
+# ---- GPU: the shipped graph behind Serve and HTTP ----------------------------------------------
+
+try:
+    import torch
+
+    _CUDA = torch.cuda.is_available()
+except ImportError:  # pragma: no cover - torch is a dependency
+    _CUDA = False
+
+
+def gpu(test: Any) -> Any:
+    """Marker ``gpu`` (+ ``integration``); skipped unless ``torch.cuda.is_available()``."""
+    for mark in (pytest.mark.gpu, pytest.mark.integration, pytest.mark.skipif(not _CUDA, reason="needs a CUDA GPU")):
+        test = mark(test)
+    return test
+
+
+def _gpu_graph(config: dict[str, Any]) -> None:
+    from omni_serve.tiny_image import ensure_tiny_qwen_image
+
+    app = config["applications"][0]
+    app["args"]["served_model_name"] = "qwen-image"
+    engine_args = app["args"]["stages"][0]["engine_args"]
+    engine_args["model"] = os.environ.get("OMNI_SERVE_QWEN_IMAGE") or str(ensure_tiny_qwen_image())
+    for deployment in app["deployments"]:  # the session cluster has 4 CPUs
+        deployment["ray_actor_options"]["num_cpus"] = 0.5
+
+
+@pytest.fixture(scope="module")
+def qwen_image(graphs) -> Iterator[Any]:
+    pytest.importorskip("vllm_omni")
+    graphs.deploy(GRAPH, mutate=_gpu_graph)
+    graphs.wait_healthy(timeout_s=1800)
+    yield graphs
+    graphs.delete()
+
+
+def _generate(graphs: Any, **body: Any) -> list[np.ndarray]:
+    import httpx
+
+    base = {"model": "qwen-image", "prompt": "a red fox in the snow", "size": "512x384", "num_inference_steps": 4}
+    reply = httpx.post(f"{graphs.base_url}/v1/images/generations", json={**base, **body}, timeout=600)
+    assert reply.status_code == 200, reply.text
+    images = []
+    for item in reply.json()["data"]:
+        png = Image.open(io.BytesIO(base64.b64decode(item["b64_json"])))
+        assert png.format == "PNG" and png.mode == "RGB"
+        images.append(np.asarray(png))
+    return images
+
+
+@gpu
+def test_gpu_png_of_requested_size_and_same_seed_same_image(qwen_image: Any) -> None:
+    [first] = _generate(qwen_image, seed=5)
+    assert first.shape == (384, 512, 3)
+    [again] = _generate(qwen_image, seed=5)
+    assert np.array_equal(first, again)
+    [other] = _generate(qwen_image, seed=6)
+    assert not np.array_equal(first, other)
+
+
+@gpu
+def test_gpu_n_images_and_true_cfg(qwen_image: Any) -> None:
+    images = _generate(qwen_image, seed=7, n=2, size="256x256", negative_prompt="blurry", guidance_scale=4.0)
+    assert [i.shape for i in images] == [(256, 256, 3)] * 2 and not np.array_equal(images[0], images[1])
+
+
+@gpu
+def test_gpu_client_gone_frees_the_engine(qwen_image: Any) -> None:
+    import httpx
+
+    body = {"model": "qwen-image", "prompt": "a fox", "size": "2048x2048", "num_inference_steps": 100, "seed": 1}
+    try:
+        httpx.post(f"{qwen_image.base_url}/v1/images/generations", json=body, timeout=2)
+    except httpx.TimeoutException:
+        pass  # the client left while the engine works on it
+    else:
+        pytest.skip("the request finished before the client left")
+    handle = qwen_image.handle("image")
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        stats = handle.stats.remote().result()
+        if stats["waiting"] == stats["running"] == stats["client_requests"] == 0:
+            break
+        time.sleep(1)
+    else:
+        pytest.fail(f"engine still busy after the client left: {stats}")
+    assert _generate(qwen_image, seed=5, size="256x256")  # and serves again

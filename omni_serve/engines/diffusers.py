@@ -34,7 +34,6 @@ sequence-parallel / CFG-parallel and cache-dit/TeaCache options) is the separate
 from __future__ import annotations
 
 import asyncio
-import secrets
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -44,12 +43,12 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from omni_serve.engines.base import EngineError, InvalidStageInput, StageEngine
+from omni_serve.engines.image_params import SEED_MOD, resolve_image_params
 from omni_serve.types import FinishReason, HandoffPayload, ImageParams, StageOutput, StageRequest
 
 PipelineStage = Literal["full", "encode", "denoise", "decode"]
 PROMPT_KIND = "qwen_image.prompt_embeds"
 LATENTS_KIND = "qwen_image.latents"
-_SEED_MOD = 2**63
 
 
 class EngineArgs(BaseModel):
@@ -152,31 +151,7 @@ class DiffusersEngine(StageEngine):
     # ---- requests ------------------------------------------------------------------------------
     def image_params(self, request: StageRequest) -> ImageParams:
         """The request's image parameters (or this stage's defaults), checked against this model."""
-        a = self.args
-        params = request.image or ImageParams(
-            width=a.default_width,
-            height=a.default_height,
-            num_inference_steps=a.default_num_inference_steps,
-            guidance_scale=a.default_guidance_scale,
-        )
-        m = self.size_multiple
-        size = f"{params.width}x{params.height}"
-        if params.width < m or params.height < m or params.width % m or params.height % m:
-            raise InvalidStageInput(f"size: width and height must be positive multiples of {m} (got {size})")
-        if params.width * params.height > a.max_pixels:
-            raise InvalidStageInput(f"size: at most {a.max_pixels} pixels (got {size})")
-        if not 1 <= params.num_inference_steps <= a.max_inference_steps:
-            raise InvalidStageInput(
-                f"num_inference_steps: must be in [1, {a.max_inference_steps}] (got {params.num_inference_steps})"
-            )
-        if not 1 <= params.n <= a.max_images:
-            raise InvalidStageInput(f"n: must be in [1, {a.max_images}] (got {params.n})")
-        if params.guidance_scale < 0:
-            raise InvalidStageInput(f"guidance_scale: must be >= 0 (got {params.guidance_scale})")
-        if params.seed is None:
-            seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbelow(_SEED_MOD)
-            params = params.model_copy(update={"seed": seed})
-        return params
+        return resolve_image_params(request, self.args, self.size_multiple)
 
     async def stream(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]:
         stage = self.args.pipeline_stage
@@ -248,7 +223,7 @@ class DiffusersEngine(StageEngine):
         negative = tensor("negative_prompt_embeds")
         true_cfg = params.guidance_scale > 1.0 and negative is not None
         seed = params.seed or 0
-        generators = [torch.Generator("cpu").manual_seed((seed + i) % _SEED_MOD) for i in range(params.n)]
+        generators = [torch.Generator("cpu").manual_seed((seed + i) % SEED_MOD) for i in range(params.n)]
         with torch.inference_mode():
             latents = pipe(
                 prompt_embeds=tensor("prompt_embeds").to(dtype),

@@ -52,13 +52,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import secrets
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from omni_serve.engines import image_params
 from omni_serve.engines.base import EngineError, InvalidStageInput, StageEngine
 from omni_serve.engines.diffusers import prompt_of
 from omni_serve.types import FinishReason, HandoffPayload, ImageParams, StageOutput, StageRequest
@@ -69,7 +69,6 @@ logger = logging.getLogger("ray.serve")
 SIZE_MULTIPLE = 16
 # The pipeline classes (model_index.json ``_class_name``) whose request mapping this family implements.
 QWEN_IMAGE_PIPELINES = frozenset({"QwenImagePipeline"})
-_SEED_MOD = 2**63
 
 
 class ParallelArgs(BaseModel):
@@ -224,30 +223,7 @@ def unknown_config_fields(kwargs: dict[str, Any]) -> list[str]:
 
 def resolve_image_params(request: StageRequest, args: EngineArgs) -> ImageParams:
     """The request's image parameters (or the stage defaults), checked; the seed always set."""
-    params = request.image or ImageParams(
-        width=args.default_width,
-        height=args.default_height,
-        num_inference_steps=args.default_num_inference_steps,
-        guidance_scale=args.default_guidance_scale,
-    )
-    m = SIZE_MULTIPLE
-    size = f"{params.width}x{params.height}"
-    if params.width < m or params.height < m or params.width % m or params.height % m:
-        raise InvalidStageInput(f"size: width and height must be positive multiples of {m} (got {size})")
-    if params.width * params.height > args.max_pixels:
-        raise InvalidStageInput(f"size: at most {args.max_pixels} pixels (got {size})")
-    if not 1 <= params.num_inference_steps <= args.max_inference_steps:
-        raise InvalidStageInput(
-            f"num_inference_steps: must be in [1, {args.max_inference_steps}] (got {params.num_inference_steps})"
-        )
-    if not 1 <= params.n <= args.max_images:
-        raise InvalidStageInput(f"n: must be in [1, {args.max_images}] (got {params.n})")
-    if params.guidance_scale < 0:
-        raise InvalidStageInput(f"guidance_scale: must be >= 0 (got {params.guidance_scale})")
-    if params.seed is None:
-        seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbelow(_SEED_MOD)
-        params = params.model_copy(update={"seed": seed})
-    return params
+    return image_params.resolve_image_params(request, args, SIZE_MULTIPLE)
 
 
 def diffusion_request_fields(prompt: str, params: ImageParams) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -262,7 +238,7 @@ def diffusion_request_fields(prompt: str, params: ImageParams) -> tuple[dict[str
         "num_inference_steps": params.num_inference_steps,
         "true_cfg_scale": params.guidance_scale,
         "num_outputs_per_prompt": params.n,
-        "seed": (params.seed or 0) % _SEED_MOD,
+        "seed": (params.seed or 0) % image_params.SEED_MOD,
         "generator_device": "cpu",
         # Ask for the engine's "admitted by the scheduler" event (waiting -> running in stats()).
         "emit_request_lifecycle": True,

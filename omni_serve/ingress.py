@@ -30,7 +30,7 @@ from omni_serve.errors import APIError, bad_request, from_failure, from_validati
 from omni_serve.handoff import payload_loads
 from omni_serve.media import encode_audio
 from omni_serve.metrics import RequestMetrics
-from omni_serve.openai import chat, speech
+from omni_serve.openai import chat, images, speech
 from omni_serve.openai.protocol import (
     ChatCompletionRequest,
     api_key_matches,
@@ -250,6 +250,9 @@ class Ingress:
                     if item.audio is not None:
                         delta = chat.audio_delta(request_id, item, audio_format)
                         yield chat.sse(chat.chunk(request_id, model, created, delta, modality=Modality.AUDIO))
+                    if item.images:  # content parts, as in the non-streamed message
+                        delta = {"content": images.content_parts(item.images)}
+                        yield chat.sse(chat.chunk(request_id, model, created, delta, modality=Modality.IMAGE))
                     item = await anext(outputs, None)
             except Exception as err:
                 # Headers are gone: report in-band and do not send [DONE], so nobody takes it for success.
@@ -319,8 +322,6 @@ class Ingress:
     @api.post("/v1/images/generations")
     async def images_generations(self, request: Request) -> JSONResponse:
         """OpenAI images API on a graph with an image final output: PNGs as b64_json."""
-        from omni_serve.openai import images
-
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         body = await self._parse(request, images.ImageGenerationRequest)
         self._check_model(body.model)

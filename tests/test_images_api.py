@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -105,6 +106,17 @@ def test_chat_completion_returns_image_url_part(tiny_image) -> None:
     url = part["image_url"]["url"]
     assert part["type"] == "image_url" and url.startswith("data:image/png;base64,")
     assert pixels(base64.b64decode(url.split(",", 1)[1])).shape == (64, 64, 3)  # the graph's default size
+
+
+def test_streamed_chat_carries_the_image(tiny_image) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a red fox"}], "modalities": ["image"], "seed": 5}
+    with httpx.stream("POST", f"{tiny_image.base_url}/v1/chat/completions", json={**body, "stream": True}) as response:
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line) for line in lines[:-1]]
+    [image] = [c for c in chunks if c.get("modality") == "image"]
+    [part] = image["choices"][0]["delta"]["content"]
+    assert part["image_url"]["url"].startswith("data:image/png;base64,")
 
 
 def test_three_stage_graph_gives_the_same_image(tiny_image) -> None:

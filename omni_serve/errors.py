@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from typing import Any
 
 from pydantic import ValidationError
@@ -12,7 +13,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 from starlette.responses import JSONResponse
 
 from omni_serve.engines.base import InvalidStageInput
-from omni_serve.orchestrator import IncompleteStageStream, StageFailed, StageTimeout
+from omni_serve.orchestrator import AbortedStageCall, IncompleteStageStream, StageFailed, StageTimeout
 
 logger = logging.getLogger("ray.serve")
 
@@ -126,19 +127,36 @@ def _root_cause(err: BaseException) -> BaseException:
     return cause
 
 
+# Ray's remote traceback text may prefix the message with the exception's class name.
+_RAISED_AS = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?InvalidStageInput: ")
+_FIELD = re.compile(r"[a-z_][a-z0-9_]*(?:\.[a-z0-9_]+)*")
+
+
+def stage_bad_request(cause: InvalidStageInput) -> APIError:
+    """A stage's 400: ``param`` is what the engine named, else the field its message starts with."""
+    message = _RAISED_AS.sub("", str(cause)) or "invalid input"
+    param = getattr(cause, "param", None)
+    head, sep, _ = message.partition(":")
+    if param is None and sep and _FIELD.fullmatch(head):
+        param = head
+    return bad_request(message, param)
+
+
 def from_failure(err: BaseException, request_id: str, log: bool = True) -> APIError:
     """Map a failed request to a status; never leak raw exception text of unexpected errors.
 
     400 bad input · 503/429 overloaded (as the stage's ``backpressure_config`` says, with
-    Retry-After) · 503 a stage replica died, its input was lost with it, or the stage is
-    unavailable (with Retry-After) · 504 a stage went silent · 500 anything else.
+    Retry-After) · 503 a stage replica died, its input was lost with it, the stage is
+    unavailable, or its engine aborted the call (with Retry-After) · 504 a stage went silent
+    or the request reached its time limit · 500 anything else. Every error has a ``code``,
+    so a client reading an in-band stream error (no HTTP status) can still tell them apart.
     """
     cause = _root_cause(err)
     stage = getattr(err, "stage", None)
     if isinstance(cause, InvalidStageInput):
-        return bad_request(str(cause) or "invalid input")
+        return stage_bad_request(cause)
     if isinstance(err, StageTimeout):
-        return APIError(504, f"{err}; request {request_id}", type="timeout_error")
+        return APIError(504, f"{err}; request {request_id}", type="timeout_error", code="timeout")
     if isinstance(cause, BackPressureError):
         retry_after = cause.retry_after_s
         return APIError(
@@ -147,6 +165,16 @@ def from_failure(err: BaseException, request_id: str, log: bool = True) -> APIEr
             type="overloaded_error",
             code="overloaded",
             retry_after_s=OVERLOADED_RETRY_AFTER_S if retry_after is None else max(0, math.ceil(retry_after)),
+        )
+    if isinstance(cause, AbortedStageCall):
+        if log:
+            logger.warning("request %s: stage %s aborted a call nobody cancelled", request_id, stage)
+        return APIError(
+            503,
+            f"stage '{stage}' aborted the request, retry later",
+            type="service_unavailable",
+            code="stage_aborted",
+            retry_after_s=UNAVAILABLE_RETRY_AFTER_S,
         )
     if isinstance(cause, (DeploymentUnavailableError, RayActorError, ObjectLostError, IncompleteStageStream)):
         if log:
@@ -160,4 +188,9 @@ def from_failure(err: BaseException, request_id: str, log: bool = True) -> APIEr
         )
     if log:
         logger.error("request %s failed in stage %s", request_id, stage, exc_info=err)
-    return APIError(500, f"stage '{stage}' failed; see server logs for request {request_id}", type="server_error")
+    return APIError(
+        500,
+        f"stage '{stage}' failed; see server logs for request {request_id}",
+        type="server_error",
+        code="stage_error",
+    )

@@ -79,6 +79,19 @@ MIN_RATIOS = {"code2wav": {"talker": 0.5}}
 
 # Serve defaults the deploy config has no word for; the graph header says so.
 HTTP_OPTIONS = {"host": "0.0.0.0", "port": 8000, "request_timeout_s": 600}
+STAGE_TIMEOUT_S = 540  # below request_timeout_s (omni_serve.config.check_timeouts): the client gets the 504
+# OpenAI's voice names -> the model's speakers (female / male voices to the closest timbre).
+VOICE_ALIASES: dict[str, dict[str, str]] = {
+    "qwen3_omni_moe": {
+        **dict.fromkeys(["alloy", "coral", "marin", "nova", "sage", "shimmer"], "chelsie"),
+        **dict.fromkeys(["ash", "cedar", "echo", "onyx", "verse"], "ethan"),
+        **dict.fromkeys(["ballad", "fable"], "aiden"),
+    },
+    "qwen2_5_omni": {
+        **dict.fromkeys(["alloy", "coral", "marin", "nova", "sage", "shimmer"], "chelsie"),
+        **dict.fromkeys(["ash", "ballad", "cedar", "echo", "fable", "onyx", "verse"], "ethan"),
+    },
+}
 INGRESS = {"name": "ingress", "max_ongoing_requests": 256, "ray_actor_options": {"num_cpus": 1}}
 STAGE_CPUS = 2
 
@@ -290,7 +303,12 @@ def generate(
                 "name": "omni",
                 "route_prefix": "/",
                 "import_path": "omni_serve.app:build_app",
-                "args": {"served_model_name": model, "stages": graph_stages, "stage_timeout_s": 600},
+                "args": {
+                    "served_model_name": model,
+                    "stages": graph_stages,
+                    "stage_timeout_s": STAGE_TIMEOUT_S,
+                    **({"voice_aliases": VOICE_ALIASES[pipeline]} if pipeline in VOICE_ALIASES else {}),
+                },
                 "autoscaling_policy": _autoscaling_policy({s["name"] for s in graph_stages}),
                 "deployments": deployments,
             }

@@ -1,9 +1,15 @@
 """The ingress deployment: OpenAI-compatible routes, auth and validation in front of the orchestrator.
 
 Every endpoint follows one template: parse + validate the body (400 naming the
-field), convert to an :class:`OmniRequest`, run the orchestrator, and either
-collect the outputs or stream them. For streams the first output is awaited before
-the response starts, so failures that happen early still get a real status code.
+field, the voice included, before any stage runs), convert to an :class:`OmniRequest`,
+run the orchestrator, and either collect the outputs or stream them. For streams the
+first output is awaited before the response starts, so failures that happen early still
+get a real status code; a failure after that is sent in-band as the same error object.
+Every failure goes through one ladder, :func:`omni_serve.errors.from_failure`.
+
+Request ids: the server mints one per request (the response's ``id``); the client's
+``X-Request-ID`` is echoed in the response header and logged, and never reaches an
+engine (the orchestrator derives each stage call's engine id from the server's id).
 """
 
 # No `from __future__ import annotations`: FastAPI resolves route annotations at runtime and the
@@ -21,25 +27,29 @@ import numpy as np
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
 from ray import serve
+from ray.serve._private.http_util import parse_request_timeout_header
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from omni_serve.config import GraphConfig, load_graph
+from omni_serve.config import DEADLINE_MARGIN_S, GraphConfig, check_timeouts, load_graph
 from omni_serve.errors import APIError, bad_request, from_failure, from_validation, http_exception_handler
 from omni_serve.handoff import payload_loads
-from omni_serve.media import encode_audio
+from omni_serve.media import AUDIO_MEDIA_TYPES, EMPTY_AUDIO_SAMPLE_RATE, STREAMABLE_AUDIO, AudioEncoder, encode_audio
 from omni_serve.metrics import RequestMetrics
-from omni_serve.openai import chat, images, speech
+from omni_serve.openai import chat, images
 from omni_serve.openai.protocol import (
     ChatCompletionRequest,
     api_key_matches,
     check_content_type,
     parse_json_object,
     read_body,
+    sampling_overrides,
 )
 from omni_serve.openai.speech import SpeechRequest
+from omni_serve.openai.voices import resolve_voice, voices_json
 from omni_serve.orchestrator import OmniRequest, Orchestrator
+from omni_serve.readiness import ServeView
 from omni_serve.types import ChatMessage, Modality, SamplingParams, StageOutput, StageRequest
 
 logger = logging.getLogger("ray.serve")
@@ -65,10 +75,16 @@ class Ingress:
         # By reference: a handoff ObjectRef passed on to the next stage is never
         # materialized here, even if RAY_SERVE_THROUGHPUT_OPTIMIZED flips the default.
         self.handles = {name: h.options(stream=True, _by_reference=True) for name, h in stages.items()}
-        self.ready_handles = {name: h.options(method_name="ready") for name, h in stages.items()}
+        self.voice_handles = {name: h.options(method_name="voices") for name, h in stages.items()}
         self.orchestrator = Orchestrator(self.graph, self._call_stage)
         self.api_key = self.graph.api_key or os.environ.get("OMNI_SERVE_API_KEY") or None
         self.metrics = RequestMetrics()
+        self.serve_view = ServeView(serve.get_replica_context().app_name)
+        # Serve's own limit; the ingress answers 504 before it (see check_timeouts).
+        self.request_timeout_s = self.serve_view.request_timeout_s()
+        check_timeouts(self.graph.stage_timeout_s, self.request_timeout_s)
+        self.text_stage = next((s.name for s in self.graph.stages if s.final_output is Modality.TEXT), None)
+        self._voices: list[str] | None = None  # asked from the stages once, on first need
 
     def _call_stage(self, stage: str, request: StageRequest) -> AsyncIterator[StageOutput]:
         return self.handles[stage].generate.remote(request)
@@ -119,7 +135,35 @@ class Ingress:
                 code="model_not_found",
             )
 
+    def _omni_request(self, request: Request, **fields: Any) -> tuple[OmniRequest, dict[str, str]]:
+        """The internal request with its server-minted id and deadline, and the response headers."""
+        client_id = request.headers.get("x-request-id") or None
+        omni = OmniRequest(
+            request_id=uuid.uuid4().hex, client_request_id=client_id, deadline=self._deadline(request), **fields
+        )
+        return omni, {"x-request-id": client_id or omni.request_id}
+
+    def _deadline(self, request: Request) -> float | None:
+        """Serve's limit for this request (its header override included), less a margin, as a monotonic time."""
+        headers = {k.encode("latin-1"): v.encode("latin-1") for k, v in request.headers.items()}
+        timeout = parse_request_timeout_header(headers, self.request_timeout_s)
+        return None if timeout is None else time.monotonic() + max(0.0, timeout - DEADLINE_MARGIN_S)
+
+    async def _graph_voices(self) -> list[str]:
+        """The voices the graph's stages declare (asked once; the graph's stages never change under an ingress)."""
+        if self._voices is None:
+            declared = await asyncio.gather(*(h.remote() for h in self.voice_handles.values()))
+            self._voices = sorted({voice.lower() for voices in declared for voice in voices})
+        return self._voices
+
+    async def _voice(self, requested: str | None, param: str) -> str | None:
+        if requested is None:
+            return None
+        return resolve_voice(requested, await self._graph_voices(), self.graph.voice_aliases, param)
+
     def _sampling(self, body: ChatCompletionRequest) -> dict[str, SamplingParams]:
+        """Graph defaults, then the OpenAI fields (entry stage; ``seed`` everywhere), then per-stage overrides:
+        ``stage_sampling`` by stage name or vLLM-Omni's ``sampling_params_list`` by stage position."""
         entry = self.graph.entry.name
         overrides = {
             "temperature": body.temperature,
@@ -131,10 +175,7 @@ class Ingress:
             "stop": body.stop_list or None,
         }
         entry_overrides = {k: v for k, v in overrides.items() if v is not None}
-        per_stage = body.stage_sampling or {}
-        unknown = sorted(set(per_stage) - {s.name for s in self.graph.stages})
-        if unknown:
-            raise bad_request(f"stage_sampling: unknown stage '{unknown[0]}'", "stage_sampling")
+        per_stage, where = self._per_stage(body)
         resolved: dict[str, SamplingParams] = {}
         for stage in self.graph.stages:
             values = stage.default_sampling.model_dump()
@@ -142,15 +183,34 @@ class Ingress:
                 values.update(entry_overrides)
             elif body.seed is not None:
                 values["seed"] = body.seed  # one client seed makes every stage reproducible
-            values.update(per_stage.get(stage.name, {}))
+            values.update(sampling_overrides(per_stage.get(stage.name, {})))
             try:
                 resolved[stage.name] = SamplingParams.model_validate(values)
             except ValidationError as err:
                 api_err = from_validation(err)
-                api_err.param = f"stage_sampling.{stage.name}.{api_err.param}"
-                api_err.message = f"stage_sampling.{stage.name}.{api_err.message}"
+                api_err.param = f"{where[stage.name]}.{api_err.param}"
+                api_err.message = f"{where[stage.name]}.{api_err.message}"
                 raise api_err from None
         return resolved
+
+    def _per_stage(self, body: ChatCompletionRequest) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+        """Per-stage overrides by stage name, and the field path each came from (for error messages)."""
+        names = [s.name for s in self.graph.stages]
+        if body.sampling_params_list is not None:
+            if len(body.sampling_params_list) > len(names):
+                raise bad_request(
+                    f"sampling_params_list: {len(body.sampling_params_list)} entries, but the graph has "
+                    f"{len(names)} stages {names} (one entry per stage, in this order)",
+                    "sampling_params_list",
+                )
+            return dict(zip(names, body.sampling_params_list, strict=False)), {
+                name: f"sampling_params_list.{i}" for i, name in enumerate(names)
+            }
+        per_stage = body.stage_sampling or {}
+        unknown = sorted(set(per_stage) - set(names))
+        if unknown:
+            raise bad_request(f"stage_sampling: unknown stage '{unknown[0]}'", "stage_sampling")
+        return per_stage, {name: f"stage_sampling.{name}" for name in names}
 
     def _modalities(self, body: ChatCompletionRequest) -> set[Modality]:
         wanted = set(body.modalities or [Modality.TEXT])
@@ -164,26 +224,29 @@ class Ingress:
     # ---- routes --------------------------------------------------------------------------------
     @api.get("/health")
     async def health(self) -> JSONResponse:
-        async def probe(name: str) -> tuple[str, bool]:
-            try:
-                return name, bool(await asyncio.wait_for(self.ready_handles[name].remote(), 10))
-            except Exception:
-                return name, False
+        """200 when every stage has a running replica; 503 naming the stages loading or down.
 
-        results = dict(await asyncio.gather(*(probe(n) for n in self.ready_handles)))
-        ok = all(results.values())
-        return JSONResponse(
-            {
-                "status": "ok" if ok else "unavailable",
-                "stages": {n: "ready" if r else "down" for n, r in results.items()},
-            },
-            status_code=200 if ok else 503,
-        )
+        Asks Serve's controller (:mod:`omni_serve.readiness`), so a saturated graph answers at once.
+        """
+        names = [s.name for s in self.graph.stages]
+        try:
+            states = await asyncio.wait_for(self.serve_view.stage_states(names), 5)
+        except Exception as err:
+            logger.warning("health: Serve's controller did not answer: %s", type(err).__name__)
+            states = dict.fromkeys(names, "unknown")
+        ok = all(state == "ready" for state in states.values())
+        body: dict[str, Any] = {"status": "ok" if ok else "unavailable", "stages": states}
+        if not ok:
+            waiting = {state: [n for n, s in states.items() if s == state] for state in set(states.values())}
+            body["message"] = "; ".join(
+                f"{state}: {', '.join(n)}" for state, n in sorted(waiting.items()) if state != "ready"
+            )
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
         self._check_auth(request)
-        card = {
+        card: dict[str, Any] = {
             "id": self.graph.served_model_name,
             "object": "model",
             "created": 0,
@@ -191,44 +254,58 @@ class Ingress:
             "modalities": sorted(m.value for m in self.graph.modalities),
             "stages": [s.name for s in self.graph.stages],
         }
+        if Modality.AUDIO in self.graph.modalities:
+            try:
+                voices = await asyncio.wait_for(self._graph_voices(), 10)
+                card.update(
+                    {k: v for k, v in voices_json(voices, self.graph.voice_aliases).items() if k != "uploaded_voices"}
+                )
+            except Exception as err:  # stages not up yet: the card without voices
+                logger.info("models: voices not known yet (%s)", type(err).__name__)
         return JSONResponse({"object": "list", "data": [card]})
+
+    @api.get("/v1/audio/voices")
+    async def audio_voices(self, request: Request) -> JSONResponse:
+        """vLLM-Omni's route: the voices a request may name, plus the graph's aliases."""
+        self._check_auth(request)
+        try:
+            voices = await self._graph_voices()
+        except Exception as err:
+            raise from_failure(err, "voices") from None
+        return JSONResponse(voices_json(voices, self.graph.voice_aliases))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
         modalities = self._modalities(body)
-        try:
-            messages = [ChatMessage(role=m.role, content=m.text()) for m in body.messages]
-        except ValueError as err:
-            index = next(i for i, m in enumerate(body.messages) if not isinstance(m.content, str))
-            raise bad_request(f"messages.{index}.{err}", f"messages.{index}.content") from None
-        audio = body.audio
-        omni = OmniRequest(
-            request_id=request_id,
+        messages = body.chat_messages()
+        voice = await self._voice(*body.requested_voice()) if Modality.AUDIO in modalities else None
+        omni, headers = self._omni_request(
+            request,
             modalities=modalities,
             sampling=self._sampling(body),
             messages=messages,
-            voice=audio.voice if audio else None,
+            voice=voice,
+            return_prompt_text=bool(body.return_prompt_text),
         )
-        audio_format = audio.format if audio else "wav"
+        request_id = omni.request_id
+        audio_format = body.audio.container if body.audio else "wav"
         created = int(time.time())
         model = self.graph.served_model_name
-        headers = {"x-request-id": request_id}
-        text_stage = self.graph.entry.name
         outputs = aiter(self._observed(omni, "chat"))
         try:
             first = await anext(outputs, None)
             if not body.stream:
-                result = chat.ChatResult()
+                result = chat.ChatResult(self.text_stage)
                 item = first
                 while item is not None:
-                    result.add(item, item.stage == text_stage)
+                    result.add(item)
                     item = await anext(outputs, None)
-                return JSONResponse(
-                    chat.completion(request_id, model, created, result, modalities, audio_format), headers=headers
+                completion = chat.completion(
+                    request_id, model, created, result, modalities, audio_format, prompt_text=omni.return_prompt_text
                 )
+                return JSONResponse(completion, headers=headers)
         except APIError:
             raise
         except Exception as err:
@@ -238,15 +315,21 @@ class Ingress:
                 await outputs.aclose()
 
         async def events() -> AsyncIterator[str]:
-            result = chat.ChatResult()
+            result = chat.ChatResult(self.text_stage)
             item = first
             try:
-                yield chat.sse(chat.chunk(request_id, model, created, {"role": "assistant", "content": ""}))
+                opening = chat.chunk(request_id, model, created, {"role": "assistant", "content": ""})
+                if omni.return_prompt_text:  # vLLM's field, on the first chunk only
+                    opening["prompt_text"] = first.prompt_text if first else None
+                yield chat.sse(opening)
                 while item is not None:
-                    result.add(item, item.stage == text_stage)
+                    result.add(item)
                     if item.text and Modality.TEXT in modalities:
                         delta = {"content": item.text}
                         yield chat.sse(chat.chunk(request_id, model, created, delta, modality=Modality.TEXT))
+                    elif item.text and Modality.AUDIO in modalities:  # audio only: the text is its transcript
+                        delta = chat.transcript_delta(request_id, item.text)
+                        yield chat.sse(chat.chunk(request_id, model, created, delta, modality=Modality.AUDIO))
                     if item.audio is not None:
                         delta = chat.audio_delta(request_id, item, audio_format)
                         yield chat.sse(chat.chunk(request_id, model, created, delta, modality=Modality.AUDIO))
@@ -255,9 +338,9 @@ class Ingress:
                         yield chat.sse(chat.chunk(request_id, model, created, delta, modality=Modality.IMAGE))
                     item = await anext(outputs, None)
             except Exception as err:
-                # Headers are gone: report in-band and do not send [DONE], so nobody takes it for success.
-                error = from_failure(err, request_id)
-                yield chat.sse({"error": {"message": error.message, "type": error.type, "code": error.status}})
+                # Headers are gone: report in-band (the same error object as a JSON error) and do not
+                # send [DONE], so nobody takes the truncated stream for success.
+                yield chat.sse(from_failure(err, request_id).body())
                 return
             finally:
                 await outputs.aclose()
@@ -270,59 +353,62 @@ class Ingress:
 
     @api.post("/v1/audio/speech")
     async def audio_speech(self, request: Request) -> Response:
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         body = await self._parse(request, SpeechRequest)
         self._check_model(body.model)
         if Modality.AUDIO not in self.graph.modalities:
             raise bad_request(f"model '{self.graph.served_model_name}' does not produce audio", "model")
+        voice = await self._voice(body.voice, "voice")
         messages = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
         messages.append(ChatMessage(role="user", content=body.input))
-        omni = OmniRequest(
-            request_id=request_id,
+        omni, headers = self._omni_request(
+            request,
             modalities={Modality.AUDIO},
             sampling={s.name: s.default_sampling for s in self.graph.stages},
             messages=messages,
-            voice=body.voice,
+            voice=voice,
             reply=body.input,
         )
         outputs = aiter(self._observed(omni, "speech"))
-        try:  # the first chunk decides the status code
+        try:  # the first audio chunk (or the end) decides the status code
             first = await anext(outputs, None)
+            while first is not None and first.audio is None:
+                first = await anext(outputs, None)
         except Exception as err:
             await outputs.aclose()
-            raise from_failure(err, request_id) from None
+            raise from_failure(err, omni.request_id) from None
         fmt = body.response_format
 
         async def audio() -> AsyncIterator[bytes]:
-            item, chunks = first, []
+            item, whole = first, []
+            encoder: AudioEncoder | None = None
+            rate = first.sample_rate if first is not None and first.sample_rate else EMPTY_AUDIO_SAMPLE_RATE
             try:
-                if fmt == "wav":
-                    yield speech.wav_stream_header(first.sample_rate if first and first.sample_rate else 24000)
+                if fmt in STREAMABLE_AUDIO:
+                    encoder = AudioEncoder(fmt, rate)
                 while item is not None:
-                    if item.audio is not None:
-                        if fmt == "flac":
-                            chunks.append(item.audio)
-                        else:
-                            yield speech.pcm16(item.audio)
+                    if item.audio is not None and encoder is not None:
+                        if data := encoder.encode(item.audio):
+                            yield data
+                    elif item.audio is not None:
+                        whole.append(item.audio)
                     item = await anext(outputs, None)
             except Exception as err:
                 # The status line is sent: cut the body short, which a client sees as a broken
                 # transfer rather than a complete file.
-                from_failure(err, request_id)
+                from_failure(err, omni.request_id)
                 raise
             finally:
                 await outputs.aclose()
-            if fmt == "flac":
-                samples = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
-                yield encode_audio(samples, first.sample_rate if first and first.sample_rate else 24000, "flac")
+            if encoder is not None:
+                yield encoder.finish()
+            else:
+                yield encode_audio(np.concatenate(whole) if whole else np.zeros(0, np.float32), rate, fmt)
 
-        headers = {"x-request-id": request_id}
-        return StreamingResponse(audio(), media_type=speech.MEDIA_TYPES[fmt], headers=headers)
+        return StreamingResponse(audio(), media_type=AUDIO_MEDIA_TYPES[fmt], headers=headers)
 
     @api.post("/v1/images/generations")
     async def images_generations(self, request: Request) -> JSONResponse:
         """OpenAI images API on a graph with an image final output: PNGs as b64_json."""
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         body = await self._parse(request, images.ImageGenerationRequest)
         self._check_model(body.model)
         if Modality.IMAGE not in self.graph.modalities:
@@ -330,8 +416,8 @@ class Ingress:
         sampling = {s.name: s.default_sampling for s in self.graph.stages}
         if body.seed is not None:
             sampling = {name: params.model_copy(update={"seed": body.seed}) for name, params in sampling.items()}
-        omni = OmniRequest(
-            request_id=request_id,
+        omni, headers = self._omni_request(
+            request,
             modalities={Modality.IMAGE},
             sampling=sampling,
             messages=body.messages(),
@@ -343,8 +429,7 @@ class Ingress:
             async for output in outputs:
                 generated.extend(output.images)
         except Exception as err:
-            raise images.name_stage_field(from_failure(err, request_id)) from None
+            raise from_failure(err, omni.request_id) from None
         finally:
             await outputs.aclose()
-        body_json = images.generation_response(int(time.time()), generated)
-        return JSONResponse(body_json, headers={"x-request-id": request_id})
+        return JSONResponse(images.generation_response(int(time.time()), generated), headers=headers)

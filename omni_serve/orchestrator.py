@@ -5,7 +5,14 @@ stages) run. Every output of a stage that carries a handoff starts one call of e
 needed downstream stage with that handoff reference; downstream calls run
 concurrently and their outputs are relayed in handoff order, so a talker's codec
 chunks can be decoded by several code2wav replicas at once yet reach the client in
-order. Cancellation (client gone) cancels every stage call this request started.
+order. The final outputs of every stage that ran and has a ``final_output`` are relayed,
+wanted or not (an audio-only reply still needs the text stage's transcript, usage and
+finish reason); the ingress decides what the client sees. Cancellation (client gone)
+cancels every stage call this request started.
+
+Every stage call gets its own engine request id, minted here from the server's request
+id, the stage's path in the graph and the chunk index (and a suffix for a retry): two
+clients can never share one, whatever ``X-Request-ID`` they send.
 
 Failure rules (what a client can rely on):
 
@@ -16,6 +23,11 @@ Failure rules (what a client can rely on):
   replica; the dead one is out of rotation). Nothing reached the client or a downstream
   stage yet, so the retry is invisible. Errors raised *by* the stage (bad input, engine
   errors, a lost upstream handoff, backpressure) are never retried.
+- A stage call that finishes with ``finish_reason`` ABORT although nobody cancelled it
+  (its engine gave up on it) is a failure too: an aborted call is never a completion.
+- ``stage_timeout_s`` bounds how long one stage call may stay silent; the request's
+  ``deadline`` (the ingress sets it just below Serve's ``request_timeout_s``) bounds the
+  whole walk, so the client gets a 504 in the API's error shape before Serve's 408.
 - Each request keeps at most ``max_fanout`` calls of one downstream stage in flight, so
   the calls one request queues at a stage are bounded (the talker's codec chunks wait
   for a code2wav slot here instead of piling up in the stage's queue).
@@ -33,7 +45,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from omni_serve.config import GraphConfig, StageConfig
-from omni_serve.types import ChatMessage, ImageParams, Modality, SamplingParams, StageOutput, StageRequest
+from omni_serve.types import (
+    ChatMessage,
+    FinishReason,
+    ImageParams,
+    Modality,
+    SamplingParams,
+    StageOutput,
+    StageRequest,
+)
 
 logger = logging.getLogger("ray.serve")
 
@@ -44,8 +64,12 @@ else:  # pragma: no cover - Python 3.10
 
 
 class StageTimeout(TimeoutError):
-    def __init__(self, stage: str, seconds: float):
-        super().__init__(f"stage '{stage}' produced nothing for {seconds:.0f} s")
+    def __init__(self, stage: str, seconds: float, *, deadline: bool = False):
+        super().__init__(
+            f"the request reached its time limit while waiting for stage '{stage}'"
+            if deadline
+            else f"stage '{stage}' produced nothing for {seconds:.0f} s"
+        )
         self.stage = stage
 
 
@@ -60,6 +84,10 @@ class StageFailed(RuntimeError):
 
 class IncompleteStageStream(RuntimeError):
     """The stage's stream ended before its ``finished`` output (e.g. its replica went away)."""
+
+
+class AbortedStageCall(RuntimeError):
+    """The stage's engine finished the call with ABORT although nobody cancelled it."""
 
 
 def replica_gone(err: BaseException) -> bool:
@@ -101,13 +129,16 @@ class StageCaller(Protocol):
 class OmniRequest:
     """What the ingress hands the orchestrator: one client request, already validated."""
 
-    request_id: str
+    request_id: str  # minted by the server; stage call ids derive from it
     modalities: set[Modality]
     sampling: dict[str, SamplingParams]  # resolved per stage
     messages: list[ChatMessage] | None = None
-    voice: str | None = None
+    voice: str | None = None  # already validated against the graph's voices
     image: ImageParams | None = None
     reply: str | None = None  # text-to-speech: the entry stage speaks this instead of generating
+    client_request_id: str | None = None  # the client's X-Request-ID: a label for logs, never a key
+    deadline: float | None = None  # time.monotonic() by which the whole walk must be done
+    return_prompt_text: bool = False
 
 
 @dataclass
@@ -149,13 +180,15 @@ class Orchestrator:
         walk = _Walk(request, self.plan(request.modalities))
         entry = self.graph.entry
         first = StageRequest(
-            request_id=request.request_id,
+            request_id=f"{request.request_id}/{entry.name}",
             sampling=request.sampling[entry.name],
             wants_handoff=self._feeds_downstream(entry, walk),
             messages=request.messages,
             voice=request.voice,
             image=request.image,
             reply=request.reply,
+            client_request_id=request.client_request_id,
+            return_prompt_text=request.return_prompt_text,
         )
         try:
             async for output in self._walk(entry, first, walk):
@@ -169,23 +202,35 @@ class Orchestrator:
     def _feeds_downstream(self, stage: StageConfig, walk: _Walk) -> bool:
         return any(c.name in walk.stages for c in self.graph.children(stage.name))
 
-    async def _stage_stream(self, stage: StageConfig, request: StageRequest) -> AsyncIterator[StageOutput]:
-        """One stage call; retried once if its replica died before it yielded anything."""
+    def _time_limit(self, deadline: float | None) -> tuple[float, bool]:
+        """Seconds the next wait may take, and whether the request's deadline (not the stage's) sets it."""
+        if deadline is None:
+            return self.stage_timeout_s, False
+        left = max(0.0, deadline - time.monotonic())
+        return (left, True) if left < self.stage_timeout_s else (self.stage_timeout_s, False)
+
+    async def _stage_stream(
+        self, stage: StageConfig, request: StageRequest, deadline: float | None
+    ) -> AsyncIterator[StageOutput]:
+        """One stage call; retried once (under a new id) if its replica died before it yielded anything."""
         for attempt in (1, 2):
+            if attempt == 2:
+                request = dataclasses.replace(request, request_id=f"{request.request_id}~retry")
             request.sent_at = time.time()
             stream: AsyncIterator[StageOutput] | None = None
             produced = False
             try:
                 while True:
+                    limit, by_deadline = self._time_limit(deadline)
                     try:
                         if stream is None:  # starting the call may raise too (e.g. the queue is full)
                             stream = aiter(self.call(stage.name, request))
-                        async with _timeout(self.stage_timeout_s):
+                        async with _timeout(limit):
                             output = await anext(stream)
                     except StopAsyncIteration:
                         raise StageFailed(stage.name, IncompleteStageStream("ended before its final output")) from None
                     except TimeoutError:
-                        raise StageTimeout(stage.name, self.stage_timeout_s) from None
+                        raise StageTimeout(stage.name, limit, deadline=by_deadline) from None
                     except (asyncio.CancelledError, StageFailed, StageTimeout):
                         raise
                     except Exception as err:  # Ray wraps the stage's exception; keep it as the cause
@@ -198,6 +243,8 @@ class Orchestrator:
                             )
                             break
                         raise StageFailed(stage.name, err) from err
+                    if output.finished and output.finish_reason is FinishReason.ABORT:
+                        raise StageFailed(stage.name, AbortedStageCall(f"call {request.request_id} was aborted"))
                     produced = True
                     yield output
                     if output.finished:
@@ -207,10 +254,11 @@ class Orchestrator:
                     await _close(stream)
 
     async def _walk(self, stage: StageConfig, request: StageRequest, walk: _Walk) -> AsyncIterator[StageOutput]:
-        emit = stage.final_output is not None and stage.final_output in walk.request.modalities
+        emit = stage.final_output is not None
+        deadline = walk.request.deadline
         children = [c for c in self.graph.children(stage.name) if c.name in walk.stages]
         if not children:
-            async for output in self._stage_stream(stage, request):
+            async for output in self._stage_stream(stage, request, deadline):
                 if emit:
                     yield dataclasses.replace(output, handoff=None)
             return
@@ -240,20 +288,21 @@ class Orchestrator:
 
         async def produce() -> None:
             index = 0
-            async for output in self._stage_stream(stage, request):
+            async for output in self._stage_stream(stage, request, deadline):
                 if emit:
                     await merged.put(dataclasses.replace(output, handoff=None))
                 if output.handoff is None:
                     continue
                 for child in children:
                     child_request = StageRequest(
-                        request_id=request.request_id,
+                        request_id=f"{request.request_id}/{child.name}.{index}",
                         sampling=walk.request.sampling[child.name],
                         handoff=output.handoff,
                         chunk_index=index,
                         wants_handoff=self._feeds_downstream(child, walk),
                         voice=walk.request.voice,
                         image=walk.request.image,
+                        client_request_id=walk.request.client_request_id,
                     )
                     sink: asyncio.Queue[Any] = asyncio.Queue()
                     await slots[child.name].acquire()

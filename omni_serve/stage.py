@@ -22,7 +22,7 @@ from omni_serve.config import StageConfig
 from omni_serve.engines import create_engine
 from omni_serve.handoff import payload_loads
 from omni_serve.metrics import StageMetrics
-from omni_serve.types import HandoffPayload, StageOutput, StageRequest
+from omni_serve.types import FinishReason, HandoffPayload, StageOutput, StageRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -32,6 +32,10 @@ logger = logging.getLogger("ray.serve")
 # keeps every handoff it yields for this long: longer than the orchestrator's default
 # stage_timeout_s (120 s), the longest a downstream call waits before it resolves its input.
 HANDOFF_HOLD_S = 180.0
+
+
+def _outcome(final: StageOutput | None) -> str:
+    return "ok" if final is not None and final.finish_reason is not FinishReason.ABORT else "error"
 
 
 @serve.deployment(
@@ -63,6 +67,13 @@ class StageDeployment:
         )
 
     async def generate(self, request: StageRequest) -> AsyncIterator[StageOutput]:
+        """Run one stage call. Outcomes are counted as they happened:
+
+        ``ok`` the engine yielded its finished output (also when the caller then closed the
+        call before this generator returned: nothing is left to abort), ``cancelled`` the
+        caller left before it, ``error`` anything else, including an engine that finished
+        with ABORT although nobody cancelled the call (the orchestrator fails the request).
+        """
         self.calls += 1
         started = time.time()
         if request.sent_at:
@@ -70,6 +81,7 @@ class StageDeployment:
         self.in_flight += 1
         self.metrics.in_flight.set(self.in_flight)
         outcome = "error"
+        finished: StageOutput | None = None
         stream: AsyncIterator[StageOutput] | None = None
         try:
             handoff = request.handoff
@@ -83,12 +95,21 @@ class StageDeployment:
                 if isinstance(output.handoff, HandoffPayload):
                     output.handoff = ray.put(output.handoff)
                     self._hold(output.handoff)
+                finished = output if output.finished else finished
                 yield output
-            outcome = "ok"
+            outcome = _outcome(finished)
         except (asyncio.CancelledError, GeneratorExit):
-            # Client gone or orchestrator gave up: free the engine's slot now.
-            outcome = "cancelled"
-            await self.engine.abort(request.request_id)
+            if finished is not None:  # closed after its final output: a completed call, nothing to abort
+                outcome = _outcome(finished)
+            else:  # client gone or orchestrator gave up: free the engine's slot now
+                outcome = "cancelled"
+                logger.info(
+                    "stage %s: call %s (X-Request-ID %s) cancelled",
+                    self.name,
+                    request.request_id,
+                    request.client_request_id,
+                )
+                await self.engine.abort(request.request_id)
             raise
         finally:
             if stream is not None:
@@ -113,9 +134,9 @@ class StageDeployment:
     async def check_health(self) -> None:
         await self.engine.check_health()
 
-    async def ready(self) -> bool:
-        await self.engine.check_health()
-        return True
+    def voices(self) -> list[str]:
+        """The engine's voice names; the ingress asks once and validates requests against them."""
+        return self.engine.voices()
 
     def stats(self) -> dict[str, Any]:
         """Calls served by this replica plus engine stats (tests and autoscaling read these)."""

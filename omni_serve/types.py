@@ -93,6 +93,10 @@ class StageRequest:
 
     The entry stage gets ``messages``; downstream stages get ``handoff``, an ObjectRef
     to the upstream :class:`HandoffPayload` (the replica resolves it, never the ingress).
+
+    ``request_id`` is minted by the orchestrator, unique per stage call (request, stage,
+    chunk, attempt): engines may use it as their engine request id and abort key, and no
+    client can choose or share it. The client's ``X-Request-ID`` travels only as a label.
     """
 
     request_id: RequestId
@@ -107,6 +111,8 @@ class StageRequest:
     # pass, no sampling) so the talker gets the hidden states of exactly this text.
     reply: str | None = None
     sent_at: float = 0.0  # wall-clock time the orchestrator dispatched this call (queue-wait metric)
+    client_request_id: str | None = None  # the client's X-Request-ID: for logs only, never a key
+    return_prompt_text: bool = False  # the entry stage adds the templated prompt to its first output
 
 
 @dataclass
@@ -129,3 +135,4 @@ class StageOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    prompt_text: str | None = None  # the templated prompt, when the request asked for it

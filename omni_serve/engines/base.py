@@ -21,7 +21,15 @@ class EngineError(RuntimeError):
 
 
 class InvalidStageInput(ValueError):
-    """The request is invalid for this engine (e.g. prompt longer than the context); maps to 400."""
+    """The request is invalid for this engine (e.g. prompt longer than the context); maps to 400.
+
+    ``param`` names the request field at fault as the client sent it (``messages``,
+    ``input``, ``size``, ...); it survives Ray's pickling with the exception.
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class StageEngine(abc.ABC):
@@ -47,6 +55,14 @@ class StageEngine(abc.ABC):
 
     def shutdown(self) -> None:
         """Release what start() acquired (child processes, device memory); called when the replica stops."""
+
+    def voices(self) -> list[str]:
+        """The voice names this stage can speak with ([] = it has no voices).
+
+        The ingress validates a request's voice against these before any stage runs, so an
+        engine never sees a voice outside this list (matching is case-insensitive).
+        """
+        return []
 
     def stats(self) -> dict[str, Any]:
         """Engine-level numbers for metrics and autoscaling (e.g. waiting/running requests)."""

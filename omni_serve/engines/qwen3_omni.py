@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 THINKER2TALKER = "qwen3_omni.thinker2talker"
 CODEC_CHUNK = "qwen3_omni.codec_chunk"
+SAMPLE_RATE = 24000  # code2wav's output rate (1920 samples per codec frame)
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -104,6 +105,11 @@ class TalkerInputs:
             "tts_pad_embed": self.tts_pad_embed,
             "talker_input_ids": self.talker_input_ids,
         }
+
+
+def speakers(config: Any) -> list[str]:
+    """The talker's voice names (its config's ``speaker_id`` table), lower-cased and sorted."""
+    return sorted(k.lower() for k in (config.talker_config.speaker_id or {}))
 
 
 def speaker_id(config: Any, voice: str | None, default: str = "ethan") -> int:

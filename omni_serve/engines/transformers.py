@@ -43,8 +43,6 @@ from omni_serve.types import (
 
 logger = logging.getLogger(__name__)
 
-SAMPLE_RATE = 24000
-
 # Sampling stages in one process (in-process tests, a co-located graph) take turns on the
 # global torch RNG; in a deployment each replica has one engine and never waits here.
 _RNG_LOCK = threading.Lock()
@@ -66,6 +64,13 @@ class TransformersEngineArgs(BaseModel):
     codec_chunk_frames: int = Field(25, ge=1, description="Codec frames in each later talker chunk.")
     codec_left_context_frames: int = Field(
         25, ge=0, description="Frames before each chunk it carries for code2wav's context (>= 1 keeps joins seamless)."
+    )
+    step_delay_s: float = Field(
+        0.0,
+        ge=0.0,
+        le=10.0,
+        description="Test hook: sleep this long after each decoding step (cut short by an abort), so tests can "
+        "hold requests in flight for certain. 0 in every shipped graph.",
     )
 
 
@@ -276,13 +281,15 @@ def _sampling_kwargs(s: SamplingParams) -> dict[str, Any]:
     return kwargs
 
 
-def _stopping(cancelled: threading.Event, extra: Callable[[], bool] | None = None) -> Any:
+def _stopping(cancelled: threading.Event, delay_s: float, extra: Callable[[], bool] | None = None) -> Any:
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     class _Flag(StoppingCriteria):
         def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
             import torch
 
+            if delay_s:
+                cancelled.wait(delay_s)  # the test hook's pause; an abort ends it at once
             stop = cancelled.is_set() or (extra is not None and extra())
             return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
@@ -385,7 +392,7 @@ class ThinkerEngine(_HFEngine):
 
     async def stream(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]:
         if not request.messages:
-            raise InvalidStageInput(f"stage {self.stage_name}: the thinker needs chat messages")
+            raise InvalidStageInput(f"stage {self.stage_name}: the thinker needs chat messages", "messages")
 
         def job(emit: Emit, cancelled: threading.Event) -> None:
             self._generate(request, emit, cancelled)
@@ -394,9 +401,10 @@ class ThinkerEngine(_HFEngine):
             async for batch in batches:
                 text = "".join(item[1] for item in batch if item[0] == "delta")
                 token_ids = [t for item in batch if item[0] == "delta" for t in item[2]]
+                prompt = next((item[1] for item in batch if item[0] == "prompt"), None)
                 final = next((item for item in batch if item[0] == "final"), None)
                 if final is None:
-                    yield StageOutput(stage=self.stage_name, text=text, token_ids=token_ids)
+                    yield StageOutput(stage=self.stage_name, text=text, token_ids=token_ids, prompt_text=prompt)
                 else:
                     _, tail, reason, usage, payload = final
                     yield StageOutput(
@@ -407,6 +415,7 @@ class ThinkerEngine(_HFEngine):
                         finish_reason=reason,
                         usage=usage,
                         handoff=payload,
+                        prompt_text=prompt,
                     )
 
     def _generate(self, request: StageRequest, emit: Emit, cancelled: threading.Event) -> None:
@@ -420,11 +429,17 @@ class ThinkerEngine(_HFEngine):
         prompt_len = int(input_ids.shape[1])
         if prompt_len >= self.context_len:
             raise InvalidStageInput(
-                f"stage {self.stage_name}: the prompt has {prompt_len} tokens; the model's context is "
-                f"{self.context_len} tokens and generation needs at least one more"
+                f"messages: the prompt has {prompt_len} tokens; the model's context is "
+                f"{self.context_len} tokens and generation needs at least one more",
+                "input" if request.reply is not None else "messages",
             )
         if self.reserved_ids.intersection(input_ids[0].tolist()):
-            raise InvalidStageInput(f"stage {self.stage_name}: the prompt contains reserved multimodal tokens")
+            raise InvalidStageInput(
+                "messages: the prompt contains reserved multimodal tokens",
+                "input" if request.reply is not None else "messages",
+            )
+        if request.return_prompt_text:
+            emit(("prompt", self.tokenizer.decode(input_ids[0], skip_special_tokens=False)))
 
         if request.reply is not None:
             self._speak(request, input_ids, emit)
@@ -459,7 +474,7 @@ class ThinkerEngine(_HFEngine):
                 eos_token_id=eos,
                 pad_token_id=self.tokenizer.pad_token_id,
                 streamer=_Streamer(),
-                stopping_criteria=_stopping(cancelled, lambda: text.stop_at is not None),
+                stopping_criteria=_stopping(cancelled, self.args.step_delay_s, lambda: text.stop_at is not None),
                 output_hidden_states=request.wants_handoff,  # text-only requests skip the hidden states
                 return_dict_in_generate=True,
                 **_sampling_kwargs(s),
@@ -485,11 +500,12 @@ class ThinkerEngine(_HFEngine):
 
         reply = self.tokenizer.encode(request.reply or "", add_special_tokens=False)
         if not reply:
-            raise InvalidStageInput("input: the text to speak is empty")
+            raise InvalidStageInput("input: the text to speak is empty", "input")
         prompt_len = int(input_ids.shape[1])
         if prompt_len + len(reply) >= self.context_len:
             raise InvalidStageInput(
-                f"input: {len(reply)} tokens to speak do not fit the model's context of {self.context_len} tokens"
+                f"input: {len(reply)} tokens to speak do not fit the model's context of {self.context_len} tokens",
+                "input",
             )
         sequence = torch.cat([input_ids, torch.tensor([reply], dtype=input_ids.dtype, device=input_ids.device)], 1)
         with torch.inference_mode():
@@ -530,13 +546,16 @@ class TalkerEngine(_HFEngine):
         self.talker = model.talker
         self.suppress_tokens = qwen3_omni.talker_suppress_tokens(self.config)
 
+    def voices(self) -> list[str]:
+        return qwen3_omni.speakers(self.config)
+
     async def stream(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]:
         if handoff is None or handoff.kind != qwen3_omni.THINKER2TALKER:
             raise InvalidStageInput(f"stage {self.stage_name}: the talker needs a {qwen3_omni.THINKER2TALKER} handoff")
         try:
             speaker = qwen3_omni.speaker_id(self.config, request.voice, self.args.default_voice)
         except KeyError as exc:
-            raise InvalidStageInput(f"stage {self.stage_name}: {exc.args[0]}") from None
+            raise InvalidStageInput(f"stage {self.stage_name}: {exc.args[0]}", "voice") from None
 
         def job(emit: Emit, cancelled: threading.Event) -> None:
             self._generate(request, handoff, speaker, emit, cancelled)
@@ -586,7 +605,7 @@ class TalkerEngine(_HFEngine):
                     max_new_tokens=s.max_tokens + 1,
                     eos_token_id=sorted({eos, *s.stop_token_ids}),
                     suppress_tokens=self.suppress_tokens,
-                    stopping_criteria=_stopping(cancelled),
+                    stopping_criteria=_stopping(cancelled, self.args.step_delay_s),
                     output_hidden_states=True,  # the residual codes travel in the hidden states
                     return_dict_in_generate=True,
                     **_sampling_kwargs(s),
@@ -628,7 +647,7 @@ class Code2WavEngine(_HFEngine):
                 yield StageOutput(
                     stage=self.stage_name,
                     audio=batch[0],
-                    sample_rate=SAMPLE_RATE,
+                    sample_rate=qwen3_omni.SAMPLE_RATE,
                     finished=True,
                     finish_reason=FinishReason.STOP,
                     usage=Usage(prompt_tokens=int(handoff.meta.get("num_frames", 0))),

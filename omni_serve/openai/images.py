@@ -15,7 +15,6 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from omni_serve.errors import APIError
 from omni_serve.media import b64, data_url, encode_png
 from omni_serve.types import ChatMessage, ImageParams
 
@@ -83,20 +82,3 @@ def generation_response(created: int, images: list[np.ndarray]) -> dict[str, Any
 def content_parts(images: list[np.ndarray]) -> list[dict[str, Any]]:
     """Chat ``message.content`` parts carrying each image as a PNG data URL."""
     return [{"type": "image_url", "image_url": {"url": data_url(encode_png(image), "image/png")}} for image in images]
-
-
-_RAISED_AS = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?InvalidStageInput: ")
-
-
-def name_stage_field(error: APIError) -> APIError:
-    """Give a stage's 400 the field its message starts with (``"size: ..."`` -> ``param="size"``).
-
-    Also drops an exception-class prefix that Ray's remote traceback text may leave on the message.
-    """
-    if error.status != 400 or error.param is not None:
-        return error
-    error.message = _RAISED_AS.sub("", error.message)
-    head, sep, _ = error.message.partition(":")
-    if sep and re.fullmatch(r"[a-z_]+", head):
-        error.param = head
-    return error

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from omni_serve.errors import APIError, bad_request
-from omni_serve.types import Modality
+from omni_serve.media import AudioFormat
+from omni_serve.types import ChatMessage, Modality
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -92,6 +93,22 @@ def _valid_unicode(text: str, what: str) -> str:
 
 # ---- request models ---------------------------------------------------------------------------
 
+# vLLM SamplingParams fields that shape only how vLLM reports its output (never the tokens): accepted in
+# stage_sampling / sampling_params_list entries, ignored.
+_VLLM_REPORTING_FIELDS = frozenset({"detokenize", "skip_special_tokens", "spaces_between_special_tokens"})
+
+
+def sampling_overrides(values: dict[str, Any]) -> dict[str, Any]:
+    """One stage's overrides as the client sent them (our names, or vLLM SamplingParams' names) -> ours.
+
+    vLLM's ``top_k: -1`` (no top-k filtering) is our 0; other unknown fields are kept, so that
+    validation refuses them by name.
+    """
+    overrides = {k: v for k, v in values.items() if k not in _VLLM_REPORTING_FIELDS}
+    if overrides.get("top_k") == -1:
+        overrides["top_k"] = 0
+    return overrides
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -133,20 +150,29 @@ class Message(_Strict):
             raise ValueError("content: a message needs content")
         return self
 
-    def text(self) -> str:
+    def text(self, index: int) -> str:
+        """The message as plain text; ``index`` (its position in ``messages``) names a refused part."""
         if isinstance(self.content, str):
             return self.content
         parts = []
-        for part in self.content or []:
+        for j, part in enumerate(self.content or []):
             if isinstance(part, MediaPart):
-                raise ValueError(f"content: '{part.type}' input is not supported by this graph (text only)")
+                param = f"messages.{index}.content.{j}"
+                raise bad_request(f"{param}: '{part.type}' input is not supported by this graph (text only)", param)
             parts.append(part.text)
         return "".join(parts)
 
 
+ChatAudioFormat = Literal["wav", "mp3", "flac", "opus", "aac", "pcm16", "pcm"]
+
+
 class AudioOptions(_Strict):
-    voice: str | None = Field(None, description="Speaker name; None uses the model's default voice.")
-    format: Literal["wav", "pcm", "flac"] = Field("wav", description="Container of message.audio.data.")
+    voice: str | None = Field(None, description="Voice name or OpenAI alias; None uses the model's default voice.")
+    format: ChatAudioFormat = Field("wav", description="Container of message.audio.data; pcm16 = raw 16-bit PCM.")
+
+    @property
+    def container(self) -> AudioFormat:
+        return "pcm" if self.format == "pcm16" else self.format
 
 
 class StreamOptions(_Strict):
@@ -172,13 +198,19 @@ class ChatCompletionRequest(_Strict):
     stage_sampling: dict[str, dict[str, Any]] | None = Field(
         None, description="Per-stage sampling overrides keyed by stage name, e.g. {'talker': {'temperature': 0.9}}."
     )
-    # Accepted for client compatibility; they do not change the output.
-    user: str | None = None
-    metadata: dict[str, str] | None = None
-    store: bool | None = None
-    frequency_penalty: Literal[0, 0.0] | None = None
-    presence_penalty: Literal[0, 0.0] | None = None
-    logprobs: Literal[False] | None = None
+    # vLLM-Omni's extensions, with its meaning (its example clients send them).
+    sampling_params_list: list[dict[str, Any]] | None = Field(
+        None, description="Per-stage vLLM SamplingParams by stage position (the graph's stage order)."
+    )
+    voice: str | None = Field(None, description="The voice, as vLLM-Omni accepts it at the top level.")
+    speaker: str | None = Field(None, description="vLLM-Omni's name for voice.")
+    return_prompt_text: bool | None = Field(None, description="Add the templated prompt as 'prompt_text'.")
+    # Accepted for vLLM-Omni clients; they do not change this graph's output: mm_processor_kwargs only
+    # steer media processing (text-only input here), and vLLM-Omni's Qwen3-Omni path drops language and
+    # instructions too (they are read by its TTS-model paths).
+    mm_processor_kwargs: dict[str, Any] | None = None
+    language: str | None = None
+    instructions: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -203,6 +235,35 @@ class ChatCompletionRequest(_Strict):
         if modalities is not None and not modalities:
             raise ValueError("must name at least one modality")
         return modalities
+
+    @field_validator("sampling_params_list")
+    @classmethod
+    def _list_max_tokens(cls, per_stage: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, values in enumerate(per_stage or []):
+            limit = values.get("max_tokens")
+            if isinstance(limit, int | float) and limit > MAX_TOKENS_LIMIT:
+                raise ValueError(f"{i}.max_tokens: must be at most {MAX_TOKENS_LIMIT}")
+        return per_stage
+
+    @model_validator(mode="after")
+    def _one_voice(self) -> ChatCompletionRequest:
+        if len({v.lower() for v in self._voices().values()}) > 1:
+            raise ValueError(f"{', '.join(self._voices())} name different voices; send one")
+        if self.stage_sampling is not None and self.sampling_params_list is not None:
+            raise ValueError("stage_sampling and sampling_params_list are two forms of the same thing; send one")
+        return self
+
+    def _voices(self) -> dict[str, str]:
+        named = {"audio.voice": self.audio.voice if self.audio else None, "voice": self.voice, "speaker": self.speaker}
+        return {field: voice for field, voice in named.items() if voice}
+
+    def requested_voice(self) -> tuple[str | None, str]:
+        """The voice the client named (OpenAI's ``audio.voice`` or vLLM-Omni's ``voice``/``speaker``) and its field."""
+        field, voice = next(iter(self._voices().items()), ("audio.voice", None))
+        return voice, field
+
+    def chat_messages(self) -> list[ChatMessage]:
+        return [ChatMessage(role=m.role, content=m.text(i)) for i, m in enumerate(self.messages)]
 
     @property
     def stop_list(self) -> list[str]:

@@ -1,0 +1,57 @@
+"""What the ingress learns from Serve's controller: which stages have a running replica, and the HTTP timeout.
+
+Readiness never goes through the stages' request queues. A stage is ``ready`` when Serve
+runs at least one replica of it: a replica turns RUNNING once its constructor has loaded the
+engine, and Serve's periodic health check (which calls the engine's ``check_health``)
+replaces it when it fails. Asking the controller answers at once whether the replicas are
+idle, saturated or still loading; a probe sent to the replicas would wait behind their
+requests (``max_ongoing_requests``) and report a busy, healthy graph as down.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+StageState = Literal["ready", "loading", "down"]
+
+# Replica states (ray.serve._private.common.ReplicaState) in which a replica is on its way to RUNNING.
+_STARTING = {"STARTING", "UPDATING", "RECOVERING", "PENDING_MIGRATION"}
+
+
+def _controller() -> Any:
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    return ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+
+
+class ServeView:
+    """The ingress' read-only view of its application in Serve's controller."""
+
+    def __init__(self, app_name: str):
+        self.app_name = app_name
+        self._controller = _controller()
+
+    def request_timeout_s(self) -> float | None:
+        """Serve's ``http_options.request_timeout_s`` (None: no limit). Blocking: call it at start."""
+        import ray
+
+        timeout = ray.get(self._controller.get_http_config.remote()).request_timeout_s
+        return float(timeout) if timeout and timeout > 0 else None
+
+    async def stage_states(self, stages: list[str]) -> dict[str, StageState]:
+        details = await self._controller.get_serve_instance_details.remote()
+        deployments = details.get("applications", {}).get(self.app_name, {}).get("deployments", {})
+        return {
+            name: replica_state([r.get("state") for r in deployments.get(name, {}).get("replicas", [])])
+            for name in stages
+        }
+
+
+def replica_state(replicas: list[str | None]) -> StageState:
+    """A stage's state from its replicas' Serve states."""
+    if "RUNNING" in replicas:
+        return "ready"
+    if any(state in _STARTING for state in replicas):
+        return "loading"
+    return "down"

@@ -8,8 +8,9 @@ get a real status code; a failure after that is sent in-band as the same error o
 Every failure goes through one ladder, :func:`omni_serve.errors.from_failure`.
 
 Request ids: the server mints one per request (the response's ``id``); the client's
-``X-Request-ID`` is echoed in the response header and logged, and never reaches an
-engine (the orchestrator derives each stage call's engine id from the server's id).
+``X-Request-ID`` is a label for logs (Serve's proxy echoes it in the response header, or
+its own id when the client sent none) and never reaches an engine: the orchestrator
+derives each stage call's engine id from the server's id.
 """
 
 # No `from __future__ import annotations`: FastAPI resolves route annotations at runtime and the
@@ -135,13 +136,12 @@ class Ingress:
                 code="model_not_found",
             )
 
-    def _omni_request(self, request: Request, **fields: Any) -> tuple[OmniRequest, dict[str, str]]:
-        """The internal request with its server-minted id and deadline, and the response headers."""
+    def _omni_request(self, request: Request, **fields: Any) -> OmniRequest:
+        """The internal request with its server-minted id and its deadline."""
         client_id = request.headers.get("x-request-id") or None
-        omni = OmniRequest(
+        return OmniRequest(
             request_id=uuid.uuid4().hex, client_request_id=client_id, deadline=self._deadline(request), **fields
         )
-        return omni, {"x-request-id": client_id or omni.request_id}
 
     def _deadline(self, request: Request) -> float | None:
         """Serve's limit for this request (its header override included), less a margin, as a monotonic time."""
@@ -281,7 +281,7 @@ class Ingress:
         modalities = self._modalities(body)
         messages = body.chat_messages()
         voice = await self._voice(*body.requested_voice()) if Modality.AUDIO in modalities else None
-        omni, headers = self._omni_request(
+        omni = self._omni_request(
             request,
             modalities=modalities,
             sampling=self._sampling(body),
@@ -305,7 +305,7 @@ class Ingress:
                 completion = chat.completion(
                     request_id, model, created, result, modalities, audio_format, prompt_text=omni.return_prompt_text
                 )
-                return JSONResponse(completion, headers=headers)
+                return JSONResponse(completion)
         except APIError:
             raise
         except Exception as err:
@@ -349,7 +349,7 @@ class Ingress:
                 yield chat.sse(chat.usage_chunk(request_id, model, created, result.usage))
             yield chat.sse("[DONE]")
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(events(), media_type="text/event-stream")
 
     @api.post("/v1/audio/speech")
     async def audio_speech(self, request: Request) -> Response:
@@ -360,7 +360,7 @@ class Ingress:
         voice = await self._voice(body.voice, "voice")
         messages = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
         messages.append(ChatMessage(role="user", content=body.input))
-        omni, headers = self._omni_request(
+        omni = self._omni_request(
             request,
             modalities={Modality.AUDIO},
             sampling={s.name: s.default_sampling for s in self.graph.stages},
@@ -404,7 +404,7 @@ class Ingress:
             else:
                 yield encode_audio(np.concatenate(whole) if whole else np.zeros(0, np.float32), rate, fmt)
 
-        return StreamingResponse(audio(), media_type=AUDIO_MEDIA_TYPES[fmt], headers=headers)
+        return StreamingResponse(audio(), media_type=AUDIO_MEDIA_TYPES[fmt])
 
     @api.post("/v1/images/generations")
     async def images_generations(self, request: Request) -> JSONResponse:
@@ -416,7 +416,7 @@ class Ingress:
         sampling = {s.name: s.default_sampling for s in self.graph.stages}
         if body.seed is not None:
             sampling = {name: params.model_copy(update={"seed": body.seed}) for name, params in sampling.items()}
-        omni, headers = self._omni_request(
+        omni = self._omni_request(
             request,
             modalities={Modality.IMAGE},
             sampling=sampling,
@@ -432,4 +432,4 @@ class Ingress:
             raise from_failure(err, omni.request_id) from None
         finally:
             await outputs.aclose()
-        return JSONResponse(images.generation_response(int(time.time()), generated), headers=headers)
+        return JSONResponse(images.generation_response(int(time.time()), generated))

@@ -73,7 +73,8 @@ class AudioEncoder:
 
         muxer, codec_name = _CODECS[fmt]
         self._buffer: io.BytesIO | _Sink = io.BytesIO() if whole else _Sink()
-        self._container = av.open(self._buffer, "w", format=muxer)
+        # bitexact: no encoder tags (a canonical 44-byte WAV header, as clients that skip it expect)
+        self._container = av.open(self._buffer, "w", format=muxer, options={"fflags": "+bitexact"})
         codec = av.codec.Codec(codec_name, "w")
         # Codecs with a fixed set of rates (Opus: 8/12/16/24/48 kHz) get the input resampled
         # to the nearest one above; 24 kHz, the Qwen3-Omni rate, is native to every codec here.
@@ -90,6 +91,7 @@ class AudioEncoder:
         )
         self.sample_rate = sample_rate
         self._samples = 0
+        self._container.start_encoding()  # the header now: a reply without samples is still a valid file
 
     def encode(self, samples: np.ndarray) -> bytes:
         import av

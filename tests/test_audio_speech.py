@@ -1,11 +1,12 @@
-"""`POST /v1/audio/speech` on the tiny graph: every format decodes; wav/pcm stream as produced."""
+"""`POST /v1/audio/speech` on the tiny graph: wav/pcm stream as produced; bad requests name the field.
+
+Every format decoding with an independent decoder: tests/test_audio_formats.py."""
 
 from __future__ import annotations
 
 import io
 
 import httpx
-import numpy as np
 import openai
 import pytest
 import soundfile as sf
@@ -18,15 +19,6 @@ TEXT = "Hello from the tiny talker."
 def speech(base_url: str, **body) -> httpx.Response:
     payload = {"model": "tiny-qwen3-omni", "input": TEXT, "voice": "chelsie", **body}
     return httpx.post(f"{base_url}/v1/audio/speech", json=payload, timeout=120)
-
-
-@pytest.mark.parametrize("fmt", ["wav", "flac"])
-def test_file_formats_decode(tiny_omni, fmt: str) -> None:
-    response = speech(tiny_omni.base_url, response_format=fmt)
-    assert response.status_code == 200, response.text
-    assert response.headers["content-type"] == f"audio/{fmt}"
-    samples, rate = sf.read(io.BytesIO(response.content), dtype="float32")
-    assert rate == 24000 and samples.ndim == 1 and samples.size > 0 and np.isfinite(samples).all()
 
 
 def test_pcm_is_raw_16_bit_and_matches_wav(tiny_omni) -> None:
@@ -59,7 +51,7 @@ def test_openai_client(tiny_omni) -> None:
 @pytest.mark.parametrize(
     "body, field",
     [
-        ({"response_format": "mp3"}, "response_format"),
+        ({"response_format": "ogg"}, "response_format"),
         ({"input": ""}, "input"),
         ({"speed": 2.0}, "speed"),
         ({"voice": "nobody"}, "voice"),

@@ -1,0 +1,56 @@
+"""Decoding audio replies with decoders independent of the encoder (FFmpeg through PyAV).
+
+libsndfile (soundfile) reads WAV, FLAC, MP3 (mpg123) and Ogg Opus (libopus); FAAD2's ``faad``
+decodes AAC and mutagen reads the ADTS headers (FAAD2 assumes implicit SBR for streams at
+24 kHz or less and upsamples them 2x, so the stream's own rate comes from its header).
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+
+CHAT_FORMATS = ["wav", "mp3", "flac", "opus", "aac", "pcm16"]
+SPEECH_FORMATS = ["mp3", "opus", "aac", "flac", "wav", "pcm"]
+RAW = {"pcm", "pcm16"}
+
+
+def decode(fmt: str, data: bytes, raw_rate: int) -> tuple[np.ndarray, int]:
+    """(mono float samples, sample rate) of one file in ``fmt``; raw PCM is read at ``raw_rate``."""
+    assert data, f"empty {fmt} data"
+    if fmt in RAW:
+        assert len(data) % 2 == 0
+        return np.frombuffer(data, "<i2").astype(np.float32) / 32768.0, raw_rate
+    if fmt == "aac":
+        return _decode_aac(data)
+    samples, rate = sf.read(io.BytesIO(data), dtype="float32")
+    info = sf.info(io.BytesIO(data))
+    assert info.format == {"wav": "WAV", "flac": "FLAC", "mp3": "MP3", "opus": "OGG"}[fmt], info
+    assert samples.ndim == 1, "mono"
+    return samples, rate
+
+
+def _decode_aac(data: bytes) -> tuple[np.ndarray, int]:
+    import mutagen.aac
+
+    faad = shutil.which("faad")
+    assert faad, "faad (FAAD2) is not installed: `make install-test` installs it (apt-get install faad)"
+    with tempfile.TemporaryDirectory() as tmp:
+        source, decoded = Path(tmp) / "in.aac", Path(tmp) / "out.wav"
+        source.write_bytes(data)
+        header = mutagen.aac.AAC(source).info
+        assert header.channels == 1
+        subprocess.run([faad, "-q", "-o", str(decoded), str(source)], check=True, capture_output=True)
+        samples, faad_rate = sf.read(decoded, dtype="float32")
+    if samples.ndim == 2:  # implicit-SBR/PS guess: FAAD2 renders mono as two equal channels
+        np.testing.assert_array_equal(samples[:, 0], samples[:, 1])
+        samples = samples[:, 0]
+    factor = faad_rate // header.sample_rate
+    assert faad_rate == factor * header.sample_rate and factor in (1, 2), (faad_rate, header.sample_rate)
+    return samples[::factor], header.sample_rate

@@ -80,7 +80,7 @@ class Ingress:
         self.orchestrator = Orchestrator(self.graph, self._call_stage)
         self.api_key = self.graph.api_key or os.environ.get("OMNI_SERVE_API_KEY") or None
         self.metrics = RequestMetrics()
-        self.serve_view = ServeView(serve.get_replica_context().app_name)
+        self.serve_view = ServeView(serve.get_replica_context().app_name, [s.name for s in self.graph.stages])
         # Serve's own limit; the ingress answers 504 before it (see check_timeouts).
         self.request_timeout_s = self.serve_view.request_timeout_s()
         check_timeouts(self.graph.stage_timeout_s, self.request_timeout_s)
@@ -228,12 +228,7 @@ class Ingress:
 
         Asks Serve's controller (:mod:`omni_serve.readiness`), so a saturated graph answers at once.
         """
-        names = [s.name for s in self.graph.stages]
-        try:
-            states = await asyncio.wait_for(self.serve_view.stage_states(names), 5)
-        except Exception as err:
-            logger.warning("health: Serve's controller did not answer: %s", type(err).__name__)
-            states = dict.fromkeys(names, "unknown")
+        states = await self.serve_view.stage_states()
         ok = all(state == "ready" for state in states.values())
         body: dict[str, Any] = {"status": "ok" if ok else "unavailable", "stages": states}
         if not ok:

@@ -10,9 +10,18 @@ requests (``max_ongoing_requests``) and report a busy, healthy graph as down.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any, Literal
 
+logger = logging.getLogger("ray.serve")
+
 StageState = Literal["ready", "loading", "down"]
+
+# The controller is asked in the background this often, so a probe never waits on it (while Serve
+# deploys, the controller can take seconds to answer); the first probe waits at most FIRST_ANSWER_S.
+REFRESH_S = 1.0
+FIRST_ANSWER_S = 0.5
 
 # Replica states (ray.serve._private.common.ReplicaState) in which a replica is on its way to RUNNING.
 _STARTING = {"STARTING", "UPDATING", "RECOVERING", "PENDING_MIGRATION"}
@@ -26,11 +35,19 @@ def _controller() -> Any:
 
 
 class ServeView:
-    """The ingress' read-only view of its application in Serve's controller."""
+    """The ingress' read-only view of its application in Serve's controller.
 
-    def __init__(self, app_name: str):
+    Stage states are refreshed in the background once the first probe came; a probe answers
+    from the latest refresh at once. Until the controller first answers, every stage counts as
+    loading (the ingress itself has just started).
+    """
+
+    def __init__(self, app_name: str, stages: list[str]):
         self.app_name = app_name
+        self.stages = stages
         self._controller = _controller()
+        self._states: dict[str, StageState] = dict.fromkeys(stages, "loading")
+        self._first: asyncio.Event | None = None
 
     def request_timeout_s(self) -> float | None:
         """Serve's ``http_options.request_timeout_s`` (None: no limit). Blocking: call it at start."""

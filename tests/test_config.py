@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from omni_serve.config import GraphConfigError, load_graph
+from omni_serve.config import DEADLINE_MARGIN_S, GraphConfigError, check_timeouts, load_graph
 from omni_serve.types import Modality
 
 GRAPHS = Path(__file__).resolve().parent.parent / "graphs"
@@ -100,3 +100,27 @@ def test_stages_for_modalities() -> None:
     graph = load_graph(tiny_args())
     assert graph.stages_for({Modality.TEXT}) == {"thinker"}
     assert graph.stages_for({Modality.TEXT, Modality.AUDIO}) == {"thinker", "talker", "code2wav"}
+
+
+@pytest.mark.parametrize("path", sorted(GRAPHS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_graph_times_out_before_serve_does(path: Path) -> None:
+    """A silent stage must reach the client as the API's 504, before Serve's plain-text 408."""
+    config = yaml.safe_load(path.read_text())
+    request_timeout_s = config["http_options"]["request_timeout_s"]
+    for app in config["applications"]:
+        check_timeouts(load_graph(app["args"]).stage_timeout_s, request_timeout_s)
+
+
+def test_stage_timeout_must_leave_room_below_serves_timeout() -> None:
+    check_timeouts(118, 120)
+    check_timeouts(10_000, None)  # Serve without a request timeout
+    with pytest.raises(GraphConfigError, match=r"stage_timeout_s \(120 s\).*request_timeout_s \(120 s\)"):
+        check_timeouts(120, 120)
+    with pytest.raises(GraphConfigError):
+        check_timeouts(120 - DEADLINE_MARGIN_S + 0.5, 120)
+
+
+def test_voice_aliases_are_case_insensitive() -> None:
+    args = tiny_args()
+    args["voice_aliases"] = {"Alloy": "Chelsie"}
+    assert load_graph(args).voice_aliases == {"alloy": "chelsie"}

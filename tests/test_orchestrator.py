@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
 
@@ -10,7 +11,8 @@ import numpy as np
 import pytest
 
 from omni_serve.config import GraphConfig
-from omni_serve.orchestrator import OmniRequest, Orchestrator, StageFailed, StageTimeout
+from omni_serve.errors import from_failure
+from omni_serve.orchestrator import AbortedStageCall, OmniRequest, Orchestrator, StageFailed, StageTimeout
 from omni_serve.types import (
     ChatMessage,
     FinishReason,
@@ -36,9 +38,17 @@ GRAPH = GraphConfig.model_validate(
 class FakeStages:
     """Stage callers that record every call; code2wav finishes chunks in reverse order on purpose."""
 
-    def __init__(self, chunks: int = 4, fail: str | None = None, hang: str | None = None):
+    def __init__(
+        self,
+        chunks: int = 4,
+        fail: str | None = None,
+        hang: str | None = None,
+        abort: str | None = None,
+        hang_after_first: str | None = None,
+    ):
         self.calls: dict[str, list[StageRequest]] = defaultdict(list)
-        self.chunks, self.fail, self.hang = chunks, fail, hang
+        self.chunks, self.fail, self.hang, self.abort = chunks, fail, hang, abort
+        self.hang_after_first = hang_after_first
         self.cancelled: list[str] = []
 
     async def __call__(self, stage: str, request: StageRequest) -> AsyncIterator[StageOutput]:
@@ -57,7 +67,13 @@ class FakeStages:
                 assert request.handoff.kind == "fake.thinker2talker"
                 for i in range(self.chunks):
                     payload = HandoffPayload("fake.codes", {"codes": np.full((2, 3), i)})
-                    yield StageOutput(stage=stage, handoff=payload, finished=i == self.chunks - 1)
+                    last = i == self.chunks - 1
+                    reason = FinishReason.ABORT if last and stage == self.abort else FinishReason.STOP
+                    yield StageOutput(
+                        stage=stage, handoff=payload, finished=last, finish_reason=reason if last else None
+                    )
+                    if stage == self.hang_after_first:
+                        await asyncio.sleep(3600)
             else:
                 index = int(request.handoff.tensors["codes"][0, 0])
                 await asyncio.sleep(0.01 * (self.chunks - index))  # later chunks finish first
@@ -114,8 +130,10 @@ def test_silent_stage_times_out_and_is_cancelled() -> None:
     assert "talker" in stages.cancelled
 
 
-def test_consumer_leaving_cancels_every_stage_call() -> None:
-    stages = FakeStages(hang="code2wav")
+def test_consumer_leaving_cancels_every_stage_call_in_flight() -> None:
+    """The talker is mid-stream (after its first chunk) and code2wav calls are running: leaving
+    cancels all of them; the thinker had finished and is left alone."""
+    stages = FakeStages(chunks=4, hang="code2wav", hang_after_first="talker")
 
     async def leave_early() -> None:
         stream = Orchestrator(GRAPH, stages).run(request(Modality.TEXT, Modality.AUDIO))
@@ -127,4 +145,44 @@ def test_consumer_leaving_cancels_every_stage_call() -> None:
         await stream.aclose()
 
     asyncio.run(leave_early())
-    assert "code2wav" in stages.cancelled
+    assert sorted(stages.cancelled) == ["code2wav"] * len(stages.calls["code2wav"]) + ["talker"]
+    assert "thinker" not in stages.cancelled
+
+
+def test_every_stage_call_gets_its_own_engine_id() -> None:
+    stages = FakeStages(chunks=3)
+    req = request(Modality.TEXT, Modality.AUDIO)
+    req.client_request_id = "same-label"
+    asyncio.run(collect(Orchestrator(GRAPH, stages), req))
+    other = request(Modality.TEXT, Modality.AUDIO)
+    other.request_id = "r2"  # the ingress mints a fresh id per request (a uuid)
+    asyncio.run(collect(Orchestrator(GRAPH, stages), other))
+    calls = [r for rs in stages.calls.values() for r in rs]
+    assert len({r.request_id for r in calls}) == len(calls) == 2 * (1 + 1 + 3)
+    assert all("same-label" not in r.request_id for r in calls)
+    assert {r.client_request_id for r in calls} == {"same-label", None}
+
+
+def test_an_aborted_stage_call_fails_the_request_instead_of_finishing_it() -> None:
+    stages = FakeStages(chunks=2, abort="talker")
+    with pytest.raises(StageFailed) as info:
+        asyncio.run(collect(Orchestrator(GRAPH, stages), request(Modality.TEXT, Modality.AUDIO)))
+    assert info.value.stage == "talker" and isinstance(info.value.cause, AbortedStageCall)
+    assert from_failure(info.value, "r").status == 503
+
+
+def test_audio_only_still_relays_the_text_stage() -> None:
+    """The ingress needs the text stage's transcript, usage and finish reason for an audio-only reply."""
+    outputs = asyncio.run(collect(Orchestrator(GRAPH, FakeStages()), request(Modality.AUDIO)))
+    assert "".join(o.text for o in outputs if o.stage == "thinker") == "hello world"
+    assert [o.finish_reason for o in outputs if o.stage == "thinker" and o.finished] == [FinishReason.STOP]
+
+
+def test_request_deadline_ends_the_walk_with_a_timeout() -> None:
+    stages = FakeStages(hang="talker")
+    req = request(Modality.TEXT, Modality.AUDIO)
+    req.deadline = time.monotonic() + 0.2  # far below stage_timeout_s: the deadline binds
+    with pytest.raises(StageTimeout, match="time limit") as info:
+        asyncio.run(collect(Orchestrator(GRAPH, stages, stage_timeout_s=60), req))
+    assert info.value.stage == "talker" and "talker" in stages.cancelled
+    assert from_failure(info.value, "r").status == 504

@@ -69,6 +69,18 @@ def talk(engines: dict[str, StageEngine], handoff: HandoffPayload, voice: str | 
     return run(engines["talker"], StageRequest("r", SamplingParams(**sampling), handoff=handoff, voice=voice), handoff)
 
 
+TALK = {"temperature": 0.9, "top_k": 50}
+
+
+@pytest.fixture(scope="module")
+def long_seed(engines: dict[str, StageEngine], greedy_handoff: HandoffPayload) -> int:
+    """A seed whose talker sampling runs 14 frames without codec EOS (searched, so no checkpoint id is assumed)."""
+    for seed in range(50):
+        if talk(engines, greedy_handoff, max_tokens=14, seed=seed, **TALK)[-1].finish_reason is FinishReason.LENGTH:
+            return seed
+    pytest.fail("no seed in 0..49 keeps the tiny talker talking for 14 frames")
+
+
 def codes_of(chunks: list[HandoffPayload]) -> np.ndarray:
     return np.concatenate([c.tensors["codes"][:, c.meta["left_context"] :] for c in chunks], axis=1)
 
@@ -112,6 +124,7 @@ def test_unstarted_engine_is_unhealthy() -> None:
 
 def test_thinker_streams_text_then_handoff(engines: dict[str, StageEngine]) -> None:
     thinker = engines["thinker"]
+    before = thinker.stats()["requests_total"]
     outs = run(thinker, thinker_request(temperature=0, max_tokens=10))
     assert len(outs) >= 2 and all(not o.finished for o in outs[:-1])
     final = outs[-1]
@@ -122,16 +135,18 @@ def test_thinker_streams_text_then_handoff(engines: dict[str, StageEngine]) -> N
     assert payload.kind == q.THINKER2TALKER
     assert payload.meta["prompt_len"] == final.usage.prompt_tokens
     assert payload.tensors["token_ids"][final.usage.prompt_tokens :].tolist() == ids_of(outs)
-    assert thinker.stats() == {"running": 0, "waiting": 0, "requests_total": thinker.stats()["requests_total"]}
+    assert thinker.stats() == {"running": 0, "waiting": 0, "requests_total": before + 1}
 
 
 def test_thinker_coalesces_tokens_for_a_slow_consumer(engines: dict[str, StageEngine]) -> None:
+    thinker = engines["thinker"]
+
     async def slow() -> list[StageOutput]:
-        outs = []
-        async for out in engines["thinker"].stream(thinker_request(temperature=0, max_tokens=30), None):
-            outs.append(out)
-            await asyncio.sleep(0.3)  # a consumer busy elsewhere: tokens pile up meanwhile
-        return outs
+        stream = thinker.stream(thinker_request(temperature=0, max_tokens=30), None)
+        outs = [await anext(stream)]
+        while thinker.stats()["running"]:  # noqa: ASYNC110 - a consumer busy elsewhere until every token is out
+            await asyncio.sleep(0.01)
+        return outs + [out async for out in stream]
 
     outs = asyncio.run(slow())
     assert len(ids_of(outs)) == 30
@@ -196,14 +211,21 @@ def test_thinker_prompt_longer_than_context(engines: dict[str, StageEngine]) -> 
         run(engines["thinker"], thinker_request(messages=long))
 
 
-def test_thinker_abort(engines: dict[str, StageEngine]) -> None:
-    thinker = engines["thinker"]
+@pytest.fixture(scope="module")
+def slow_thinker() -> StageEngine:
+    """A thinker that pauses 2 s after every token (the engine's test hook): 800 tokens would take half an
+    hour, so a request that ends early can only have been stopped."""
+    engine = te.create("slow-thinker", {"model_stage": "thinker", "step_delay_s": 2.0})
+    asyncio.run(engine.start())
+    return engine
 
+
+def test_thinker_abort(slow_thinker: StageEngine) -> None:
     async def go() -> list[StageOutput]:
         outs = []
-        async for out in thinker.stream(thinker_request("abort-me", temperature=1.0, max_tokens=800, seed=0), None):
+        async for out in slow_thinker.stream(thinker_request("abort-me", temperature=1.0, max_tokens=800), None):
             if not outs:
-                await thinker.abort("abort-me")
+                await slow_thinker.abort("abort-me")
             outs.append(out)
         return outs
 
@@ -212,37 +234,35 @@ def test_thinker_abort(engines: dict[str, StageEngine]) -> None:
     assert outs[-1].usage.completion_tokens < 800
 
 
-def test_cancelled_consumer_stops_generation(engines: dict[str, StageEngine]) -> None:
-    thinker = engines["thinker"]
-
+def test_cancelled_consumer_stops_generation(slow_thinker: StageEngine) -> None:
     async def go() -> None:
-        stream = thinker.stream(thinker_request("gone", temperature=1.0, max_tokens=800, seed=0), None)
+        stream = slow_thinker.stream(thinker_request("gone", temperature=1.0, max_tokens=800, seed=0), None)
         await anext(stream)
         await stream.aclose()  # what a cancelled stage call does to the engine's stream
 
-    started = time.monotonic()
     asyncio.run(go())
-    while thinker.stats()["running"] and time.monotonic() - started < 5:
+    deadline = time.monotonic() + 120  # a hang guard only: unstopped, the request would run for hours
+    while slow_thinker.stats()["running"]:
+        assert time.monotonic() < deadline, "the engine kept generating for a consumer that left"
         time.sleep(0.01)
-    assert thinker.stats()["running"] == 0
-    assert time.monotonic() - started < 5  # 800 tokens would take far longer
     # The worker is free again: the next request runs at once.
-    assert run(thinker, thinker_request(temperature=0, max_tokens=2))[-1].finished
+    assert run(slow_thinker, thinker_request(temperature=0, max_tokens=1))[-1].finished
 
 
 # --- talker and code2wav -------------------------------------------------------------------
 
 
-def test_talker_streams_chunks_code2wav_decodes(engines: dict[str, StageEngine], greedy_handoff: HandoffPayload):
-    outs = talk(engines, greedy_handoff, temperature=0.9, top_k=50, max_tokens=14, seed=0)
+def test_talker_streams_chunks_code2wav_decodes(
+    engines: dict[str, StageEngine], greedy_handoff: HandoffPayload, long_seed: int
+) -> None:
+    outs = talk(engines, greedy_handoff, max_tokens=14, seed=long_seed, **TALK)
     chunks = [o.handoff for o in outs if o.handoff is not None]
     final = outs[-1]
     assert final.finished and all(not o.finished for o in outs[:-1])
     frames = final.usage.completion_tokens
+    assert final.finish_reason is FinishReason.LENGTH and frames == 14
     assert frames == sum(c.meta["num_frames"] for c in chunks)
-    if final.finish_reason is FinishReason.LENGTH:
-        assert frames == 14
-        assert [c.meta["num_frames"] for c in chunks] == [FIRST, CHUNK, 14 - FIRST - CHUNK]
+    assert [c.meta["num_frames"] for c in chunks] == [FIRST, CHUNK, 14 - FIRST - CHUNK]
     assert [c.meta["index"] for c in chunks] == list(range(len(chunks)))
     assert all(c.tensors["codes"].shape[0] == 16 for c in chunks)
     audio = speak(engines, chunks)
@@ -262,6 +282,14 @@ def test_talker_and_code2wav_are_deterministic_per_seed(engines: dict[str, Stage
     np.testing.assert_array_equal(speak(engines, chunks), speak(engines, chunks))
 
 
+def test_only_the_talker_has_voices_and_each_one_speaks(engines: dict[str, StageEngine], greedy_handoff) -> None:
+    assert engines["thinker"].voices() == engines["code2wav"].voices() == []
+    voices = engines["talker"].voices()
+    assert voices and voices == sorted(v.lower() for v in voices)
+    for voice in voices:
+        assert talk(engines, greedy_handoff, voice=voice, temperature=0, max_tokens=1)[-1].finished
+
+
 def test_talker_rejects_unknown_voice(engines: dict[str, StageEngine], greedy_handoff: HandoffPayload) -> None:
     with pytest.raises(InvalidStageInput, match=r"'nobody'.*\['aiden', 'chelsie', 'ethan'\]"):
         talk(engines, greedy_handoff, voice="nobody")
@@ -276,12 +304,15 @@ def test_stages_reject_wrong_handoffs(engines: dict[str, StageEngine], greedy_ha
         run(engines["code2wav"], StageRequest("r", SamplingParams(), handoff=greedy_handoff), greedy_handoff)
 
 
-def test_talker_abort(engines: dict[str, StageEngine], greedy_handoff: HandoffPayload) -> None:
-    talker = engines["talker"]
+def test_talker_abort(greedy_handoff: HandoffPayload, long_seed: int) -> None:
+    """A talker pausing 1 s per frame (the test hook) is aborted after its first chunk (1 frame); with this
+    seed codec EOS cannot come before frame 14, so only the abort can end it."""
+    talker = te.create("slow-talker", {"model_stage": "talker", "codec_first_chunk_frames": 1, "step_delay_s": 1.0})
 
     async def go() -> list[StageOutput]:
+        await talker.start()
         outs = []
-        request = StageRequest("talk-abort", SamplingParams(temperature=0.9, max_tokens=500, seed=1))
+        request = StageRequest("talk-abort", SamplingParams(max_tokens=500, seed=long_seed, **TALK))
         async for out in talker.stream(request, greedy_handoff):
             if not outs:
                 await talker.abort("talk-abort")
@@ -289,8 +320,8 @@ def test_talker_abort(engines: dict[str, StageEngine], greedy_handoff: HandoffPa
         return outs
 
     outs = asyncio.run(go())
-    assert outs[-1].finish_reason in (FinishReason.ABORT, FinishReason.STOP)  # STOP: codec EOS came first
-    assert outs[-1].usage.completion_tokens < 500
+    assert outs[-1].finish_reason is FinishReason.ABORT
+    assert outs[-1].usage.completion_tokens < 14
 
 
 # --- the reference: our chained stages reproduce transformers' own generate() --------------

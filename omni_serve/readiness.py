@@ -56,13 +56,30 @@ class ServeView:
         timeout = ray.get(self._controller.get_http_config.remote()).request_timeout_s
         return float(timeout) if timeout and timeout > 0 else None
 
-    async def stage_states(self, stages: list[str]) -> dict[str, StageState]:
-        details = await self._controller.get_serve_instance_details.remote()
-        deployments = details.get("applications", {}).get(self.app_name, {}).get("deployments", {})
-        return {
-            name: replica_state([r.get("state") for r in deployments.get(name, {}).get("replicas", [])])
-            for name in stages
-        }
+    async def stage_states(self) -> dict[str, StageState]:
+        """The stages' states as of the latest refresh (at most ``REFRESH_S`` plus one controller answer old)."""
+        if self._first is None:
+            self._first = asyncio.Event()
+            asyncio.get_running_loop().create_task(self._refresh_forever(self._first))
+        try:
+            await asyncio.wait_for(self._first.wait(), FIRST_ANSWER_S)
+        except asyncio.TimeoutError:
+            pass
+        return dict(self._states)
+
+    async def _refresh_forever(self, first: asyncio.Event) -> None:
+        while True:
+            try:
+                details = await self._controller.get_serve_instance_details.remote()
+                deployments = details.get("applications", {}).get(self.app_name, {}).get("deployments", {})
+                self._states = {
+                    name: replica_state([r.get("state") for r in deployments.get(name, {}).get("replicas", [])])
+                    for name in self.stages
+                }
+                first.set()
+            except Exception as err:  # keep the last answer; the controller may be restarting
+                logger.warning("readiness: Serve's controller did not answer: %s", type(err).__name__)
+            await asyncio.sleep(REFRESH_S)
 
 
 def replica_state(replicas: list[str | None]) -> StageState:

@@ -6,9 +6,7 @@ One deployment for the module; the server must stay healthy and keep answering n
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -123,9 +121,11 @@ CORPUS: list[tuple[str, dict[str, Any], int, str]] = [
     ("image modality on audio graph", {"json": chat(modalities=["text", "image"])}, 400, "image"),
     ("empty modalities", {"json": chat(modalities=[])}, 400, "modalities"),
     ("modalities a string", {"json": chat(modalities="audio")}, 400, "modalities"),
-    ("audio format mp3", {"json": chat(modalities=["text", "audio"], audio={"format": "mp3"})}, 400, "audio.format"),
+    ("audio format ogg", {"json": chat(modalities=["text", "audio"], audio={"format": "ogg"})}, 400, "audio.format"),
     ("audio not an object", {"json": chat(modalities=["text", "audio"], audio="wav")}, 400, "audio"),
     ("unknown voice", {"json": chat(modalities=["text", "audio"], audio={"voice": "nobody"})}, 400, "nobody"),
+    ("unknown speaker", {"json": chat(modalities=["text", "audio"], speaker="nobody")}, 400, "speaker"),
+    ("voice and speaker differ", {"json": chat(modalities=["audio"], voice="ethan", speaker="chelsie")}, 400, "voices"),
     # --- stage_sampling ---
     ("stage_sampling unknown stage", {"json": chat(stage_sampling={"vocoder": {}})}, 400, "vocoder"),
     ("stage_sampling unknown key", {"json": chat(stage_sampling={"talker": {"beam": 4}})}, 400, "stage_sampling"),
@@ -139,6 +139,28 @@ CORPUS: list[tuple[str, dict[str, Any], int, str]] = [
     ("stage_sampling not a dict", {"json": chat(stage_sampling=["talker"])}, 400, "stage_sampling"),
     ("stage_sampling stage not a dict", {"json": chat(stage_sampling={"talker": 0.9})}, 400, "stage_sampling"),
     ("stage_sampling wrong type", {"json": chat(stage_sampling={"thinker": {"stop": 7}})}, 400, "stop"),
+    # --- vLLM-Omni's sampling_params_list ---
+    ("sampling_params_list not a list", {"json": chat(sampling_params_list={"temperature": 1})}, 400, "list"),
+    ("sampling_params_list entry not a dict", {"json": chat(sampling_params_list=[0.4])}, 400, "sampling_params"),
+    ("sampling_params_list too long", {"json": chat(sampling_params_list=[{}] * 9)}, 400, "3 stages"),
+    (
+        "sampling_params_list unknown field",
+        {"json": chat(sampling_params_list=[{"ignore_eos": True}])},
+        400,
+        "sampling_params_list.0.ignore_eos",
+    ),
+    (
+        "sampling_params_list huge max_tokens",
+        {"json": chat(sampling_params_list=[{}, {"max_tokens": 10**12}])},
+        400,
+        "max_tokens",
+    ),
+    (
+        "both per-stage forms",
+        {"json": chat(sampling_params_list=[{}], stage_sampling={"talker": {}})},
+        400,
+        "sampling_params_list",
+    ),
 ]
 
 
@@ -173,48 +195,32 @@ def test_unknown_route_and_wrong_method_are_openai_errors(client: httpx.Client) 
     assert error_of(wrong := client.get("/v1/chat/completions")) and wrong.status_code == 405
 
 
-class _Recorder(BaseHTTPRequestHandler):
-    hits: list[str] = []
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        self.hits.append(self.path)
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
-@pytest.fixture()
-def media_server() -> Iterator[str]:
-    """A local HTTP server that records every fetch; media URLs point at it."""
-    _Recorder.hits = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-
-
-def test_media_inputs_are_refused_and_never_fetched(client: httpx.Client, media_server: str) -> None:
+def test_media_parts_are_refused_naming_the_exact_part(client: httpx.Client) -> None:
+    """Media input is refused until the graph takes it; ``param`` points at the message and part."""
     parts = [
-        {"type": "image_url", "image_url": {"url": f"{media_server}/cat.png"}},
-        {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}},
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}},
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
-        {"type": "audio_url", "audio_url": {"url": f"{media_server}/speech.wav"}},
-        {"type": "video_url", "video_url": {"url": f"{media_server}/clip.mp4"}},
+        {"type": "audio_url", "audio_url": {"url": "file:///etc/passwd"}},
+        {"type": "video_url", "video_url": {"url": "http://127.0.0.1:9/clip.mp4"}},
         {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
         {"type": "file", "file": {"file_id": "/etc/passwd"}},
     ]
     for part in parts:
-        content = [{"type": "text", "text": "What is this?"}, part]
-        reply = client.post("/v1/chat/completions", json=chat(**msg(content)))
+        messages = [
+            {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},  # a part list that is fine
+            {"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]},
+        ]
+        reply = client.post("/v1/chat/completions", json=chat(messages=messages))
         assert reply.status_code == 400, reply.text
         error = error_of(reply)
         assert part["type"] in error["message"] and "not supported" in error["message"]
-        assert error["param"] == "messages.0.content"
-    assert _Recorder.hits == []  # nothing was fetched
+        assert error["param"] == "messages.1.content.1"
+
+
+def test_a_stage_raised_400_names_its_field(client: httpx.Client) -> None:
+    reply = client.post("/v1/chat/completions", json=chat(**msg("word " * 20_000)))
+    assert reply.status_code == 400
+    assert error_of(reply)["param"] == "messages" and "context" in error_of(reply)["message"]
 
 
 def test_server_is_healthy_and_serves_after_the_corpus(client: httpx.Client) -> None:

@@ -120,9 +120,7 @@ def test_streaming_text_and_audio(tiny_omni) -> None:
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
     # Same request, not streamed, same seed: same text and the same audio.
-    whole = httpx.post(
-        f"{tiny_omni.base_url}/v1/chat/completions", json={**body, "stream": False}, timeout=120
-    ).json()
+    whole = httpx.post(f"{tiny_omni.base_url}/v1/chat/completions", json={**body, "stream": False}, timeout=120).json()
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[1:] if c.get("modality") == "text")
     assert text == whole["choices"][0]["message"]["content"]
     streamed = np.concatenate([s for s, _, _ in audio])

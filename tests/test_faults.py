@@ -325,15 +325,16 @@ def test_killing_a_talker_replica_under_load(graph) -> None:
             error = outcome["error"]
             assert error["type"] == "service_unavailable", outcome
             assert "'talker'" in error["message"] or "'code2wav'" in error["message"], outcome
-            if outcome["stream"]:
-                assert error["code"] == 503
-            else:
+            assert error["code"] == "stage_unavailable" and set(error) == {"message", "type", "param", "code"}
+            if not outcome["stream"]:
                 assert outcome["status"] == 503 and outcome["retry_after"], outcome
     failed = [o for o in outcomes if not o["ok"]]
     retries = len(ingress_log_lines("retrying once")) - retries_before
     print(f"{len(outcomes) - len(failed)} complete, {len(failed)} failed with 503, {retries} stage calls retried")
-    assert len(failed) < len(outcomes)
-    # Requests waiting in the killed replica's engine queue had produced nothing: retried elsewhere.
+    # Only requests the killed replica had started talking for (or whose codec chunks it still owned)
+    # may fail; Serve spreads the load over both talkers by queue length, so that is at most about half.
+    # Requests waiting in its engine queue had produced nothing: retried on the other replica.
+    assert len(failed) <= N_REQUESTS // 2 + 1, outcomes
     assert retries >= 1
 
     # Recovery without a restart: Serve replaces the replica, /health is 200, requests work.

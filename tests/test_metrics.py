@@ -1,65 +1,119 @@
-"""The documented Prometheus series appear on the node's metrics endpoint after real requests."""
+"""The documented Prometheus series move by exactly what real requests did, and count outcomes truthfully.
+
+50 successful requests (text and text+audio, streamed and not) must add 50 ``ok`` calls of the
+thinker, one per audio request to the talker, and no ``cancelled`` call anywhere: a stage call
+that yielded its final output is complete even when the caller closes it before the stage's
+generator returns. Token and audio counters grow by what the clients received.
+"""
 
 from __future__ import annotations
 
+import base64
+import concurrent.futures
+import io
+import json
 import time
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 import pytest
+import soundfile as sf
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import METRICS_PORT
 
 pytestmark = pytest.mark.integration
 
-STAGE_SERIES = [
-    "ray_omni_stage_queue_wait_seconds_bucket",
-    "ray_omni_stage_processing_seconds_bucket",
-    "ray_omni_stage_tokens_total",
-    "ray_omni_stage_audio_seconds_total",
-    "ray_omni_stage_in_flight",
-    "ray_omni_stage_calls_total",
-]
-REQUEST_SERIES = [
-    "ray_omni_request_ttft_seconds_bucket",
-    "ray_omni_request_ttfa_seconds_bucket",
-    "ray_omni_request_e2e_seconds_bucket",
-    "ray_omni_request_rtf_bucket",
-    "ray_omni_requests_total",
-]
+STAGES = ("thinker", "talker", "code2wav")
+REQUESTS = 50
 
 
-def scrape() -> str:
-    return httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
+def scrape() -> dict[str, list[tuple[dict[str, str], float]]]:
+    text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return samples
 
 
-def test_stage_and_request_series_after_a_request(tiny_omni) -> None:
-    body = {
+def total(metrics: dict[str, Any], name: str, **labels: str) -> float:
+    """Sum of a series over replicas (and other labels) matching ``labels``; 0 when absent."""
+    return sum(v for got, v in metrics.get(name, []) if all(got.get(k) == want for k, want in labels.items()))
+
+
+def wait_for(condition: Callable[[dict[str, Any]], bool], timeout_s: float = 60) -> dict[str, Any]:
+    """Metrics reach the node's endpoint about a second after they are recorded: poll until they show."""
+    deadline = time.monotonic() + timeout_s
+    while not condition(metrics := scrape()):
+        assert time.monotonic() < deadline, "the metrics never caught up with the requests"
+        time.sleep(0.5)
+    return metrics
+
+
+def one_request(base_url: str, i: int) -> dict[str, float]:
+    """Request ``i`` of the mix; returns what the client received (tokens, seconds of audio)."""
+    audio, stream = i % 2 == 0, i % 4 < 2
+    body: dict[str, Any] = {
         "model": "tiny-qwen3-omni",
-        "messages": [{"role": "user", "content": "Hi"}],
-        "modalities": ["text", "audio"],
-        "max_tokens": 6,
-        "stream": True,
+        "messages": [{"role": "user", "content": f"Hi {i}"}],
+        "max_tokens": 4,
+        "seed": i,
+        "stream": stream,
+        "modalities": ["text", "audio"] if audio else ["text"],
+        "stage_sampling": {"talker": {"max_tokens": 8}},
     }
-    with httpx.stream("POST", f"{tiny_omni.base_url}/v1/chat/completions", json=body, timeout=120) as response:
-        assert response.status_code == 200
-        assert list(response.iter_lines())[-2] == "data: [DONE]"
-    wanted = STAGE_SERIES + REQUEST_SERIES
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    with httpx.Client(timeout=120) as client:
+        if not stream:
+            reply = client.post(f"{base_url}/v1/chat/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            data = reply.json()
+            pieces = [data["choices"][0]["message"]["audio"]["data"]] if audio else []
+            usage = data["usage"]
+        else:
+            with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as reply:
+                assert reply.status_code == 200
+                events = [line.removeprefix("data: ") for line in reply.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            chunks = [json.loads(e) for e in events[:-1]]
+            pieces = [c["choices"][0]["delta"]["audio"]["data"] for c in chunks if c.get("modality") == "audio"]
+            usage = chunks[-1]["usage"]
+    seconds = 0.0
+    for piece in pieces:
+        samples, rate = sf.read(io.BytesIO(base64.b64decode(piece)), dtype="float32")
+        seconds += len(samples) / rate
+    return {"audio": float(audio), "tokens": usage["completion_tokens"], "seconds": seconds}
 
-    def missing(lines: list[str]) -> list[str]:
-        gone = [name for name in wanted if not any(line.startswith(name) for line in lines)]
-        # Serve tags stage series with the stage's deployment; requests with their route and status.
-        for stage in ("thinker", "talker", "code2wav"):
-            if not any(
-                line.startswith("ray_omni_stage_calls_total") and f'deployment="{stage}"' in line for line in lines
-            ):
-                gone.append(f"calls of {stage}")
-        if not any(
-            "omni_requests_total" in line and 'route="chat"' in line and 'status="200"' in line for line in lines
-        ):
-            gone.append("chat request counted with status 200")
-        return gone
 
-    deadline = time.monotonic() + 60
-    while (absent := missing(scrape().splitlines())) and time.monotonic() < deadline:
-        time.sleep(1)
-    assert not absent, absent
+def test_series_move_by_what_the_requests_did(tiny_omni) -> None:
+    before = scrape()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        received = list(pool.map(lambda i: one_request(tiny_omni.base_url, i), range(REQUESTS)))
+    audio_requests = sum(r["audio"] for r in received)
+
+    def delta(metrics: dict[str, Any], name: str, **labels: str) -> float:
+        return total(metrics, name, **labels) - total(before, name, **labels)
+
+    after = wait_for(
+        lambda m: (
+            delta(m, "ray_omni_requests_total", route="chat", status="200") == REQUESTS
+            and delta(m, "ray_omni_stage_calls_total", deployment="thinker", outcome="ok") == REQUESTS
+            and delta(m, "ray_omni_stage_calls_total", deployment="talker", outcome="ok") == audio_requests
+        )
+    )
+    for stage in STAGES:  # every call completed: none counted as cancelled or failed
+        assert delta(after, "ray_omni_stage_calls_total", deployment=stage, outcome="cancelled") == 0, stage
+        assert delta(after, "ray_omni_stage_calls_total", deployment=stage, outcome="error") == 0, stage
+    spoken = sum(r["seconds"] > 0 for r in received)  # audio requests whose talker said anything
+    assert delta(after, "ray_omni_stage_calls_total", deployment="code2wav", outcome="ok") >= spoken
+    assert delta(after, "ray_omni_stage_tokens_total", deployment="thinker") == sum(r["tokens"] for r in received)
+    audio_s = delta(after, "ray_omni_stage_audio_seconds_total", deployment="code2wav")
+    assert abs(audio_s - sum(r["seconds"] for r in received)) < 1e-3
+    assert delta(after, "ray_omni_request_e2e_seconds_count", route="chat") == REQUESTS
+    assert delta(after, "ray_omni_request_ttfa_seconds_count", route="chat") == spoken
+    for stage in STAGES:
+        assert delta(after, "ray_omni_stage_processing_seconds_count", deployment=stage) > 0
+        assert delta(after, "ray_omni_stage_queue_wait_seconds_count", deployment=stage) > 0

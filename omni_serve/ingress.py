@@ -49,7 +49,7 @@ from omni_serve.openai.protocol import (
 )
 from omni_serve.openai.speech import SpeechRequest
 from omni_serve.openai.voices import resolve_voice, voices_json
-from omni_serve.orchestrator import OmniRequest, Orchestrator
+from omni_serve.orchestrator import OmniRequest, Orchestrator, StageFailed
 from omni_serve.readiness import ServeView
 from omni_serve.types import ChatMessage, Modality, SamplingParams, StageOutput, StageRequest
 
@@ -150,9 +150,19 @@ class Ingress:
         return None if timeout is None else time.monotonic() + max(0.0, timeout - DEADLINE_MARGIN_S)
 
     async def _graph_voices(self) -> list[str]:
-        """The voices the graph's stages declare (asked once; the graph's stages never change under an ingress)."""
+        """The voices the graph's stages declare (asked once; the graph's stages never change under an ingress).
+
+        A stage that cannot answer fails the request like any stage call (e.g. 503 naming it).
+        """
         if self._voices is None:
-            declared = await asyncio.gather(*(h.remote() for h in self.voice_handles.values()))
+
+            async def ask(stage: str) -> list[str]:
+                try:
+                    return await self.voice_handles[stage].remote()
+                except Exception as err:
+                    raise from_failure(StageFailed(stage, err), "voices") from None
+
+            declared = await asyncio.gather(*(ask(stage) for stage in self.voice_handles))
             self._voices = sorted({voice.lower() for voices in declared for voice in voices})
         return self._voices
 
@@ -263,11 +273,7 @@ class Ingress:
     async def audio_voices(self, request: Request) -> JSONResponse:
         """vLLM-Omni's route: the voices a request may name, plus the graph's aliases."""
         self._check_auth(request)
-        try:
-            voices = await self._graph_voices()
-        except Exception as err:
-            raise from_failure(err, "voices") from None
-        return JSONResponse(voices_json(voices, self.graph.voice_aliases))
+        return JSONResponse(voices_json(await self._graph_voices(), self.graph.voice_aliases))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:

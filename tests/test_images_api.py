@@ -108,15 +108,30 @@ def test_chat_completion_returns_image_url_part(tiny_image) -> None:
     assert pixels(base64.b64decode(url.split(",", 1)[1])).shape == (64, 64, 3)  # the graph's default size
 
 
-def test_streamed_chat_carries_the_image(tiny_image) -> None:
+def streamed_chat(graphs) -> list[dict]:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "a red fox"}], "modalities": ["image"], "seed": 5}
-    with httpx.stream("POST", f"{tiny_image.base_url}/v1/chat/completions", json={**body, "stream": True}) as response:
+    with httpx.stream("POST", f"{graphs.base_url}/v1/chat/completions", json={**body, "stream": True}) as response:
         lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     chunks = [json.loads(line) for line in lines[:-1]]
     [image] = [c for c in chunks if c.get("modality") == "image"]
     [part] = image["choices"][0]["delta"]["content"]
     assert part["image_url"]["url"].startswith("data:image/png;base64,")
+    # A graph without a text stage still ends its stream with an OpenAI finish reason.
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]] == ["stop"]
+    return chunks
+
+
+def test_streamed_chat_carries_the_image(tiny_image) -> None:
+    streamed_chat(tiny_image)
+
+
+def test_images_are_counted(tiny_image) -> None:
+    from tests.test_metrics import scrape, total, wait_for
+
+    before = total(scrape(), "ray_omni_stage_images_total")
+    assert len(pngs(generate(tiny_image, n=3, size="32x32"))) == 3
+    wait_for(lambda m: total(m, "ray_omni_stage_images_total") - before == 3)
 
 
 def test_three_stage_graph_gives_the_same_image(tiny_image) -> None:
@@ -132,3 +147,4 @@ def test_three_stage_graph_gives_the_same_image(tiny_image) -> None:
     assert tiny_image.handle("ingress").payload_loads.remote().result() == {}
     assert tiny_image.handle("decode").stats.remote().result()["payload_loads"] == {"qwen_image.latents": 1}
     assert generate(tiny_image, size="50x48").json()["error"]["param"] == "size"
+    streamed_chat(tiny_image)

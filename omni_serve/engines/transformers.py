@@ -69,8 +69,8 @@ class TransformersEngineArgs(BaseModel):
         0.0,
         ge=0.0,
         le=10.0,
-        description="Test hook: sleep this long after each decoding step (cut short by an abort), so tests can "
-        "hold requests in flight for certain. 0 in every shipped graph.",
+        description="Test hook: sleep this long after each decoding step (code2wav: before each chunk; cut short "
+        "by an abort), so tests can hold requests in flight for certain. 0 in every shipped graph.",
     )
 
 
@@ -640,6 +640,8 @@ class Code2WavEngine(_HFEngine):
             raise InvalidStageInput(f"stage {self.stage_name}: code2wav needs a {qwen3_omni.CODEC_CHUNK} handoff")
 
         def job(emit: Emit, cancelled: threading.Event) -> None:
+            if self.args.step_delay_s:  # the test hook: code2wav decodes a chunk in one step
+                cancelled.wait(self.args.step_delay_s)
             emit(qwen3_omni.decode_codec_chunk(self.code2wav, handoff))
 
         async with aclosing(self._run(request.request_id, job)) as batches:

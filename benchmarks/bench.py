@@ -148,7 +148,7 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
     """HF in-process generate(return_audio=True) on the same tiny checkpoint, sequentially."""
     import torch
 
-    from omni_serve.engines.qwen3_omni import hf_reference_generate
+    from omni_serve.engines.qwen3_omni import SAMPLE_RATE, hf_reference_generate
     from omni_serve.tiny import ensure_tiny_omni
 
     torch.set_num_threads(args.baseline_threads)
@@ -162,7 +162,7 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         _, wav = hf_reference_generate(path, MESSAGES, seed=i, **kwargs)
         e2e.append(time.perf_counter() - t0)
-        audio_s.append(len(wav) / 24000)
+        audio_s.append(len(wav) / SAMPLE_RATE)
     wall = time.perf_counter() - start
     return {
         "scenario": "baseline: HF generate in-process (sequential)",

@@ -101,11 +101,11 @@ class RequestTimer:
         if output.text and self.first_text is None:
             self.first_text = now
             self.metrics.ttft.observe(now, tags=self.tags)
-        if output.audio is not None:
+        if output.audio is not None and output.sample_rate:  # audio outputs carry their rate
             if self.first_audio is None:
                 self.first_audio = now
                 self.metrics.ttfa.observe(now, tags=self.tags)
-            self.audio_s += len(output.audio) / (output.sample_rate or 24000)
+            self.audio_s += len(output.audio) / output.sample_rate
 
     def done(self, status: int) -> None:
         if self.recorded:

@@ -11,6 +11,8 @@ import openai
 import pytest
 import soundfile as sf
 
+from omni_serve.engines.qwen3_omni import SAMPLE_RATE
+
 pytestmark = pytest.mark.integration
 
 TEXT = "Hello from the tiny talker."
@@ -38,14 +40,14 @@ def test_streamed_wav_arrives_in_several_chunks_and_decodes(tiny_omni) -> None:
     data = b"".join(parts)
     assert len(parts) > 1  # header + codec chunks as code2wav decodes them
     samples, rate = sf.read(io.BytesIO(data), dtype="float32")
-    assert rate == 24000 and samples.size == (len(data) - 44) // 2
+    assert rate == SAMPLE_RATE and samples.size == (len(data) - 44) // 2
 
 
 def test_openai_client(tiny_omni) -> None:
     client = openai.OpenAI(base_url=f"{tiny_omni.base_url}/v1", api_key="unused", max_retries=0)
     audio = client.audio.speech.create(model="tiny-qwen3-omni", input=TEXT, voice="ethan", response_format="wav")
     samples, rate = sf.read(io.BytesIO(audio.content), dtype="float32")
-    assert rate == 24000 and samples.size > 0
+    assert rate == SAMPLE_RATE and samples.size > 0
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,8 @@ import openai
 import pytest
 import soundfile as sf
 
+from omni_serve.engines.qwen3_omni import SAMPLE_RATE
+
 pytestmark = pytest.mark.integration
 
 MESSAGES = [{"role": "user", "content": "Say hello."}]
@@ -62,7 +64,7 @@ def test_text_and_audio_non_streaming(tiny_omni, client: openai.OpenAI) -> None:
     )
     message = reply.choices[0].message
     samples, rate, channels = decode_wav(message.audio.data)
-    assert (rate, channels) == (24000, 1)
+    assert (rate, channels) == (SAMPLE_RATE, 1)
     assert samples.size > 0 and np.isfinite(samples).all()
     assert message.audio.transcript == message.content
     assert message.audio.id and message.audio.expires_at > 0
@@ -115,7 +117,7 @@ def test_streaming_text_and_audio(tiny_omni) -> None:
     assert "text" in kinds and "audio" in kinds
     assert kinds.index("text") < kinds.index("audio")
     audio = [decode_wav(c["choices"][0]["delta"]["audio"]["data"]) for c in chunks[1:] if c.get("modality") == "audio"]
-    assert all(rate == 24000 and ch == 1 and s.size > 0 for s, rate, ch in audio)
+    assert all(rate == SAMPLE_RATE and ch == 1 and s.size > 0 for s, rate, ch in audio)
     usage = chunks[-1]["usage"]
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 

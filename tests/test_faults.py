@@ -26,6 +26,7 @@ import soundfile as sf
 from ray.exceptions import ActorDiedError, ActorUnavailableError, OwnerDiedError, RayTaskError
 
 from omni_serve.engines.base import InvalidStageInput
+from omni_serve.engines.qwen3_omni import SAMPLE_RATE
 from omni_serve.errors import from_failure
 from omni_serve.orchestrator import IncompleteStageStream, OmniRequest, Orchestrator, StageFailed, replica_gone
 from omni_serve.types import ChatMessage, FinishReason, HandoffPayload, Modality, SamplingParams, StageOutput
@@ -81,7 +82,7 @@ class FlakyStages:
                 for i in range(self.chunks)
             ]
         index = int(request.handoff.tensors["i"][0])
-        return [StageOutput(stage=stage, audio=np.full(4, index, np.float32), sample_rate=24000, finished=True)]
+        return [StageOutput(stage=stage, audio=np.full(4, index, np.float32), sample_rate=SAMPLE_RATE, finished=True)]
 
 
 def omni_request() -> OmniRequest:
@@ -240,7 +241,7 @@ def graph(graphs) -> Iterator[Any]:
 
 def samples(b64: str) -> int:
     data, rate = sf.read(io.BytesIO(base64.b64decode(b64)), dtype="float32")
-    assert rate == 24000
+    assert rate == SAMPLE_RATE
     return len(data)
 
 

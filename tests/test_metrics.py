@@ -43,11 +43,14 @@ def total(metrics: dict[str, Any], name: str, **labels: str) -> float:
     return sum(v for got, v in metrics.get(name, []) if all(got.get(k) == want for k, want in labels.items()))
 
 
-def wait_for(condition: Callable[[dict[str, Any]], bool], timeout_s: float = 60) -> dict[str, Any]:
-    """Metrics reach the node's endpoint about a second after they are recorded: poll until they show."""
+def wait_for(condition: Callable[[dict[str, Any]], Any], timeout_s: float = 60) -> dict[str, Any]:
+    """Metrics reach the node's endpoint about a second after they are recorded: poll until they show.
+
+    ``condition`` returns True when they did, else what it saw (shown if they never do).
+    """
     deadline = time.monotonic() + timeout_s
-    while not condition(metrics := scrape()):
-        assert time.monotonic() < deadline, "the metrics never caught up with the requests"
+    while (seen := condition(metrics := scrape())) is not True:
+        assert time.monotonic() < deadline, f"the metrics never caught up with the requests: {seen}"
         time.sleep(0.5)
     return metrics
 
@@ -97,16 +100,23 @@ def test_series_move_by_what_the_requests_did(tiny_omni) -> None:
     def delta(metrics: dict[str, Any], name: str, **labels: str) -> float:
         return total(metrics, name, **labels) - total(before, name, **labels)
 
-    after = wait_for(
-        lambda m: (
-            delta(m, "ray_omni_requests_total", route="chat", status="200") == REQUESTS
-            and delta(m, "ray_omni_stage_calls_total", deployment="thinker", outcome="ok") == REQUESTS
-            and delta(m, "ray_omni_stage_calls_total", deployment="talker", outcome="ok") == audio_requests
-        )
-    )
-    for stage in STAGES:  # every call completed: none counted as cancelled or failed
-        assert delta(after, "ray_omni_stage_calls_total", deployment=stage, outcome="cancelled") == 0, stage
-        assert delta(after, "ray_omni_stage_calls_total", deployment=stage, outcome="error") == 0, stage
+    def counted(m: dict[str, Any]) -> Any:  # every request and every thinker/talker call, whatever its outcome
+        seen = {
+            "requests": delta(m, "ray_omni_requests_total", route="chat", status="200"),
+            "thinker calls": delta(m, "ray_omni_stage_calls_total", deployment="thinker"),
+            "talker calls": delta(m, "ray_omni_stage_calls_total", deployment="talker"),
+        }
+        return seen == {"requests": REQUESTS, "thinker calls": REQUESTS, "talker calls": audio_requests} or seen
+
+    after = wait_for(counted)
+    outcomes = {
+        f"{stage} {outcome}": delta(after, "ray_omni_stage_calls_total", deployment=stage, outcome=outcome)
+        for stage in STAGES
+        for outcome in ("ok", "cancelled", "error")
+    }
+    # Every call completed: none counted as cancelled or failed.
+    assert {k: v for k, v in outcomes.items() if not k.endswith(" ok") and v} == {}, outcomes
+    assert outcomes["thinker ok"] == REQUESTS and outcomes["talker ok"] == audio_requests, outcomes
     spoken = sum(r["seconds"] > 0 for r in received)  # audio requests whose talker said anything
     assert delta(after, "ray_omni_stage_calls_total", deployment="code2wav", outcome="ok") >= spoken
     assert delta(after, "ray_omni_stage_tokens_total", deployment="thinker") == sum(r["tokens"] for r in received)

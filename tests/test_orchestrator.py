@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from omni_serve.config import GraphConfig
+from omni_serve.engines.qwen3_omni import SAMPLE_RATE
 from omni_serve.errors import from_failure
 from omni_serve.orchestrator import AbortedStageCall, OmniRequest, Orchestrator, StageFailed, StageTimeout
 from omni_serve.types import (
@@ -77,7 +78,9 @@ class FakeStages:
             else:
                 index = int(request.handoff.tensors["codes"][0, 0])
                 await asyncio.sleep(0.01 * (self.chunks - index))  # later chunks finish first
-                yield StageOutput(stage=stage, audio=np.full(5, index, np.float32), sample_rate=24000, finished=True)
+                yield StageOutput(
+                    stage=stage, audio=np.full(5, index, np.float32), sample_rate=SAMPLE_RATE, finished=True
+                )
         except asyncio.CancelledError:
             self.cancelled.append(stage)
             raise

@@ -29,6 +29,7 @@ import pytest
 import soundfile as sf
 import yaml
 
+from omni_serve.engines.qwen3_omni import SAMPLE_RATE
 from omni_serve.launch import GRAPHS, deploy_graph_file, wait_healthy
 
 HTTP_PORT = int(os.environ.get("OMNI_SERVE_TEST_PORT", "18765"))
@@ -162,7 +163,7 @@ def test_stages_land_on_their_node_type_and_fail_over_within_it(node_types: Node
         if response.status_code == 200:
             audio = response.json()["choices"][0]["message"]["audio"]
             samples, rate = sf.read(io.BytesIO(base64.b64decode(audio["data"])), dtype="float32")
-            assert rate == 24000 and samples.size > 0
+            assert rate == SAMPLE_RATE and samples.size > 0
         else:
             # A lost replica or a handoff lost with its node is "unavailable, retry", never a server bug.
             assert response.status_code == 503, response.text

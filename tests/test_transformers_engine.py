@@ -89,7 +89,7 @@ def speak(engines: dict[str, StageEngine], chunks: list[HandoffPayload]) -> np.n
     waves = []
     for i, chunk in enumerate(chunks):
         (out,) = run(engines["code2wav"], StageRequest("r", SamplingParams(), handoff=chunk, chunk_index=i), chunk)
-        assert out.finished and out.sample_rate == 24000 and out.audio.dtype == np.float32
+        assert out.finished and out.sample_rate == q.SAMPLE_RATE and out.audio.dtype == np.float32
         waves.append(out.audio)
     return np.concatenate(waves)
 

@@ -332,9 +332,7 @@ def gpus_needed(config: dict[str, Any]) -> int:
 
 
 def _placement_header(app: dict[str, Any], output: str | None) -> list[str]:
-    pins = sorted(
-        {r for d in app["deployments"] for r in d.get("ray_actor_options", {}).get("resources", {})}
-    )
+    pins = sorted({r for d in app["deployments"] for r in d.get("ray_actor_options", {}).get("resources", {})})
     if not pins:
         return []
     advertise = json.dumps({r: 1 for r in pins}, separators=(",", ":"))

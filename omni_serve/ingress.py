@@ -222,6 +222,13 @@ class Ingress:
             raise bad_request(f"stage_sampling: unknown stage '{unknown[0]}'", "stage_sampling")
         return per_stage, {name: f"stage_sampling.{name}" for name in names}
 
+    def _seeded_defaults(self, seed: int | None) -> dict[str, SamplingParams]:
+        """Every stage's default sampling, with the client's seed (if any) in each."""
+        defaults = {s.name: s.default_sampling for s in self.graph.stages}
+        if seed is None:
+            return defaults
+        return {name: params.model_copy(update={"seed": seed}) for name, params in defaults.items()}
+
     def _modalities(self, body: ChatCompletionRequest) -> set[Modality]:
         wanted = set(body.modalities or [Modality.TEXT])
         missing = wanted - self.graph.modalities
@@ -262,9 +269,8 @@ class Ingress:
         if Modality.AUDIO in self.graph.modalities:
             try:
                 voices = await asyncio.wait_for(self._graph_voices(), 10)
-                card.update(
-                    {k: v for k, v in voices_json(voices, self.graph.voice_aliases).items() if k != "uploaded_voices"}
-                )
+                listed = voices_json(voices, self.graph.voice_aliases)
+                card.update(voices=listed["voices"], voice_aliases=listed["aliases"])
             except Exception as err:  # stages not up yet: the card without voices
                 logger.info("models: voices not known yet (%s)", type(err).__name__)
         return JSONResponse({"object": "list", "data": [card]})
@@ -364,7 +370,7 @@ class Ingress:
         omni = self._omni_request(
             request,
             modalities={Modality.AUDIO},
-            sampling={s.name: s.default_sampling for s in self.graph.stages},
+            sampling=self._seeded_defaults(body.seed),
             messages=messages,
             voice=voice,
             reply=body.input,
@@ -414,13 +420,10 @@ class Ingress:
         self._check_model(body.model)
         if Modality.IMAGE not in self.graph.modalities:
             raise bad_request(f"model '{self.graph.served_model_name}' does not generate images", "model")
-        sampling = {s.name: s.default_sampling for s in self.graph.stages}
-        if body.seed is not None:
-            sampling = {name: params.model_copy(update={"seed": body.seed}) for name, params in sampling.items()}
         omni = self._omni_request(
             request,
             modalities={Modality.IMAGE},
-            sampling=sampling,
+            sampling=self._seeded_defaults(body.seed),
             messages=body.messages(),
             image=body.image_params(),
         )

@@ -133,8 +133,9 @@ def test_unknown_voice_is_refused_before_any_stage_runs(tiny_omni, http: httpx.C
         assert reply.status_code == 400, reply.text
         error = reply.json()["error"]
         assert error["param"] == param and "'nobody'" in error["message"] and "chelsie" in error["message"]
-    speech = http.post("/v1/audio/speech", json={"model": MODEL, "input": "Hi", "voice": "nobody"})
-    assert speech.status_code == 400 and speech.json()["error"]["param"] == "voice"
+    for field in ("voice", "speaker"):  # vLLM-Omni's speech request takes either name
+        speech = http.post("/v1/audio/speech", json={"model": MODEL, "input": "Hi", field: "nobody"})
+        assert speech.status_code == 400 and speech.json()["error"]["param"] == "voice"
     conflict = _chat(http, **AUDIO, audio={"voice": "ethan", "format": "wav"}, speaker="chelsie")
     assert conflict.status_code == 400 and "different voices" in conflict.json()["error"]["message"]
     assert thinker.stats.remote().result()["requests_total"] == before  # no stage saw any of them

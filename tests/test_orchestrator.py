@@ -138,17 +138,18 @@ def test_consumer_leaving_cancels_every_stage_call_in_flight() -> None:
     cancels all of them; the thinker had finished and is left alone."""
     stages = FakeStages(chunks=4, hang="code2wav", hang_after_first="talker")
 
-    async def leave_early() -> None:
+    async def leave_early() -> list[str]:
         stream = Orchestrator(GRAPH, stages).run(request(Modality.TEXT, Modality.AUDIO))
         async for out in stream:
             if out.stage == "thinker" and out.finished:
                 break
         while not stages.calls["code2wav"]:  # noqa: ASYNC110 - poll until the first chunk reached code2wav
             await asyncio.sleep(0.01)
-        await stream.aclose()
+        await asyncio.wait_for(stream.aclose(), 30)  # a hang guard: closing must not wait on the stages
+        return list(stages.cancelled)  # before asyncio.run() cancels whatever is left itself
 
-    asyncio.run(leave_early())
-    assert sorted(stages.cancelled) == ["code2wav"] * len(stages.calls["code2wav"]) + ["talker"]
+    cancelled = asyncio.run(leave_early())
+    assert sorted(cancelled) == ["code2wav"] * len(stages.calls["code2wav"]) + ["talker"]
     assert "thinker" not in stages.cancelled
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 
 class SpeechRequest(BaseModel):
@@ -20,8 +20,13 @@ class SpeechRequest(BaseModel):
 
     model: str | None = None
     input: str = Field(min_length=1, max_length=4096, description="The text to speak.")
-    voice: str | None = Field(None, description="Voice name or alias (see GET /v1/audio/voices); None: default.")
+    voice: str | None = Field(
+        None,
+        validation_alias=AliasChoices("voice", "speaker"),  # vLLM-Omni accepts both names
+        description="Voice name or alias (see GET /v1/audio/voices); None: the model's default voice.",
+    )
     response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"
     speed: Literal[1, 1.0] = Field(1.0, description="Only 1.0: the talker has no speed control.")
     stream_format: Literal["audio"] = Field("audio", description="Raw audio bytes as they are produced.")
     instructions: str | None = Field(None, max_length=4096, description="Sent to the model as a system message.")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Same seed, same audio (vLLM-Omni's field).")

@@ -55,6 +55,17 @@ def wait_for(condition: Callable[[dict[str, Any]], Any], timeout_s: float = 60) 
     return metrics
 
 
+def settled() -> dict[str, Any]:
+    """A scrape once earlier work has been reported: two scrapes ~3 report intervals apart agree."""
+    previous = scrape()
+    while True:
+        time.sleep(3)
+        current = scrape()
+        if all(total(current, name) == total(previous, name) for name in previous if name.startswith("ray_omni_")):
+            return current
+        previous = current
+
+
 def one_request(base_url: str, i: int) -> dict[str, float]:
     """Request ``i`` of the mix; returns what the client received (tokens, seconds of audio)."""
     audio, stream = i % 2 == 0, i % 4 < 2
@@ -92,7 +103,7 @@ def one_request(base_url: str, i: int) -> dict[str, float]:
 
 
 def test_series_move_by_what_the_requests_did(tiny_omni) -> None:
-    before = scrape()
+    before = settled()
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         received = list(pool.map(lambda i: one_request(tiny_omni.base_url, i), range(REQUESTS)))
     audio_requests = sum(r["audio"] for r in received)

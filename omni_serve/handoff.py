@@ -177,6 +177,13 @@ def padded(payload: HandoffPayload, nbytes: int) -> HandoffPayload:
     return payload
 
 
+def object_store_bytes(gcs_address: str) -> int:
+    """Bytes in the object stores of all nodes, as ``ray memory --stats-only`` reads them (tests, benchmarks)."""
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    return int(get_memory_info_reply(get_state_from_address(gcs_address)).store_stats.object_store_bytes_used)
+
+
 # --- evidence: how often this process unpickled a payload -------------------------------------
 
 _loads: Counter[str] = Counter()

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from omni_serve.types import HandoffPayload, StageOutput
+from omni_serve.types import HandoffPayload, StageOutput, StageRequest
 
 if TYPE_CHECKING:
     import torch
@@ -69,15 +69,27 @@ def stream_items(output: StageOutput, wanted: bool) -> list[Any]:
     return [output, payload]
 
 
-async def stage_outputs(response: DeploymentResponseGenerator) -> AsyncIterator[StageOutput]:
-    """The outputs of one streaming stage call, each handoff as an unresolved ``ObjectRef`` owned here.
+async def stage_outputs(response: DeploymentResponseGenerator, request: StageRequest) -> AsyncIterator[StageOutput]:
+    """The outputs of the streaming stage call ``response`` made with ``request``, handoffs as refs owned here.
 
-    ``response`` is a by-reference streaming handle call. Errors surface as they do when iterating
-    the response itself; leaving early (``aclose``) cancels the call.
+    ``response`` is a by-reference streaming handle call. Each output's ``handoff`` is an
+    ``ObjectRef`` this process owns, never resolved here. It is valid until the caller asks for the
+    next output or closes the stream: hand it on (into a downstream request) before that. When the
+    call is over, ``request.handoff`` is released too, unless the call failed in a way the
+    orchestrator retries with the same request (its replica died). Errors surface as they do when
+    iterating ``response`` itself; leaving early (``aclose``) cancels the call.
+
+    Why the releasing: a request that fails or is cancelled leaves exception tracebacks that keep
+    this frame and the orchestrator's alive until Python's cycle collector runs, which in a large
+    heap can take minutes. Those frames must not keep payloads alive in the meantime.
     """
     from ray.exceptions import TaskCancelledError
 
+    from omni_serve.orchestrator import replica_gone
+
+    output: StageOutput | None = None
     done = False
+    retried = False
     try:
         items = await response._to_object_ref_gen()
         async for ref in items:
@@ -89,11 +101,19 @@ async def stage_outputs(response: DeploymentResponseGenerator) -> AsyncIterator[
                 output.handoff = await _next_unresolved(items)
             yield output
         done = True
+    except Exception as err:
+        retried = replica_gone(err)
+        raise
     finally:
         if not done:
             # A call that never started re-raises its start error from cancel(); it was raised above already.
             with contextlib.suppress(Exception):
                 response.cancel()
+        if output is not None:
+            output.handoff = None
+        if not retried:
+            request.handoff = None
+        items = None  # unconsumed stream items are released with the stream
 
 
 async def _next_unresolved(items: ObjectRefGenerator) -> ObjectRef:
@@ -123,10 +143,24 @@ async def _next_unresolved(items: ObjectRefGenerator) -> ObjectRef:
     stop_waiting = ref._on_ready(on_ready)
     try:
         await ready
+    except BaseException:
+        ref = None  # the exception's traceback keeps this frame: it must not keep the payload
+        raise
     finally:
         stop_waiting()
     items._consume_next_ref_n(1)
     return ref
+
+
+def detached(payload: HandoffPayload) -> HandoffPayload:
+    """``payload`` with its arrays copied from the object store into this process's memory.
+
+    Arrays resolved from the object store are zero-copy views that pin the stored object as long
+    as any of them lives. A stage keeps its input only as this copy and drops the reference, so it
+    pins nothing in the store, whatever its frames end up holding. (Engines copy the arrays into
+    tensors anyway; :func:`tensor` reuses this copy instead of making a second one.)
+    """
+    return HandoffPayload(payload.kind, {k: np.array(v, copy=True) for k, v in payload.tensors.items()}, payload.meta)
 
 
 # --- wire format: tensors as numpy, 16/8-bit floats numpy lacks as words of the same width ----
@@ -159,11 +193,13 @@ def arrays(tensors: Mapping[str, torch.Tensor | np.ndarray]) -> tuple[dict[str, 
 def tensor(payload: HandoffPayload, name: str, device: Any = None) -> torch.Tensor:
     """``payload.tensors[name]`` as a torch tensor of its original dtype, on ``device``.
 
-    A copy: arrays out of the object store are read-only shared memory, which torch must not wrap.
+    Writable arrays are shared with the tensor; read-only ones (object store memory, which torch
+    must not wrap) are copied.
     """
     import torch
 
-    value = torch.from_numpy(np.array(payload.tensors[name], copy=True))
+    array = payload.tensors[name]
+    value = torch.from_numpy(array if array.flags.writeable else array.copy())
     dtype = payload.meta.get("dtypes", {}).get(name)
     if dtype is not None:
         value = value.view(getattr(torch, dtype))
@@ -175,13 +211,6 @@ def padded(payload: HandoffPayload, nbytes: int) -> HandoffPayload:
     if nbytes > 0:
         payload.tensors["padding"] = np.zeros(nbytes, dtype=np.uint8)
     return payload
-
-
-def object_store_bytes(gcs_address: str) -> int:
-    """Bytes in the object stores of all nodes, as ``ray memory --stats-only`` reads them (tests, benchmarks)."""
-    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
-
-    return int(get_memory_info_reply(get_state_from_address(gcs_address)).store_stats.object_store_bytes_used)
 
 
 # --- evidence: how often this process unpickled a payload -------------------------------------

@@ -72,7 +72,7 @@ class Ingress:
 
     def _call_stage(self, stage: str, request: StageRequest) -> AsyncIterator[StageOutput]:
         # Handoffs arrive as stream items this replica owns: they live as long as this request needs them.
-        return stage_outputs(self.handles[stage].generate.remote(request))
+        return stage_outputs(self.handles[stage].generate.remote(request), request)
 
     async def _observed(self, omni: OmniRequest, route: str) -> AsyncIterator[StageOutput]:
         """The orchestrator's outputs for one request, timed for the request metrics."""

@@ -19,7 +19,7 @@ from ray import serve
 
 from omni_serve.config import StageConfig
 from omni_serve.engines import create_engine
-from omni_serve.handoff import payload_loads, stream_items
+from omni_serve.handoff import detached, payload_loads, stream_items
 from omni_serve.metrics import StageMetrics
 from omni_serve.types import HandoffPayload, StageOutput, StageRequest
 
@@ -65,7 +65,9 @@ class StageDeployment:
         try:
             handoff = request.handoff
             if isinstance(handoff, ray.ObjectRef):
-                handoff = await handoff
+                # Kept as a copy, the reference dropped: the stored payload lives only as long as its owner wants.
+                handoff = detached(await handoff)
+                request.handoff = None
             if handoff is not None and not isinstance(handoff, HandoffPayload):
                 raise TypeError(f"stage {self.name}: expected a HandoffPayload, got {type(handoff).__name__}")
             stream = self.engine.stream(request, handoff)

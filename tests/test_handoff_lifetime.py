@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
-from omni_serve.handoff import object_store_bytes, payload_loads, stage_outputs, stream_items
+from omni_serve.handoff import payload_loads, stage_outputs, stream_items
+from omni_serve.object_store import settled_bytes, wait_at_most
 from omni_serve.types import HandoffPayload, SamplingParams, StageOutput, StageRequest
 
 HTTP_PORT = int(os.environ.get("OMNI_SERVE_TEST_PORT", "18765"))
@@ -31,6 +31,7 @@ HANDOFFS = 8  # handoffs per call
 PAYLOAD_BYTES = 256 * 1024  # above Ray's 100 KiB inline limit: the payloads live in the object store
 ROUNDS = 3
 FREED_WITHIN_S = 10
+TOLERANCE = PAYLOAD_BYTES // 2  # Serve's own small objects may come and go meanwhile
 
 
 def _value(call: int, index: int) -> int:
@@ -73,7 +74,7 @@ def _build_app() -> Any:
             from ray.exceptions import RayTaskError
 
             response = self.producer.generate.remote(call, nested_put)
-            outputs = response if nested_put else stage_outputs(response)
+            outputs = response if nested_put else stage_outputs(response, StageRequest("r", SamplingParams()))
             consumers = [
                 self.consumer.consume.remote(StageRequest("r", SamplingParams(), handoff=output.handoff))
                 async for output in outputs
@@ -108,15 +109,12 @@ def run_round(relay: Any, nested_put: bool) -> list[list[int | str]]:
 
 
 def test_handoffs_owned_by_the_caller_reach_every_consumer_and_are_freed(relay: Any, ray_cluster: str) -> None:
-    # A baseline after the other test's lost objects are gone (its leftovers are not this test's).
-    baseline = _settled_store_bytes(ray_cluster)
+    idle = settled_bytes(ray_cluster)
     for _ in range(ROUNDS):
         results = run_round(relay, nested_put=False)
         assert results == [[_value(c, i) for i in range(HANDOFFS)] for c in range(CALLS)]
-    deadline = time.monotonic() + FREED_WITHIN_S
-    while (held := object_store_bytes(ray_cluster)) > baseline:
-        assert time.monotonic() < deadline, f"{held - baseline} handoff bytes still pinned {FREED_WITHIN_S} s later"
-        time.sleep(0.1)
+    held, waited = wait_at_most(ray_cluster, idle + TOLERANCE, FREED_WITHIN_S)
+    assert held <= idle + TOLERANCE, f"{held - idle} B of handoffs still pinned {waited:.0f} s later"
     assert relay.payload_loads.remote().result() == {}  # the relay routed references only
 
 
@@ -133,16 +131,3 @@ def test_ray_frees_a_put_reference_nested_in_a_streamed_item_too_early(relay: An
             break
     assert lost, f"Ray resolved all {ROUNDS * CALLS * HANDOFFS} nested references: ray-project/ray#58080 fixed?"
     assert set(lost) <= {"ReferenceCountingAssertionError", "ObjectLostError", "ObjectFreedError", "OwnerDiedError"}
-
-
-def _settled_store_bytes(gcs_address: str) -> int:
-    """The object store's bytes once two readings 0.5 s apart agree (bounded: 30 s)."""
-    deadline = time.monotonic() + 30
-    last = object_store_bytes(gcs_address)
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
-        now = object_store_bytes(gcs_address)
-        if now == last:
-            return now
-        last = now
-    return last

@@ -1,4 +1,4 @@
-"""The handoff wire format and stream protocol, without Ray: bf16 stays 2 bytes a value, unwanted payloads never leave."""
+"""Handoff wire format and stream protocol, without Ray: bf16 stays 2 bytes a value, unwanted payloads never leave."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ import numpy as np
 import psutil
 import soundfile as sf
 
-from omni_serve.object_store import StoreWatch, object_store_bytes, settled_bytes, wait_at_most
+from omni_serve.object_store import StoreWatch, object_store_bytes, settled, wait_at_most
 
 KINDS = ("text", "text-stream", "audio", "audio-stream")
 MESSAGES = ["Say hello.", "What is two plus two?", "Tell me about the sea.", "Name a colour."]
@@ -188,7 +188,7 @@ IDLE_TOLERANCE = 256 << 10  # less than one padded handoff: Serve's own small ob
 def object_store_report(gcs: str, idle: int, peak: int) -> dict[str, Any]:
     """Idle / peak / end MiB of the object stores, and the seconds until back to idle (at most BACK_TO_IDLE_S)."""
     end = object_store_bytes(gcs)
-    after, waited = wait_at_most(gcs, idle + IDLE_TOLERANCE, BACK_TO_IDLE_S)
+    after, waited = wait_at_most(lambda: object_store_bytes(gcs), idle + IDLE_TOLERANCE, BACK_TO_IDLE_S)
     mib: dict[str, Any] = {
         "idle_mib": idle / 2**20,
         "peak_mib": peak / 2**20,
@@ -303,7 +303,7 @@ def main() -> int:
     try:
         processes = ray_processes(raylet)
         rss_start = rss_mib(processes)
-        idle = settled_bytes(gcs) if gcs else None
+        idle = settled(lambda: object_store_bytes(gcs)) if gcs else None
         print(f"soak: {args.requests} requests, concurrency {args.concurrency}, {args.url}", flush=True)
         with StoreWatch(gcs, period_s=0.1) if gcs else contextlib.nullcontext() as watch:
             outcomes, wall_s = asyncio.run(soak(args))

@@ -6,9 +6,12 @@
 the ingress replica whose orchestrator runs the request. :func:`stage_outputs` (the caller side)
 resolves the small output, takes the next item's ``ObjectRef`` without resolving it, and attaches
 it as ``output.handoff``. From there Ray's ordinary reference counting decides: the payload is
-freed when the orchestrator has dropped its references (when the downstream calls given it have
-ended, or the request ended: finished, failed, cancelled, client gone) and the downstream calls
-holding it as an argument have ended. No timer: never before the last consumer, never much after.
+freed when the last downstream call that received it has ended (Ray pins a call's arguments until
+it returns), or when its request ended (finished, failed, cancelled, client gone). No timer: never
+before the last consumer, never much after. Both sides release explicitly what they are done with,
+so that frames an exception's traceback keeps alive (until Python's cycle collector runs, which can
+take minutes) keep no payload: :func:`stage_outputs` drops the ingress's references when a call
+ends, and a stage keeps its input as a :func:`detached` copy and drops the reference.
 
 Why not ``ray.put`` in the stage and a reference nested in the yielded output: Ray 2.60 frees an
 object that a replica put and nested in a streamed item while the caller still holds the reference
@@ -75,9 +78,9 @@ async def stage_outputs(response: DeploymentResponseGenerator, request: StageReq
     ``response`` is a by-reference streaming handle call. Each output's ``handoff`` is an
     ``ObjectRef`` this process owns, never resolved here. It is valid until the caller asks for the
     next output or closes the stream: hand it on (into a downstream request) before that. When the
-    call is over, ``request.handoff`` is released too, unless the call failed in a way the
-    orchestrator retries with the same request (its replica died). Errors surface as they do when
-    iterating ``response`` itself; leaving early (``aclose``) cancels the call.
+    call is over, ``request.handoff`` is released too, unless the orchestrator may retry the call
+    with the same request: its replica died before the call yielded anything. Errors surface as they
+    do when iterating ``response`` itself; leaving early (``aclose``) cancels the call.
 
     Why the releasing: a request that fails or is cancelled leaves exception tracebacks that keep
     this frame and the orchestrator's alive until Python's cycle collector runs, which in a large
@@ -89,7 +92,7 @@ async def stage_outputs(response: DeploymentResponseGenerator, request: StageReq
 
     output: StageOutput | None = None
     done = False
-    retried = False
+    retry_may_follow = False
     try:
         items = await response._to_object_ref_gen()
         async for ref in items:
@@ -102,7 +105,7 @@ async def stage_outputs(response: DeploymentResponseGenerator, request: StageReq
             yield output
         done = True
     except Exception as err:
-        retried = replica_gone(err)
+        retry_may_follow = output is None and replica_gone(err)  # the orchestrator's retry rule
         raise
     finally:
         if not done:
@@ -111,9 +114,9 @@ async def stage_outputs(response: DeploymentResponseGenerator, request: StageReq
                 response.cancel()
         if output is not None:
             output.handoff = None
-        if not retried:
+        if not retry_may_follow:
             request.handoff = None
-        items = None  # unconsumed stream items are released with the stream
+        items = response = None  # unconsumed stream items are released with the stream
 
 
 async def _next_unresolved(items: ObjectRefGenerator) -> ObjectRef:

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from omni_serve.handoff import payload_loads, stage_outputs, stream_items
-from omni_serve.object_store import settled_bytes, wait_at_most
+from omni_serve.object_store import new_object_bytes, objects_of_at_least, wait_at_most
 from omni_serve.types import HandoffPayload, SamplingParams, StageOutput, StageRequest
 
 HTTP_PORT = int(os.environ.get("OMNI_SERVE_TEST_PORT", "18765"))
@@ -31,7 +31,6 @@ HANDOFFS = 8  # handoffs per call
 PAYLOAD_BYTES = 256 * 1024  # above Ray's 100 KiB inline limit: the payloads live in the object store
 ROUNDS = 3
 FREED_WITHIN_S = 10
-TOLERANCE = PAYLOAD_BYTES // 2  # Serve's own small objects may come and go meanwhile
 
 
 def _value(call: int, index: int) -> int:
@@ -109,12 +108,12 @@ def run_round(relay: Any, nested_put: bool) -> list[list[int | str]]:
 
 
 def test_handoffs_owned_by_the_caller_reach_every_consumer_and_are_freed(relay: Any, ray_cluster: str) -> None:
-    idle = settled_bytes(ray_cluster)
+    known = objects_of_at_least(ray_cluster, PAYLOAD_BYTES)  # not handoffs: they existed before
     for _ in range(ROUNDS):
         results = run_round(relay, nested_put=False)
         assert results == [[_value(c, i) for i in range(HANDOFFS)] for c in range(CALLS)]
-    held, waited = wait_at_most(ray_cluster, idle + TOLERANCE, FREED_WITHIN_S)
-    assert held <= idle + TOLERANCE, f"{held - idle} B of handoffs still pinned {waited:.0f} s later"
+    held, waited = wait_at_most(lambda: new_object_bytes(ray_cluster, PAYLOAD_BYTES, known), 0, FREED_WITHIN_S)
+    assert held == 0, f"{held} B of handoffs still referenced {waited:.0f} s later"
     assert relay.payload_loads.remote().result() == {}  # the relay routed references only
 
 

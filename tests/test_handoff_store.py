@@ -7,25 +7,32 @@ chunk (4 + 25 + 1 frames). A watcher samples the object stores' bytes (what ``ra
 
 - while requests run, the store holds no more than what the requests in flight hold;
 - within 10 s after the last request ended (finished, failed, client gone, or served by a
-  replica that died), the store is back to its idle baseline: no timer, no leak.
+  replica that died), no process refers to a handoff any more (the ``ray memory`` table):
+  handoff bytes pinned are back at their idle baseline, zero. No timer, no leak.
 """
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
-import io
 import json
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import pytest
-import soundfile as sf
 
 from omni_serve.launch import pad_handoffs
-from omni_serve.object_store import StoreWatch, settled_bytes, wait_at_most
+from omni_serve.object_store import (
+    StoreWatch,
+    new_object_bytes,
+    object_store_bytes,
+    objects_of_at_least,
+    settled,
+    wait_at_most,
+)
+from tests.test_faults import BODY as FAULTS_BODY
+from tests.test_faults import CLIENT_TIMEOUT_S, samples, two_talkers
 
 pytestmark = pytest.mark.integration
 
@@ -36,28 +43,12 @@ HANDOFFS_PER_REQUEST = 1 + 3  # the thinker's, one per codec chunk
 # real tensors, the audio chunks code2wav streams back, the reply the proxy streams out.
 OTHER_BYTES_PER_REQUEST = 1 << 20
 FREED_WITHIN_S = 10
-# "Back to idle" allows less than one handoff: Serve's own small objects come and go (a replaced
-# replica's), every handoff here is >= 1 MiB.
-TOLERANCE = 256 << 10
-BODY = {
-    "model": "tiny-qwen3-omni",
-    "messages": [{"role": "user", "content": "Say something."}],
-    "modalities": ["text", "audio"],
-    "audio": {"format": "wav"},
-    "max_tokens": 6,
-    "seed": 3,
-    "stage_sampling": {"talker": {"temperature": 0.0, "max_tokens": TALKER_FRAMES}},
-}
-CLIENT_TIMEOUT_S = 150
+BODY = {**FAULTS_BODY, "stage_sampling": {"talker": {"temperature": 0.0, "max_tokens": TALKER_FRAMES}}}
 
 
 def padded_fixed_replicas(config: dict[str, Any]) -> None:
     pad_handoffs(config, PADDING)
-    app = config["applications"][0]
-    app.pop("autoscaling_policy", None)
-    for deployment in app["deployments"]:
-        deployment.pop("autoscaling_config", None)
-        deployment["num_replicas"] = 2 if deployment["name"] == "talker" else 1
+    two_talkers(config)
 
 
 @pytest.fixture(scope="module")
@@ -68,22 +59,25 @@ def graph(graphs: Any) -> Iterator[Any]:
     graphs.current = None  # a variant (and replicas get killed): the next module redeploys
 
 
+class Idle(NamedTuple):
+    """The object store with the graph up and no request ever sent to it."""
+
+    bytes: int
+    large_objects: dict[str, int]  # >= PADDING: whatever they are, not handoffs (there were none yet)
+
+
 @pytest.fixture(scope="module")
-def idle(graph: Any, ray_cluster: str) -> int:
-    """The object store's bytes with the graph up and no request ever sent to it."""
-    return settled_bytes(ray_cluster)
+def idle(graph: Any, ray_cluster: str) -> Idle:
+    return Idle(settled(lambda: object_store_bytes(ray_cluster)), objects_of_at_least(ray_cluster, PADDING))
 
 
-def assert_back_to_idle(idle: int, gcs_address: str) -> None:
-    held, waited = wait_at_most(gcs_address, idle + TOLERANCE, FREED_WITHIN_S)
-    assert held <= idle + TOLERANCE, f"{held - idle} B above the idle store {waited:.0f} s after the last request"
-    print(f"back to idle (+{held - idle} B) {waited:.2f} s after the last request")
-
-
-def samples(b64: str) -> int:
-    data, rate = sf.read(io.BytesIO(base64.b64decode(b64)), dtype="float32")
-    assert rate == 24000
-    return len(data)
+def assert_no_handoff_left(idle: Idle, gcs_address: str) -> None:
+    """Within FREED_WITHIN_S, no process refers to a handoff-sized object any more: the handoff bytes
+    pinned are back at their idle baseline, zero. (The store's total also moves with Serve's own
+    small objects, e.g. those of a replica that replaces a killed one.)"""
+    held, waited = wait_at_most(lambda: new_object_bytes(gcs_address, PADDING, idle.large_objects), 0, FREED_WITHIN_S)
+    assert held == 0, f"{held} B of handoffs still pinned {waited:.0f} s after the last request"
+    print(f"no handoff left {waited:.2f} s after the last request")
 
 
 def one_request(base_url: str, kind: str) -> dict[str, Any]:
@@ -126,14 +120,14 @@ def run_wave(base_url: str, kinds: list[str], during: Any = None) -> list[dict[s
 
 
 @pytest.fixture(scope="module")
-def full_samples(graph: Any, idle: int) -> int:
+def full_samples(graph: Any, idle: Idle) -> int:
     """Audio samples of the complete reply (and a warm graph)."""
     reference = one_request(graph.base_url, "ok")
     assert reference["status"] == 200, reference
     return reference["samples"]
 
 
-def test_handoffs_live_while_requests_need_them(graph: Any, ray_cluster: str, idle: int, full_samples: int) -> None:
+def test_handoffs_live_while_requests_need_them(graph: Any, ray_cluster: str, idle: Idle, full_samples: int) -> None:
     kinds = ["ok", "ok", "ok", "stream", "bad_voice", "gone"]
     with StoreWatch(ray_cluster) as watch:
         outcomes = run_wave(graph.base_url, kinds)
@@ -144,15 +138,18 @@ def test_handoffs_live_while_requests_need_them(graph: Any, ray_cluster: str, id
     assert by_kind["bad_voice"]["status"] == 400 and "nobody" in by_kind["bad_voice"]["error"]["message"]
     assert 0 < by_kind["gone"]["samples"] < full_samples and not by_kind["gone"]["done"]
 
-    pinned = watch.peak - idle
+    pinned = watch.peak - idle.bytes  # all objects: an upper bound of the handoffs' bytes
     in_flight_bound = len(kinds) * (HANDOFFS_PER_REQUEST * PADDING + OTHER_BYTES_PER_REQUEST)
-    print(f"object store: idle {idle} B, peak +{pinned} B over {watch.samples} samples")
+    print(f"object store: idle {idle.bytes} B, peak +{pinned} B over {watch.samples} samples")
     assert pinned >= PADDING, "no handoff ever reached the object store: the check below would be empty"
     assert pinned <= in_flight_bound, f"{pinned} B pinned; {len(kinds)} requests in flight hold <= {in_flight_bound}"
-    assert_back_to_idle(idle, ray_cluster)
+    assert_no_handoff_left(idle, ray_cluster)
+    # No replica came or went: the store's total is back too (less than one handoff of slack).
+    held, _ = wait_at_most(lambda: object_store_bytes(ray_cluster), idle.bytes + PADDING // 4, FREED_WITHIN_S)
+    assert held <= idle.bytes + PADDING // 4, f"the store holds {held - idle.bytes} B more than when idle"
 
 
-def test_a_dying_talker_replica_leaks_no_handoff(graph: Any, ray_cluster: str, idle: int, full_samples: int) -> None:
+def test_a_dying_talker_replica_leaks_no_handoff(graph: Any, ray_cluster: str, idle: Idle, full_samples: int) -> None:
     import ray
 
     prefix = "SERVE_REPLICA::omni#talker#"
@@ -174,4 +171,4 @@ def test_a_dying_talker_replica_leaks_no_handoff(graph: Any, ray_cluster: str, i
     assert all(o["status"] in (200, 503) for o in outcomes), outcomes
     assert all(o["samples"] == full_samples for o in outcomes if o["status"] == 200), outcomes
     assert any(o["status"] == 200 for o in outcomes)
-    assert_back_to_idle(idle, ray_cluster)
+    assert_no_handoff_left(idle, ray_cluster)

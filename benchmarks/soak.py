@@ -1,14 +1,18 @@
-"""Soak test: hundreds of mixed requests at fixed concurrency; error counts by kind and process RSS.
+"""Soak test: hundreds of mixed requests at fixed concurrency; error counts by kind, process RSS, object store.
 
     python benchmarks/soak.py                                  # starts the tiny graph on a private Ray cluster
     python benchmarks/soak.py --url http://127.0.0.1:8000      # an omni_serve already running on this machine
+    python benchmarks/soak.py --requests 300 --kinds audio audio-stream --handoff-padding-bytes 1048576
+                                                               # production-sized (>= 1 MiB) handoffs
 
 Requests rotate through text / text+audio, streaming / not. Every reply is checked in full (a 200
 with a missing audio part, or a stream without [DONE], counts as an error). Bounded in count
 (--requests) and time (--max-seconds: no new request starts after it). Only 127.0.0.1 is allowed.
 Reports errors by kind, latency percentiles per kind, and the start/end RSS of every Ray/Serve
-process of the cluster (ingress, each stage replica, proxy, controller). Exit status 1 when any
-request failed.
+process of the cluster (ingress, each stage replica, proxy, controller). On the cluster it starts,
+it also reads the object stores (as ``ray memory --stats-only`` does): idle before, peak during,
+right after the last request, and how long until they are back to idle (handoffs must not outlive
+their requests). Exit status 1 when any request failed.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import os
@@ -31,6 +36,8 @@ import httpx
 import numpy as np
 import psutil
 import soundfile as sf
+
+from omni_serve.object_store import StoreWatch, object_store_bytes, settled, wait_at_most
 
 KINDS = ("text", "text-stream", "audio", "audio-stream")
 MESSAGES = ["Say hello.", "What is two plus two?", "Tell me about the sea.", "Name a colour."]
@@ -125,7 +132,7 @@ async def soak(args: argparse.Namespace) -> tuple[list[Outcome], float]:
             nonlocal next_index
             while next_index < args.requests and time.monotonic() < deadline:
                 i, next_index = next_index, next_index + 1
-                outcomes.append(await one(client, i, KINDS[i % len(KINDS)], args))
+                outcomes.append(await one(client, i, args.kinds[i % len(args.kinds)], args))
                 if len(outcomes) % 50 == 0:
                     print(f"  {len(outcomes)} done, {sum(o.error is not None for o in outcomes)} errors", flush=True)
 
@@ -172,6 +179,31 @@ def rss_mib(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
+# ---- object store ------------------------------------------------------------------------------
+
+BACK_TO_IDLE_S = 10
+IDLE_TOLERANCE = 256 << 10  # less than one padded handoff: Serve's own small objects come and go
+
+
+def object_store_report(gcs: str, idle: int, peak: int) -> dict[str, Any]:
+    """Idle / peak / end MiB of the object stores, and the seconds until back to idle (at most BACK_TO_IDLE_S)."""
+    end = object_store_bytes(gcs)
+    after, waited = wait_at_most(lambda: object_store_bytes(gcs), idle + IDLE_TOLERANCE, BACK_TO_IDLE_S)
+    mib: dict[str, Any] = {
+        "idle_mib": idle / 2**20,
+        "peak_mib": peak / 2**20,
+        "end_mib": end / 2**20,
+        "after_mib": after / 2**20,
+    }
+    back = after <= idle + IDLE_TOLERANCE
+    print(
+        f"\nobject store: idle {mib['idle_mib']:.1f} MiB, peak {mib['peak_mib']:.1f} MiB, "
+        f"right after the last request {mib['end_mib']:.1f} MiB, "
+        + (f"back to idle {waited:.1f} s later" if back else f"{mib['after_mib']:.1f} MiB {BACK_TO_IDLE_S} s later")
+    )
+    return {**mib, "back_to_idle": back, "back_to_idle_s": waited}
+
+
 # ---- report ------------------------------------------------------------------------------------
 
 
@@ -207,14 +239,18 @@ def report(outcomes: list[Outcome], wall_s: float, rss_start: dict[str, float], 
 # ---- main --------------------------------------------------------------------------------------
 
 
-def start_private_graph(graph: str, port: int) -> tuple[str, int, Callable[[], None]]:
-    """A private Ray cluster (never an existing one) with ``graph`` deployed via `serve run`."""
+def start_private_graph(graph: str, port: int, padding: int) -> tuple[str, int, str, Callable[[], None]]:
+    """A private Ray cluster (never an existing one) with ``graph`` deployed via `serve run`.
+
+    ``padding`` > 0 pads every handoff of the transformers stages by that many bytes (test-only engine arg).
+    Returns the URL, the raylet's pid, the GCS address and a function that stops it all.
+    """
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
     from ray import serve
 
-    from omni_serve.launch import deploy_graph_file, wait_healthy
+    from omni_serve.launch import deploy_graph_file, pad_handoffs, wait_healthy
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="serve", log_to_driver=False)
 
@@ -225,14 +261,15 @@ def start_private_graph(graph: str, port: int) -> tuple[str, int, Callable[[], N
             ray.shutdown()
 
     try:
-        deploy_graph_file(graph, ray.get_runtime_context().gcs_address, port)
+        gcs = ray.get_runtime_context().gcs_address
+        deploy_graph_file(graph, gcs, port, (lambda config: pad_handoffs(config, padding)) if padding else None)
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url)
         raylet = ray._private.worker._global_node.all_processes["raylet"][0].process.pid
     except BaseException:
         stop()
         raise
-    return url, raylet, stop
+    return url, raylet, gcs, stop
 
 
 def main() -> int:
@@ -247,30 +284,41 @@ def main() -> int:
     parser.add_argument("--request-timeout", type=float, default=150)
     parser.add_argument("--max-tokens", type=int, default=8, help="thinker tokens per request")
     parser.add_argument("--talker-frames", type=int, default=12, help="codec frames per audio request")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="request kinds, in rotation")
+    parser.add_argument(
+        "--handoff-padding-bytes", type=int, default=0, help="pad every handoff by this much (started graph only)"
+    )
     parser.add_argument("--json", help="also write the report here")
     args = parser.parse_args()
 
     stop: Callable[[], None] = lambda: None  # noqa: E731
     raylet: int | None = None
+    gcs: str | None = None
     if args.url:
         if urlparse(args.url).hostname not in ("127.0.0.1", "localhost"):
             parser.error("--url must point at 127.0.0.1: this tool only loads the local machine")
     else:
         print(f"starting {args.graph} on a private Ray cluster ...", flush=True)
-        args.url, raylet, stop = start_private_graph(args.graph, args.port)
+        args.url, raylet, gcs, stop = start_private_graph(args.graph, args.port, args.handoff_padding_bytes)
     try:
         processes = ray_processes(raylet)
         rss_start = rss_mib(processes)
+        idle = settled(lambda: object_store_bytes(gcs)) if gcs else None
         print(f"soak: {args.requests} requests, concurrency {args.concurrency}, {args.url}", flush=True)
-        outcomes, wall_s = asyncio.run(soak(args))
+        with StoreWatch(gcs, period_s=0.1) if gcs else contextlib.nullcontext() as watch:
+            outcomes, wall_s = asyncio.run(soak(args))
+        store = object_store_report(gcs, idle, watch.peak) if gcs and idle is not None else None
         rss_end = rss_mib({**processes, **ray_processes(raylet)})  # replicas started meanwhile too
         summary = report(outcomes, wall_s, rss_start, rss_end)
+        if store:
+            summary["object_store"] = store
     finally:
         stop()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)
-    return 1 if summary["errors"] else 0
+    leaked = "object_store" in summary and not summary["object_store"]["back_to_idle"]
+    return 1 if summary["errors"] or leaked else 0
 
 
 if __name__ == "__main__":

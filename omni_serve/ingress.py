@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from omni_serve.config import DEADLINE_MARGIN_S, GraphConfig, check_timeouts, load_graph
 from omni_serve.errors import APIError, bad_request, from_failure, from_validation, http_exception_handler
-from omni_serve.handoff import payload_loads
+from omni_serve.handoff import payload_loads, stage_outputs
 from omni_serve.media import AUDIO_MEDIA_TYPES, EMPTY_AUDIO_SAMPLE_RATE, STREAMABLE_AUDIO, AudioEncoder, encode_audio
 from omni_serve.metrics import RequestMetrics
 from omni_serve.openai import chat, images
@@ -88,7 +88,8 @@ class Ingress:
         self._voices: list[str] | None = None  # asked from the stages once, on first need
 
     def _call_stage(self, stage: str, request: StageRequest) -> AsyncIterator[StageOutput]:
-        return self.handles[stage].generate.remote(request)
+        # Handoffs arrive as stream items this replica owns: they live as long as this request needs them.
+        return stage_outputs(self.handles[stage].generate.remote(request), request)
 
     async def _observed(self, omni: OmniRequest, route: str) -> AsyncIterator[StageOutput]:
         """The orchestrator's outputs for one request, timed for the request metrics."""

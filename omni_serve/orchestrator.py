@@ -294,6 +294,9 @@ class Orchestrator:
                 if output.handoff is None:
                     continue
                 for child in children:
+                    # Wait for the slot before the request exists: a request cancelled while waiting
+                    # leaves no handoff reference behind in this frame.
+                    await slots[child.name].acquire()
                     child_request = StageRequest(
                         request_id=f"{request.request_id}/{child.name}.{index}",
                         sampling=walk.request.sampling[child.name],
@@ -305,7 +308,6 @@ class Orchestrator:
                         client_request_id=walk.request.client_request_id,
                     )
                     sink: asyncio.Queue[Any] = asyncio.Queue()
-                    await slots[child.name].acquire()
                     walk.tasks.append(asyncio.create_task(child_walk(child, child_request, sink)))
                     await downstream.put(sink)
                 index += 1

@@ -2,14 +2,13 @@
 
 A stage knows nothing about HTTP. It resolves the upstream handoff reference
 itself (so the payload moves object store -> this replica, never through the
-ingress), runs its engine, and puts any handoff the engine yields back into the
-object store, yielding only the reference.
+ingress), runs its engine, and yields any handoff the engine produces as its own
+stream item, owned by the caller (:mod:`omni_serve.handoff` says why).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -20,18 +19,11 @@ from ray import serve
 
 from omni_serve.config import StageConfig
 from omni_serve.engines import create_engine
-from omni_serve.handoff import payload_loads
+from omni_serve.handoff import detached, payload_loads, stream_items
 from omni_serve.metrics import StageMetrics
 from omni_serve.types import FinishReason, HandoffPayload, StageOutput, StageRequest
 
 logger = logging.getLogger("ray.serve")
-
-# Ray 2.60 can free an object this replica put while a downstream replica still holds the
-# reference it got through our streamed output (it then fails with ReferenceCountingAssertionError;
-# reproduced with plain Serve deployments under concurrency). The owner (this replica) therefore
-# keeps every handoff it yields for this long: longer than the orchestrator's default
-# stage_timeout_s (120 s), the longest a downstream call waits before it resolves its input.
-HANDOFF_HOLD_S = 180.0
 
 
 def _outcome(final: StageOutput | None) -> str:
@@ -53,7 +45,6 @@ class StageDeployment:
         self.name = self.config.name
         self.calls = 0
         self.in_flight = 0
-        self.held: collections.deque[tuple[float, ray.ObjectRef]] = collections.deque()  # see HANDOFF_HOLD_S
         self.metrics = StageMetrics()
         self.engine = create_engine(self.config.engine, self.name, self.config.engine_args)
         started = time.perf_counter()
@@ -66,7 +57,7 @@ class StageDeployment:
             time.perf_counter() - started,
         )
 
-    async def generate(self, request: StageRequest) -> AsyncIterator[StageOutput]:
+    async def generate(self, request: StageRequest) -> AsyncIterator[StageOutput | HandoffPayload]:
         """Run one stage call. Outcomes are counted as they happened:
 
         ``ok`` the engine yielded its finished output (also when the caller then closed the
@@ -86,17 +77,17 @@ class StageDeployment:
         try:
             handoff = request.handoff
             if isinstance(handoff, ray.ObjectRef):
-                handoff = await handoff
+                # Kept as a copy, the reference dropped: the stored payload lives only as long as its owner wants.
+                handoff = detached(await handoff)
+                request.handoff = None
             if handoff is not None and not isinstance(handoff, HandoffPayload):
                 raise TypeError(f"stage {self.name}: expected a HandoffPayload, got {type(handoff).__name__}")
             stream = self.engine.stream(request, handoff)
             async for output in stream:
                 self.metrics.output(output)
-                if isinstance(output.handoff, HandoffPayload):
-                    output.handoff = ray.put(output.handoff)
-                    self._hold(output.handoff)
                 finished = output if output.finished else finished
-                yield output
+                for item in stream_items(output, request.wants_handoff):
+                    yield item
             outcome = _outcome(finished)
         except (asyncio.CancelledError, GeneratorExit):
             if finished is not None:  # closed after its final output: a completed call, nothing to abort
@@ -118,12 +109,6 @@ class StageDeployment:
             self.metrics.in_flight.set(self.in_flight)
             self.metrics.processing.observe(time.time() - started)
             self.metrics.calls.inc(tags={"outcome": outcome})
-
-    def _hold(self, ref: ray.ObjectRef) -> None:
-        now = time.monotonic()
-        self.held.append((now + HANDOFF_HOLD_S, ref))
-        while self.held[0][0] < now:
-            self.held.popleft()
 
     def __del__(self) -> None:
         # Serve calls this when the replica stops; engines with child processes stop them here.

@@ -154,3 +154,23 @@ def test_engine_args_are_validated_with_the_field_named() -> None:
     assert "pipeline_stage" in validate_engine_args("diffusers", {"pipeline_stage": "vae"})
     assert "max_sequence_length" in validate_engine_args("diffusers", {"max_sequence_length": 4096})
     assert "unknown" in validate_engine_args("diffusers", {"unknown": 1})
+
+
+def test_bf16_handoffs_stay_two_bytes_a_value() -> None:
+    """A bf16 pipeline (as on GPUs) hands off its prompt embeddings and latents unwidened, and the
+    split stages still give the one-stage image."""
+
+    async def start() -> dict[str, DiffusersEngine]:
+        made = {s: create(s, {"model": "tiny", "pipeline_stage": s, "dtype": "bfloat16"}) for s in STAGES}
+        for engine in made.values():
+            await engine.start()
+        return made  # type: ignore[return-value]
+
+    bf16 = asyncio.run(start())
+    req = request()
+    embeds = run(bf16["encode"], req).handoff
+    latents = run(bf16["denoise"], req, pickle.loads(pickle.dumps(embeds))).handoff
+    for payload, name in ((embeds, "prompt_embeds"), (latents, "latents")):
+        assert payload.meta["dtypes"].get(name) == "bfloat16" and payload.tensors[name].dtype == np.int16, name
+    one, split = run(bf16["full"], req).images, three_stage(bf16, req)
+    assert len(one) == len(split) == 1 and np.array_equal(one[0], split[0])

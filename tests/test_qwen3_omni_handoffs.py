@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,13 @@ def model() -> Any:
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     return Qwen3OmniMoeForConditionalGeneration.from_pretrained(ensure_tiny_omni()).eval()
+
+
+@pytest.fixture(scope="module")
+def bf16_model() -> Any:
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    return Qwen3OmniMoeForConditionalGeneration.from_pretrained(ensure_tiny_omni(), dtype=torch.bfloat16).eval()
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +78,7 @@ def test_thinker2talker_payload(model: Any, tokenizer: Any) -> None:
     prompt_len = input_ids.shape[1]
     hidden_size = model.config.thinker_config.text_config.hidden_size
     assert payload.kind == q.THINKER2TALKER
-    assert payload.meta == {"prompt_len": prompt_len, "num_generated": 6, "accept_hidden_layer": 1}
+    assert payload.meta == {"prompt_len": prompt_len, "num_generated": 6, "accept_hidden_layer": 1, "dtypes": {}}
     assert t["token_ids"].dtype == np.int64 and t["token_ids"].shape == (prompt_len + 6,)
     assert t["token_ids"][:prompt_len].tolist() == input_ids[0].tolist()
     # HF never runs the last sampled token through the thinker: one row fewer than tokens.
@@ -93,9 +101,13 @@ CONVERSATIONS = [
 ]
 
 
+@pytest.mark.parametrize("model_fixture", ["model", "bf16_model"], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("messages", CONVERSATIONS, ids=["single-turn", "system+history"])
-def test_talker_inputs_equal_hf(model: Any, tokenizer: Any, messages: list[dict]) -> None:
-    """Our talker inputs are bit-identical to what HF's own generate() feeds its talker."""
+def test_talker_inputs_equal_hf(
+    request: pytest.FixtureRequest, model_fixture: str, tokenizer: Any, messages: list[dict]
+) -> None:
+    """Our talker inputs are bit-identical to what HF's own generate() feeds its talker, in fp32 and bf16."""
+    model = request.getfixturevalue(model_fixture)
     input_ids = _prompt(tokenizer, messages)
     captured: dict[str, torch.Tensor] = {}
 
@@ -118,6 +130,11 @@ def test_talker_inputs_equal_hf(model: Any, tokenizer: Any, messages: list[dict]
         hook.remove()
 
     payload = _thinker_payload(model, input_ids, max_new_tokens=8)
+    if model.dtype == torch.bfloat16:  # bf16 stays 2 bytes a value on the wire, never widened
+        floats = ("embeds", "hidden", "tts_embeds")
+        assert payload.meta["dtypes"] == dict.fromkeys(floats, "bfloat16")
+        assert all(payload.tensors[name].dtype == np.int16 for name in floats)
+    payload = pickle.loads(pickle.dumps(payload, protocol=5))  # what crossing the object store does
     for array in payload.tensors.values():
         array.flags.writeable = False  # as numpy arrays come out of Ray's object store
     with torch.inference_mode():

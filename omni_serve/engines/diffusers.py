@@ -12,8 +12,8 @@ One engine runs one ``pipeline_stage`` of ``QwenImagePipeline``:
 
 ``full`` runs exactly the encode, denoise and decode functions of the split stages one
 after the other, payloads included, so a one-stage and a three-stage graph give the same
-pixels for the same seed. Handoff tensors are float32 numpy (bf16 -> fp32 -> bf16 is
-exact, so the round trip loses nothing on GPUs either).
+pixels for the same seed. Handoff tensors keep the pipeline's dtype (bf16 on GPUs travels
+as 16-bit words, :mod:`omni_serve.handoff`): nothing is widened, nothing is lost.
 
 Requests: the prompt is the last user message; :class:`~omni_serve.types.ImageParams`
 carries size, steps, true-CFG scale, negative prompt, seed and ``n`` (requests without
@@ -42,6 +42,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from omni_serve import handoff as handoffs
 from omni_serve.engines.base import EngineError, InvalidStageInput, StageEngine
 from omni_serve.engines.image_params import SEED_MOD, resolve_image_params
 from omni_serve.types import FinishReason, HandoffPayload, ImageParams, StageOutput, StageRequest
@@ -189,9 +190,10 @@ class DiffusersEngine(StageEngine):
         tensors = self._encode_text(prompt, "")
         if negative_prompt is not None:  # true CFG needs the negative prompt's embeddings too
             tensors.update(self._encode_text(negative_prompt, "negative_"))
-        return HandoffPayload(kind=PROMPT_KIND, tensors=tensors)
+        arrays, dtypes = handoffs.arrays(tensors)
+        return HandoffPayload(kind=PROMPT_KIND, tensors=arrays, meta={"dtypes": dtypes})
 
-    def _encode_text(self, text: str, prefix: str) -> dict[str, np.ndarray]:
+    def _encode_text(self, text: str, prefix: str) -> dict[str, Any]:
         import torch
 
         with torch.inference_mode():
@@ -200,10 +202,7 @@ class DiffusersEngine(StageEngine):
             )
         if mask is None:  # the pipeline drops an all-valid mask; send it explicitly
             mask = torch.ones(embeds.shape[:2], dtype=torch.long)
-        return {
-            f"{prefix}prompt_embeds": embeds.float().cpu().numpy(),
-            f"{prefix}prompt_embeds_mask": mask.long().cpu().numpy(),
-        }
+        return {f"{prefix}prompt_embeds": embeds, f"{prefix}prompt_embeds_mask": mask.long()}
 
     def _denoise_job(self, embeds: HandoffPayload, params: ImageParams, cancelled: threading.Event) -> HandoffPayload:
         import torch
@@ -212,8 +211,7 @@ class DiffusersEngine(StageEngine):
         dtype = pipe.transformer.dtype
 
         def tensor(name: str) -> Any:
-            value = embeds.tensors.get(name)
-            return None if value is None else torch.from_numpy(np.array(value)).to(self.device)
+            return handoffs.tensor(embeds, name, self.device) if name in embeds.tensors else None
 
         def stop_if_cancelled(_pipe: Any, _step: int, _t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
             if cancelled.is_set():
@@ -240,10 +238,9 @@ class DiffusersEngine(StageEngine):
                 output_type="latent",
                 callback_on_step_end=stop_if_cancelled,
             ).images
+        arrays, dtypes = handoffs.arrays({"latents": latents})
         return HandoffPayload(
-            kind=LATENTS_KIND,
-            tensors={"latents": latents.float().cpu().numpy()},
-            meta={"width": params.width, "height": params.height},
+            kind=LATENTS_KIND, tensors=arrays, meta={"width": params.width, "height": params.height, "dtypes": dtypes}
         )
 
     def _decode_job(self, payload: HandoffPayload) -> list[np.ndarray]:
@@ -251,7 +248,7 @@ class DiffusersEngine(StageEngine):
 
         vae = self._vae
         width, height = int(payload.meta["width"]), int(payload.meta["height"])
-        packed = torch.from_numpy(np.array(payload.tensors["latents"]))
+        packed = handoffs.tensor(payload, "latents")
         with torch.inference_mode():
             latents = self._unpack(packed, height, width, self.size_multiple // 2).to(self.device, vae.dtype)
             shape = (1, vae.config.z_dim, 1, 1, 1)

@@ -11,6 +11,7 @@ Payloads:
   ``embeds`` [R, D] (thinker layer-0 embeddings), ``hidden`` [R, D] (the talker's
   ``accept_hidden_layer``), ``tts_embeds`` [3, D] (thinker embeddings of tts bos/eos/pad);
   R <= T is the number of positions the thinker ran (HF never runs the last sampled token).
+  The float tensors keep the thinker's dtype (bf16 as 16-bit words, :mod:`omni_serve.handoff`).
 - ``qwen3_omni.codec_chunk``: ``codes`` int64 [groups, left_context + frames]; meta
   ``left_context``, ``index``, ``start_frame``, ``num_frames``. Every chunk carries its own
   left context, so any code2wav replica decodes any chunk without state.
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from omni_serve import handoff
 from omni_serve.types import ChatMessage, HandoffPayload
 
 if TYPE_CHECKING:
@@ -32,15 +34,6 @@ if TYPE_CHECKING:
 THINKER2TALKER = "qwen3_omni.thinker2talker"
 CODEC_CHUNK = "qwen3_omni.codec_chunk"
 SAMPLE_RATE = 24000  # code2wav's output rate (1920 samples per codec frame)
-
-
-def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    import torch
-
-    # numpy has no bfloat16: widen it; keep float16/float32 as they are.
-    if t.dtype == torch.bfloat16:
-        t = t.float()
-    return t.detach().cpu().numpy()
 
 
 # --- (a) thinker -> talker -----------------------------------------------------------------
@@ -67,12 +60,14 @@ def build_thinker2talker(
     ``accept_hidden_layer`` states of the first R positions; ``tts_embeds``: [3, D] thinker
     input embeddings of (tts_bos, tts_eos, tts_pad).
     """
-    arrays = {
-        "token_ids": np.asarray(token_ids, dtype=np.int64).reshape(-1),
-        "embeds": embeds if isinstance(embeds, np.ndarray) else _to_numpy(embeds),
-        "hidden": hidden if isinstance(hidden, np.ndarray) else _to_numpy(hidden),
-        "tts_embeds": tts_embeds if isinstance(tts_embeds, np.ndarray) else _to_numpy(tts_embeds),
-    }
+    arrays, dtypes = handoff.arrays(
+        {
+            "token_ids": np.asarray(token_ids, dtype=np.int64).reshape(-1),
+            "embeds": embeds,
+            "hidden": hidden,
+            "tts_embeds": tts_embeds,
+        }
+    )
     rows = arrays["embeds"].shape[0]
     if arrays["hidden"].shape[0] != rows or rows > arrays["token_ids"].shape[0]:
         raise ValueError("embeds and hidden must cover the same leading positions of token_ids")
@@ -82,6 +77,7 @@ def build_thinker2talker(
         "prompt_len": int(prompt_len),
         "num_generated": int(arrays["token_ids"].shape[0] - prompt_len),
         "accept_hidden_layer": int(accept_hidden_layer),
+        "dtypes": dtypes,
     }
     return HandoffPayload(kind=THINKER2TALKER, tensors=arrays, meta=meta)
 
@@ -140,10 +136,9 @@ def build_talker_inputs(payload: HandoffPayload, talker: Any, config: Any, speak
         raise ValueError(f"expected a {THINKER2TALKER} payload, got {payload.kind}")
     tcfg = config.talker_config
     dev, dtype = talker.device, talker.dtype
-    # torch.tensor copies: arrays from the object store are read-only, which torch cannot wrap.
-    ids = torch.tensor(payload.tensors["token_ids"], dtype=torch.long, device=dev)[None]  # [1, T]
-    embed = torch.tensor(payload.tensors["embeds"], device=dev)[None].to(dtype)  # [1, R, D]
-    hidden = torch.tensor(payload.tensors["hidden"], device=dev)[None].to(dtype)
+    ids = handoff.tensor(payload, "token_ids", dev)[None]  # [1, T] int64
+    embed = handoff.tensor(payload, "embeds", dev)[None].to(dtype)  # [1, R, D]
+    hidden = handoff.tensor(payload, "hidden", dev)[None].to(dtype)
     prompt = ids[0, : payload.meta["prompt_len"]]
 
     mm_ids = (
@@ -155,7 +150,7 @@ def build_talker_inputs(payload: HandoffPayload, talker: Any, config: Any, speak
     for mm in mm_ids:
         mm_mask |= ids == mm
 
-    tts = talker.text_projection(torch.tensor(payload.tensors["tts_embeds"], device=dev)[None].to(dtype))
+    tts = talker.text_projection(handoff.tensor(payload, "tts_embeds", dev)[None].to(dtype))
     tts_bos, tts_eos, tts_pad = tts.chunk(3, dim=1)  # 3 x [1, 1, D_talker]
 
     # Segment bounds: every <|im_start|> of the prompt, then the end of the whole sequence.

@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from omni_serve import handoff as handoffs
 from omni_serve.engines import qwen3_omni
 from omni_serve.engines.base import EngineError, InvalidStageInput, StageEngine
 from omni_serve.types import (
@@ -71,6 +72,12 @@ class TransformersEngineArgs(BaseModel):
         le=10.0,
         description="Test hook: sleep this long after each decoding step (code2wav: before each chunk; cut short "
         "by an abort), so tests can hold requests in flight for certain. 0 in every shipped graph.",
+    )
+    handoff_padding_bytes: int = Field(
+        0,
+        ge=0,
+        description="Test-only: adds this many bytes to every handoff this stage yields (no engine reads them), "
+        "so tests and soaks move production-sized payloads (Qwen3-Omni's thinker: ~8 KiB a token) on CPU.",
     )
 
 
@@ -179,6 +186,9 @@ class _HFEngine(StageEngine):
 
     def _setup(self, model: Any) -> None:
         raise NotImplementedError
+
+    def _padded(self, payload: HandoffPayload | None) -> HandoffPayload | None:
+        return None if payload is None else handoffs.padded(payload, self.args.handoff_padding_bytes)
 
     async def abort(self, request_id: RequestId) -> None:
         for event in list(self._cancel_events.get(request_id, ())):
@@ -488,7 +498,9 @@ class ThinkerEngine(_HFEngine):
             reason = FinishReason.STOP
         else:
             reason = FinishReason.LENGTH
-        payload = self._handoff(out, prompt_len, text.tokens_before_stop()) if request.wants_handoff else None
+        payload = (
+            self._padded(self._handoff(out, prompt_len, text.tokens_before_stop())) if request.wants_handoff else None
+        )
         usage = Usage(prompt_tokens=prompt_len, completion_tokens=len(generated))
         emit(("final", text.finish(), reason, usage, payload))
 
@@ -507,6 +519,10 @@ class ThinkerEngine(_HFEngine):
                 f"input: {len(reply)} tokens to speak do not fit the model's context of {self.context_len} tokens",
                 "input",
             )
+        usage = Usage(prompt_tokens=prompt_len, completion_tokens=len(reply) + 1)
+        if not request.wants_handoff:  # nothing downstream: the hidden states of the reply are not needed
+            emit(("final", request.reply, FinishReason.STOP, usage, None))
+            return
         sequence = torch.cat([input_ids, torch.tensor([reply], dtype=input_ids.dtype, device=input_ids.device)], 1)
         with torch.inference_mode():
             out = self.thinker(input_ids=sequence, attention_mask=torch.ones_like(sequence), output_hidden_states=True)
@@ -520,8 +536,7 @@ class ThinkerEngine(_HFEngine):
             tts_embeds=self.tts_embeds,
             accept_hidden_layer=self.accept_layer,
         )
-        usage = Usage(prompt_tokens=prompt_len, completion_tokens=len(reply) + 1)
-        emit(("final", request.reply, FinishReason.STOP, usage, payload if request.wants_handoff else None))
+        emit(("final", request.reply, FinishReason.STOP, usage, self._padded(payload)))
 
     def _handoff(self, out: Any, prompt_len: int, kept: int) -> HandoffPayload:
         # The talker speaks only what the client sees: tokens from a stop string on are dropped.
@@ -564,11 +579,15 @@ class TalkerEngine(_HFEngine):
             async for batch in batches:
                 for item in batch:  # one output per chunk: each becomes its own code2wav call
                     if item[0] == "chunk":
-                        yield StageOutput(stage=self.stage_name, handoff=item[1])
+                        yield StageOutput(stage=self.stage_name, handoff=self._padded(item[1]))
                     else:
                         _, last_chunk, reason, usage = item
                         yield StageOutput(
-                            stage=self.stage_name, handoff=last_chunk, finished=True, finish_reason=reason, usage=usage
+                            stage=self.stage_name,
+                            handoff=self._padded(last_chunk),
+                            finished=True,
+                            finish_reason=reason,
+                            usage=usage,
                         )
 
     def _generate(

@@ -150,10 +150,15 @@ def load_graph(args: dict[str, Any] | GraphConfig) -> GraphConfig:
         graph = GraphConfig.model_validate(args)
     except ValidationError as err:
         raise GraphConfigError(f"invalid omni_serve graph: {_format(err)}") from None
-    from omni_serve.engines import validate_engine_args
+    from omni_serve.engines import honoured_sampling, unhonoured_sampling, validate_engine_args
 
     for i, stage in enumerate(graph.stages):
         problem = validate_engine_args(stage.engine, stage.engine_args)
         if problem:
             raise GraphConfigError(f"invalid omni_serve graph: stages[{i}].engine_args: {problem}")
+        for name in unhonoured_sampling(stage.default_sampling, honoured_sampling(stage.engine, stage.engine_args)):
+            raise GraphConfigError(
+                f"invalid omni_serve graph: stages[{i}].default_sampling.{name}: the {stage.engine} engine of "
+                f"stage '{stage.name}' cannot honour it"
+            )
     return graph

@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from omni_serve.config import DEADLINE_MARGIN_S, GraphConfig, check_timeouts, load_graph
+from omni_serve.engines import honoured_sampling, unhonoured_sampling
 from omni_serve.errors import APIError, bad_request, from_failure, from_validation, http_exception_handler
 from omni_serve.handoff import payload_loads, stage_outputs
 from omni_serve.media import AUDIO_MEDIA_TYPES, EMPTY_AUDIO_SAMPLE_RATE, STREAMABLE_AUDIO, AudioEncoder, encode_audio
@@ -84,6 +85,7 @@ class Ingress:
         # Serve's own limit; the ingress answers 504 before it (see check_timeouts).
         self.request_timeout_s = self.serve_view.request_timeout_s()
         check_timeouts(self.graph.stage_timeout_s, self.request_timeout_s)
+        self.honoured_sampling = {s.name: honoured_sampling(s.engine, s.engine_args) for s in self.graph.stages}
         self.text_stage = next((s.name for s in self.graph.stages if s.final_output is Modality.TEXT), None)
         self._voices: list[str] | None = None  # asked from the stages once, on first need
 
@@ -173,35 +175,41 @@ class Ingress:
         return resolve_voice(requested, await self._graph_voices(), self.graph.voice_aliases, param)
 
     def _sampling(self, body: ChatCompletionRequest) -> dict[str, SamplingParams]:
-        """Graph defaults, then the OpenAI fields (entry stage; ``seed`` everywhere), then per-stage overrides:
-        ``stage_sampling`` by stage name or vLLM-Omni's ``sampling_params_list`` by stage position."""
+        """Graph defaults, then the top-level fields (entry stage; ``seed`` everywhere), then per-stage overrides:
+        ``stage_sampling`` by stage name or vLLM-Omni's ``sampling_params_list`` by stage position.
+
+        A value the stage's engine cannot honour (one of vLLM's extra sampling parameters, away
+        from its default) is a 400 naming the field as the client sent it."""
         entry = self.graph.entry.name
-        overrides = {
-            "temperature": body.temperature,
-            "top_p": body.top_p,
-            "top_k": body.top_k,
-            "max_tokens": body.max_completion_tokens or body.max_tokens,
-            "seed": body.seed,
-            "repetition_penalty": body.repetition_penalty,
-            "stop": body.stop_list or None,
-        }
-        entry_overrides = {k: v for k, v in overrides.items() if v is not None}
+        top_level = body.entry_sampling()
         per_stage, where = self._per_stage(body)
         resolved: dict[str, SamplingParams] = {}
         for stage in self.graph.stages:
             values = stage.default_sampling.model_dump()
+            sent_as: dict[str, str] = {}  # field -> the prefix of its path in the request
             if stage.name == entry:
-                values.update(entry_overrides)
+                values.update(top_level)
+                sent_as.update(dict.fromkeys(top_level, ""))
             elif body.seed is not None:
                 values["seed"] = body.seed  # one client seed makes every stage reproducible
-            values.update(sampling_overrides(per_stage.get(stage.name, {})))
+            overrides = sampling_overrides(per_stage.get(stage.name, {}))
+            values.update(overrides)
+            sent_as.update(dict.fromkeys(overrides, f"{where[stage.name]}."))
             try:
-                resolved[stage.name] = SamplingParams.model_validate(values)
+                resolved[stage.name] = params = SamplingParams.model_validate(values)
             except ValidationError as err:
                 api_err = from_validation(err)
-                api_err.param = f"{where[stage.name]}.{api_err.param}"
-                api_err.message = f"{where[stage.name]}.{api_err.message}"
+                prefix = sent_as.get((api_err.param or "").split(".")[0], f"{where[stage.name]}.")
+                api_err.param = f"{prefix}{api_err.param}"
+                api_err.message = f"{prefix}{api_err.message}"
                 raise api_err from None
+            for name in unhonoured_sampling(params, self.honoured_sampling[stage.name]):
+                param = f"{sent_as.get(name, '')}{name}"
+                raise bad_request(
+                    f"{param}: stage '{stage.name}' ({stage.engine} engine) cannot honour {name}; leave it at "
+                    f"{SamplingParams.model_fields[name].get_default(call_default_factory=True)!r}",
+                    param,
+                )
         return resolved
 
     def _per_stage(self, body: ChatCompletionRequest) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:

@@ -84,6 +84,14 @@ class TransformersEngineArgs(BaseModel):
 EngineArgs = TransformersEngineArgs  # the name omni_serve.engines looks up in every family
 
 
+def honoured_sampling(engine_args: dict[str, Any]) -> frozenset[str]:
+    """The thinker maps ``ignore_eos``, ``min_p`` and ``skip_special_tokens`` onto HF ``generate``; the
+    talker and code2wav produce no text, so the two parameters that only shape text change nothing there."""
+    if engine_args.get("model_stage") == "thinker":
+        return frozenset({"ignore_eos", "min_p", "skip_special_tokens"})
+    return frozenset({"skip_special_tokens", "spaces_between_special_tokens"})
+
+
 def create(stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
     """The engine for ``engine_args['model_stage']``; raises ``pydantic.ValidationError`` on bad args."""
     args = TransformersEngineArgs.model_validate(engine_args)
@@ -288,7 +296,18 @@ def _sampling_kwargs(s: SamplingParams) -> dict[str, Any]:
         kwargs["repetition_penalty"] = s.repetition_penalty
     if s.temperature > 0:
         kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)  # top_k 0: HF adds no filter
+        if s.min_p > 0:
+            kwargs["min_p"] = s.min_p
     return kwargs
+
+
+def end_ids(eos_ids: list[int], stop_token_ids: set[int], ignore_eos: bool) -> list[int]:
+    """The token ids that end a thinker generation: the model's EOS tokens unless ``ignore_eos``, and the stop ids.
+
+    An empty list (``ignore_eos`` without stop ids) overrides the checkpoint's generation config, so
+    ``generate`` then runs to ``max_new_tokens``.
+    """
+    return sorted(stop_token_ids if ignore_eos else set(eos_ids) | stop_token_ids)
 
 
 def _stopping(cancelled: threading.Event, delay_s: float, extra: Callable[[], bool] | None = None) -> Any:
@@ -317,8 +336,9 @@ class _TextStream:
     (a stop string may be forming) are held back until ``finish``.
     """
 
-    def __init__(self, tokenizer: Any, stop: list[str], stop_token_ids: set[int]):
+    def __init__(self, tokenizer: Any, stop: list[str], stop_token_ids: set[int], skip_special_tokens: bool = True):
         self._tok = tokenizer
+        self._skip_special = skip_special_tokens
         self._stop = [s for s in stop if s]
         self._stop_ids = stop_token_ids
         self._hold = max((len(s) for s in self._stop), default=1) - 1
@@ -334,7 +354,7 @@ class _TextStream:
         if token_id not in self._stop_ids:  # a stop token ends the text without showing in it
             self._text_ids.append(token_id)
         self._text_len.append(len(self._text_ids))
-        text = self._tok.decode(self._text_ids, skip_special_tokens=True)
+        text = self._tok.decode(self._text_ids, skip_special_tokens=self._skip_special)
         hits = [i for i in (text.find(s) for s in self._stop) if i >= 0]
         if hits:
             self.stop_at = min(hits)
@@ -366,7 +386,7 @@ class _TextStream:
         return k
 
     def _decode_first(self, n: int) -> str:
-        return self._tok.decode(self._text_ids[:n], skip_special_tokens=True)
+        return self._tok.decode(self._text_ids[:n], skip_special_tokens=self._skip_special)
 
 
 class ThinkerEngine(_HFEngine):
@@ -457,8 +477,8 @@ class ThinkerEngine(_HFEngine):
 
         s = request.sampling
         stop_ids = set(s.stop_token_ids)
-        eos = sorted(set(self.eos_ids) | stop_ids)
-        text = _TextStream(self.tokenizer, s.stop, stop_ids)
+        eos = end_ids(self.eos_ids, stop_ids, s.ignore_eos)
+        text = _TextStream(self.tokenizer, s.stop, stop_ids, s.skip_special_tokens)
         generated: list[int] = []
 
         class _Streamer(BaseStreamer):

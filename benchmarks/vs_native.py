@@ -171,29 +171,50 @@ def stop(proc: subprocess.Popen) -> None:
                 child.kill()
 
 
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) used so far by the process ``pid`` and all its descendants alive now."""
-    total = 0.0
+# What a process of either server tree does, from its command line (first match wins).
+ROLES = (
+    ("ProxyActor", "serve proxy"),
+    ("ServeReplica:omni:ingress", "ingress"),
+    ("ServeReplica:omni:llm", "stage replica"),
+    ("VLLM::", "vLLM engine (EngineCore, workers)"),
+    ("ServeController", "serve controller"),
+    ("vllm.entrypoints.cli", "vLLM API server"),
+    ("", "other (Ray GCS, raylet, agents, driver)"),
+)
+
+
+def tree_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by ``pid`` and its descendants alive now, by role."""
     root = psutil.Process(pid)
+    by_role: dict[str, float] = {}
     for p in [root, *root.children(recursive=True)]:
         with contextlib.suppress(psutil.Error):
+            cmdline = " ".join(p.cmdline())
+            role = next(role for marker, role in ROLES if marker in cmdline)
             t = p.cpu_times()
-            total += t.user + t.system
-    return total
+            by_role[role] = by_role.get(role, 0.0) + t.user + t.system
+    return by_role
 
 
-def idle_cpu(pids: dict[str, int], seconds: float) -> dict[str, float]:
-    """Percent of one core each process tree used while idle for ``seconds`` (sampled side by side)."""
-    before = {name: tree_cpu_s(pid) for name, pid in pids.items()}
+def idle_cpu(pids: dict[str, int], seconds: float) -> dict[str, dict[str, float]]:
+    """Percent of one core each process tree used while idle for ``seconds`` (sampled side by side), by role."""
+    before = {name: tree_cpu(pid) for name, pid in pids.items()}
     time.sleep(seconds)
-    return {name: 100.0 * (tree_cpu_s(pid) - before[name]) / seconds for name, pid in pids.items()}
+    idle = {}
+    for name, pid in pids.items():
+        after = tree_cpu(pid)
+        idle[name] = {role: 100.0 * (after[role] - before[name].get(role, 0.0)) / seconds for role in after}
+        idle[name]["total"] = sum(idle[name].values())
+    return idle
 
 
 # ---- the load: vLLM's own benchmark client ---------------------------------------------------------
 
 
-def bench_serve(args: argparse.Namespace, port: int, concurrency: int, sampling: dict[str, Any]) -> dict[str, Any]:
-    """One `vllm bench serve` run (its Python entry) against the server on ``port``."""
+def bench_serve(
+    args: argparse.Namespace, port: int, concurrency: int, sampling: dict[str, Any], pid: int | None = None
+) -> dict[str, Any]:
+    """One `vllm bench serve` run (its Python entry) against the server on ``port`` (process tree ``pid``)."""
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -218,8 +239,13 @@ def bench_serve(args: argparse.Namespace, port: int, concurrency: int, sampling:
         "--disable-tqdm",
         "--percentile-metrics", "ttft,tpot,itl,e2el",
     ]  # fmt: skip
+    before = tree_cpu(pid) if pid else {}
     result = main(parser.parse_args(argv))
+    after = tree_cpu(pid) if pid else {}
+    cpu_ms = {role: 1000 * (after[role] - before.get(role, 0.0)) / num_prompts for role in after}
     return {
+        "cpu_ms_per_request": sum(cpu_ms.values()),
+        "cpu_ms_per_request_by_role": cpu_ms,
         "completed": result["completed"],
         "failed": result["failed"],
         "req_per_s": result["request_throughput"],
@@ -267,12 +293,13 @@ def main() -> None:
         for port in servers.values():  # warm-up, not counted
             bench_serve(args, port, max(args.concurrency), sampling)
         time.sleep(5)  # let the warm-up's tail settle before sampling idle CPU
-        idle = idle_cpu({"native": native.pid, "omni": omni.pid}, args.idle_s)
+        pids = {"native": native.pid, "omni": omni.pid}
+        idle = idle_cpu(pids, args.idle_s)
         for round_ in range(args.rounds):
             for concurrency in args.concurrency:
                 order = list(servers) if round_ % 2 == 0 else list(reversed(servers))
                 for name in order:
-                    figures = bench_serve(args, servers[name], concurrency, sampling)
+                    figures = bench_serve(args, servers[name], concurrency, sampling, pids[name])
                     results[name].setdefault(concurrency, []).append(figures)
                     print(f"round {round_ + 1} c={concurrency} {name}: {json.dumps(figures)}", flush=True)
     summary = summarize(results, idle, args)
@@ -288,9 +315,16 @@ def summarize(results: dict[str, dict[int, list[dict[str, Any]]]], idle: dict[st
     for concurrency in args.concurrency:
         native, omni = results["native"][concurrency], results["omni"][concurrency]
         row = {}
-        for key in ("req_per_s", "out_tok_per_s", "ttft_p50_ms", "tpot_p50_ms", "itl_p50_ms", "e2el_p50_ms"):
+        for key in ("req_per_s", "out_tok_per_s", "ttft_p50_ms", "tpot_p50_ms", "e2el_p50_ms", "cpu_ms_per_request"):
             n, o = median_of(native, key), median_of(omni, key)
             row[key] = {"native": n, "omni": o, "ratio": o / n if n else None}
+        row["cpu_ms_per_request_by_role"] = {
+            name: {
+                role: statistics.median(r["cpu_ms_per_request_by_role"].get(role, 0.0) for r in rounds)
+                for role in rounds[0]["cpu_ms_per_request_by_role"]
+            }
+            for name, rounds in (("native", native), ("omni", omni))
+        }
         row["failed"] = {"native": sum(r["failed"] for r in native), "omni": sum(r["failed"] for r in omni)}
         rows[concurrency] = row
     return {"by_concurrency": rows, "idle_cpu_pct_of_core": idle, "rounds": args.rounds}
@@ -302,13 +336,25 @@ def report(summary: dict[str, Any]) -> str:
         "|---|---|---|---|",
     ]
     for concurrency, row in summary["by_concurrency"].items():
-        for key, label in (("req_per_s", "req/s"), ("tpot_p50_ms", "TPOT p50 ms"), ("ttft_p50_ms", "TTFT p50 ms")):
+        labels = (
+            ("req_per_s", "req/s"),
+            ("tpot_p50_ms", "TPOT p50 ms"),
+            ("ttft_p50_ms", "TTFT p50 ms"),
+            ("cpu_ms_per_request", "CPU ms per request (server tree)"),
+        )
+        for key, label in labels:
             f = row[key]
             lines.append(f"| c={concurrency} {label} | {f['native']:.2f} | {f['omni']:.2f} | {f['ratio']:.2f} |")
         lines.append(f"| c={concurrency} failed requests | {row['failed']['native']} | {row['failed']['omni']} | |")
+        for name, roles in row["cpu_ms_per_request_by_role"].items():
+            shares = ", ".join(f"{role} {ms:.1f}" for role, ms in sorted(roles.items(), key=lambda kv: -kv[1]))
+            lines.append(f"| c={concurrency} {name} CPU ms per request by process | {shares} | | |")
     idle = summary["idle_cpu_pct_of_core"]
-    ratio = idle["omni"] / max(idle["native"], 1e-9)
-    lines.append(f"| idle CPU, % of a core | {idle['native']:.1f} | {idle['omni']:.1f} | {ratio:.1f} |")
+    native, omni = idle["native"]["total"], idle["omni"]["total"]
+    lines.append(f"| idle CPU, % of a core | {native:.1f} | {omni:.1f} | {omni / max(native, 1e-9):.1f} |")
+    for name, roles in idle.items():
+        shares = ", ".join(f"{role} {pct:.1f}" for role, pct in sorted(roles.items(), key=lambda kv: -kv[1]))
+        lines.append(f"| {name} idle CPU by process | {shares} | | |")
     return "\n".join(lines)
 
 

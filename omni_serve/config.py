@@ -39,6 +39,13 @@ class StageConfig(BaseModel):
     default_sampling: SamplingParams = Field(
         default_factory=SamplingParams, description="Sampling defaults; requests override them."
     )
+    max_coalesce_ms: float = Field(
+        50.0,
+        ge=0.0,
+        description="Longest a stage call merges its text deltas into one stream item. The interval in force is "
+        "5 ms x the calls in flight in the replica, up to this; 0 sends every delta as its own item "
+        "(omni_serve.coalesce).",
+    )
 
     @field_validator("name")
     @classmethod

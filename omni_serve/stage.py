@@ -17,6 +17,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from omni_serve.coalesce import coalesced
 from omni_serve.config import StageConfig
 from omni_serve.engines import create_engine
 from omni_serve.handoff import detached, payload_loads, stream_items
@@ -24,6 +25,10 @@ from omni_serve.metrics import StageMetrics
 from omni_serve.types import FinishReason, HandoffPayload, StageOutput, StageRequest
 
 logger = logging.getLogger("ray.serve")
+
+# How long one stage call may hold text deltas per call in flight in the replica (omni_serve.coalesce):
+# the replica then sends on the order of 1 / COALESCE_S_PER_CALL text items per second in all.
+COALESCE_S_PER_CALL = 0.005
 
 
 def _outcome(final: StageOutput | None) -> str:
@@ -45,6 +50,8 @@ class StageDeployment:
         self.name = self.config.name
         self.calls = 0
         self.in_flight = 0
+        self.items = 0  # stream items yielded since start (tests and the README's per-request counts)
+        self.max_coalesce_s = self.config.max_coalesce_ms / 1000
         self.metrics = StageMetrics()
         self.engine = create_engine(self.config.engine, self.name, self.config.engine_args)
         started = time.perf_counter()
@@ -74,6 +81,7 @@ class StageDeployment:
         outcome = "error"
         finished: StageOutput | None = None
         stream: AsyncIterator[StageOutput] | None = None
+        outputs: AsyncIterator[StageOutput] | None = None
         try:
             handoff = request.handoff
             if isinstance(handoff, ray.ObjectRef):
@@ -83,10 +91,12 @@ class StageDeployment:
             if handoff is not None and not isinstance(handoff, HandoffPayload):
                 raise TypeError(f"stage {self.name}: expected a HandoffPayload, got {type(handoff).__name__}")
             stream = self.engine.stream(request, handoff)
-            async for output in stream:
+            outputs = coalesced(stream, self._coalesce_interval)
+            async for output in outputs:
                 self.metrics.output(output)
                 finished = output if output.finished else finished
                 for item in stream_items(output, request.wants_handoff):
+                    self.items += 1
                     yield item
             outcome = _outcome(finished)
         except (asyncio.CancelledError, GeneratorExit):
@@ -103,12 +113,17 @@ class StageDeployment:
                 await self.engine.abort(request.request_id)
             raise
         finally:
+            if outputs is not None:
+                await outputs.aclose()
             if stream is not None:
                 await stream.aclose()
             self.in_flight -= 1
             self.metrics.in_flight.set(self.in_flight)
             self.metrics.processing.observe(time.time() - started)
             self.metrics.calls.inc(tags={"outcome": outcome})
+
+    def _coalesce_interval(self) -> float:
+        return min(COALESCE_S_PER_CALL * self.in_flight, self.max_coalesce_s)
 
     def __del__(self) -> None:
         # Serve calls this when the replica stops; engines with child processes stop them here.
@@ -125,7 +140,13 @@ class StageDeployment:
 
     def stats(self) -> dict[str, Any]:
         """Calls served by this replica plus engine stats (tests and autoscaling read these)."""
-        return {"stage": self.name, "calls": self.calls, "payload_loads": payload_loads(), **self.engine.stats()}
+        return {
+            "stage": self.name,
+            "calls": self.calls,
+            "items": self.items,
+            "payload_loads": payload_loads(),
+            **self.engine.stats(),
+        }
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom-metrics hook: engine queue for ``omni_serve.autoscaling`` (``engine_waiting``/``_running``).

@@ -86,7 +86,12 @@ CORPUS: list[tuple[str, dict[str, Any], int, str]] = [
     ("logit_bias on the thinker", {"json": chat(logit_bias={"5": 10})}, 400, "logit_bias"),
     ("min_p out of range", {"json": chat(min_p=2)}, 400, "min_p"),
     ("use_beam_search", {"json": chat(use_beam_search=True)}, 400, "use_beam_search"),
-    ("min_p on the talker", {"json": chat(stage_sampling={"talker": {"min_p": 0.1}})}, 400, "stage_sampling.talker.min_p"),
+    (
+        "min_p on the talker",
+        {"json": chat(stage_sampling={"talker": {"min_p": 0.1}})},
+        400,
+        "stage_sampling.talker.min_p",
+    ),
     # --- sampling ---
     ("negative max_tokens", {"json": chat(max_tokens=-1)}, 400, "max_tokens"),
     ("zero max_tokens", {"json": chat(max_tokens=0)}, 400, "max_tokens"),

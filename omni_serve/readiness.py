@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Literal
 
 logger = logging.getLogger("ray.serve")
@@ -20,8 +21,11 @@ StageState = Literal["ready", "loading", "down"]
 
 # The controller is asked in the background this often, so a probe never waits on it (while Serve
 # deploys, the controller can take seconds to answer); the first probe waits at most FIRST_ANSWER_S.
+# The refreshing stops once no probe came for IDLE_STOP_S (an idle graph asks the controller for
+# nothing) and the next probe starts it again, waiting like a first one for a fresh answer.
 REFRESH_S = 1.0
 FIRST_ANSWER_S = 0.5
+IDLE_STOP_S = 30.0
 
 # Replica states (ray.serve._private.common.ReplicaState) in which a replica is on its way to RUNNING.
 _STARTING = {"STARTING", "UPDATING", "RECOVERING", "PENDING_MIGRATION"}
@@ -47,7 +51,8 @@ class ServeView:
         self.stages = stages
         self._controller = _controller()
         self._states: dict[str, StageState] = dict.fromkeys(stages, "loading")
-        self._first: asyncio.Event | None = None
+        self._fresh: asyncio.Event | None = None  # set once the running refresher has answered; None: not running
+        self._last_probe = 0.0
 
     def request_timeout_s(self) -> float | None:
         """Serve's ``http_options.request_timeout_s`` (None: no limit). Blocking: call it at start."""
@@ -58,28 +63,32 @@ class ServeView:
 
     async def stage_states(self) -> dict[str, StageState]:
         """The stages' states as of the latest refresh (at most ``REFRESH_S`` plus one controller answer old)."""
-        if self._first is None:
-            self._first = asyncio.Event()
-            asyncio.get_running_loop().create_task(self._refresh_forever(self._first))
+        self._last_probe = time.monotonic()
+        if self._fresh is None:
+            self._fresh = asyncio.Event()
+            asyncio.get_running_loop().create_task(self._refresh_while_probed(self._fresh))
         try:
-            await asyncio.wait_for(self._first.wait(), FIRST_ANSWER_S)
+            await asyncio.wait_for(self._fresh.wait(), FIRST_ANSWER_S)
         except asyncio.TimeoutError:
             pass
         return dict(self._states)
 
-    async def _refresh_forever(self, first: asyncio.Event) -> None:
-        while True:
-            try:
-                details = await self._controller.get_serve_instance_details.remote()
-                deployments = details.get("applications", {}).get(self.app_name, {}).get("deployments", {})
-                self._states = {
-                    name: replica_state([r.get("state") for r in deployments.get(name, {}).get("replicas", [])])
-                    for name in self.stages
-                }
-                first.set()
-            except Exception as err:  # keep the last answer; the controller may be restarting
-                logger.warning("readiness: Serve's controller did not answer: %s", type(err).__name__)
-            await asyncio.sleep(REFRESH_S)
+    async def _refresh_while_probed(self, fresh: asyncio.Event) -> None:
+        try:
+            while time.monotonic() - self._last_probe < IDLE_STOP_S:
+                try:
+                    details = await self._controller.get_serve_instance_details.remote()
+                    deployments = details.get("applications", {}).get(self.app_name, {}).get("deployments", {})
+                    self._states = {
+                        name: replica_state([r.get("state") for r in deployments.get(name, {}).get("replicas", [])])
+                        for name in self.stages
+                    }
+                    fresh.set()
+                except Exception as err:  # keep the last answer; the controller may be restarting
+                    logger.warning("readiness: Serve's controller did not answer: %s", type(err).__name__)
+                await asyncio.sleep(REFRESH_S)
+        finally:
+            self._fresh = None
 
 
 def replica_state(replicas: list[str | None]) -> StageState:

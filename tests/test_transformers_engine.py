@@ -353,3 +353,22 @@ def test_chained_engines_reproduce_hf_generate(engines: dict[str, StageEngine]) 
     err = ours - ref_wav
     assert np.abs(err).max() < 0.03
     assert np.sqrt(np.mean(err**2) / np.mean(ref_wav**2)) < 0.03
+
+
+def test_vllm_sampling_parameters_the_family_honours() -> None:
+    assert te.honoured_sampling({"model_stage": "thinker"}) == {"ignore_eos", "min_p", "skip_special_tokens"}
+    assert "ignore_eos" not in te.honoured_sampling({"model_stage": "talker"})
+    # ignore_eos drops the model's EOS tokens from what ends a generation; stop token ids still end it.
+    assert te.end_ids([7, 9], {3}, ignore_eos=False) == [3, 7, 9]
+    assert te.end_ids([7, 9], {3}, ignore_eos=True) == [3]
+    assert te.end_ids([7, 9], set(), ignore_eos=True) == []
+
+
+def test_thinker_ignore_eos_runs_to_max_tokens(engines: dict[str, StageEngine]) -> None:
+    """Seed 0 at temperature 1.5 samples the thinker's EOS as its 47th token; ignore_eos samples on."""
+    sampling = SamplingParams(temperature=1.5, max_tokens=48, seed=0)
+    ended = run(engines["thinker"], StageRequest("e1", sampling, messages=HELLO, wants_handoff=False))
+    assert ended[-1].finish_reason is FinishReason.STOP and ended[-1].usage.completion_tokens == 47
+    ignoring = sampling.model_copy(update={"ignore_eos": True})
+    outputs = run(engines["thinker"], StageRequest("e2", ignoring, messages=HELLO, wants_handoff=False))
+    assert outputs[-1].finish_reason is FinishReason.LENGTH and outputs[-1].usage.completion_tokens == 48

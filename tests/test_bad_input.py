@@ -162,9 +162,9 @@ CORPUS: list[tuple[str, dict[str, Any], int, str]] = [
     ),
     (
         "sampling_params_list field the talker cannot honour",
-        {"json": chat(sampling_params_list=[{}, {"ignore_eos": True}])},
+        {"json": chat(sampling_params_list=[{}, {"presence_penalty": 0.5}])},
         400,
-        "sampling_params_list.1.ignore_eos",
+        "sampling_params_list.1.presence_penalty",
     ),
     (
         "sampling_params_list huge max_tokens",

@@ -334,6 +334,7 @@ def hf_reference_generate(
     talker_top_k: int = 50,
     talker_top_p: float = 1.0,
     talker_repetition_penalty: float = 1.0,
+    talker_ignore_eos: bool = False,
 ) -> tuple[str, np.ndarray]:
     """Text and 24 kHz waveform from transformers' own ``generate(return_audio=True)``: the in-process baseline.
 
@@ -344,7 +345,8 @@ def hf_reference_generate(
     residual groups (top_k 50, top_p 0.8), so ``seed`` seeds torch before the call; a
     stage engine seeded the same way consumes the RNG identically (the greedy thinker draws
     nothing). ``max_frames`` maps to ``talker_max_new_tokens = max_frames + 1`` because HF
-    gives the last sampled codec token no residual codes.
+    gives the last sampled codec token no residual codes. ``talker_ignore_eos`` makes the talker
+    run to ``max_frames`` (as a stage's ``ignore_eos`` does), so benchmarks compare equal work.
     """
     import torch
     from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
@@ -361,6 +363,7 @@ def hf_reference_generate(
         "input_ids"
     ]
     eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    codec_eos = model.config.talker_config.codec_eos_token_id
     torch.manual_seed(seed)
     sequences, wav = model.generate(
         input_ids,
@@ -375,6 +378,8 @@ def hf_reference_generate(
         talker_top_k=talker_top_k,
         talker_top_p=talker_top_p,
         talker_repetition_penalty=talker_repetition_penalty,
+        # No EOS; the pad id HF would otherwise take from the EOS list (a batch of one is never padded).
+        **({"talker_eos_token_id": [], "talker_pad_token_id": codec_eos} if talker_ignore_eos else {}),
     )
     text = tokenizer.decode(sequences[0, input_ids.shape[1] :], skip_special_tokens=True)
     return text, wav.reshape(-1).float().numpy()

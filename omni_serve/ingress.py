@@ -25,6 +25,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from omni_serve import playground
 from omni_serve.config import GraphConfig, load_graph
 from omni_serve.errors import APIError, bad_request, from_failure, from_validation, http_exception_handler
 from omni_serve.handoff import payload_loads
@@ -55,6 +56,7 @@ async def _api_error(request: Request, err: APIError) -> JSONResponse:
 
 
 api.add_exception_handler(StarletteHTTPException, http_exception_handler)  # 404/405 as OpenAI errors
+playground.mount(api)  # GET / (the playground page) and GET /stages
 
 
 @serve.deployment(max_ongoing_requests=64, max_queued_requests=256, ray_actor_options={"num_cpus": 0.1})
@@ -69,6 +71,7 @@ class Ingress:
         self.orchestrator = Orchestrator(self.graph, self._call_stage)
         self.api_key = self.graph.api_key or os.environ.get("OMNI_SERVE_API_KEY") or None
         self.metrics = RequestMetrics()
+        playground.configure(self.graph, self._check_auth)
 
     def _call_stage(self, stage: str, request: StageRequest) -> AsyncIterator[StageOutput]:
         return self.handles[stage].generate.remote(request)

@@ -57,11 +57,12 @@ page.add_exception_handler(StarletteHTTPException, http_exception_handler)
 def configure(graph: GraphConfig, check_auth: Callable[[Request], None]) -> None:
     """Called by the ingress constructor, on the replica's event loop."""
     from ray import serve
+    from ray.serve.exceptions import RayServeException
 
     _ingress.graph, _ingress.check_auth = graph, check_auth
     try:
         _ingress.app_name = serve.get_replica_context().app_name
-    except RuntimeError:  # not in a Serve replica: no application to report on
+    except RayServeException:  # not in a Serve replica: no application to report on
         return
     task = asyncio.get_running_loop().create_task(announce_when_running(graph, _ingress.app_name))
     _ingress.tasks.add(task)

@@ -219,7 +219,7 @@ const voice = () => ($("#voice-select").hidden ? $("#voice-text").value.trim() :
 async function sendChat() {
   const text = $("#prompt").value.trim();
   const content = attachments.length ? [{ type: "text", text }, ...attachments.map((a) => a.part)] : text;
-  addMessage("user", text, attachments.map((a) => `📎 ${a.name}`));
+  addMessage("user", text, attachments.map((a) => `attached: ${a.name}`));
   history.push({ role: "user", content });
   $("#prompt").value = "";
   attachments = [];
@@ -271,7 +271,8 @@ async function sendChat() {
     report.done({ ...data, text: answer }, [...tokens, ...parts]);
   } catch (error) {
     history.pop(); // the user turn that got no answer
-    reply.item.classList.add("failed");
+    if (answer) reply.item.classList.add("failed");
+    else reply.item.remove();
     report.fail(error);
     throw error;
   }
@@ -292,6 +293,7 @@ async function attach(file) {
 }
 
 let recorder = null;
+const RECORD_SLICE_MS = 250;
 
 async function toggleRecording() {
   if (recorder) {
@@ -301,7 +303,10 @@ async function toggleRecording() {
   const stream = await navigator.mediaDevices.getUserMedia({ audio: true });
   const pieces = [];
   recorder = new MediaRecorder(stream);
-  recorder.ondataavailable = (event) => pieces.push(event.data);
+  recorder.ondataavailable = (event) => {
+    pieces.push(event.data);
+    $("#record").textContent = `■ Stop (${((pieces.length * RECORD_SLICE_MS) / 1000).toFixed(2)} s)`;
+  };
   recorder.onstop = () => busy($("#record"), async () => {
     stream.getTracks().forEach((track) => track.stop());
     recorder = null;
@@ -311,7 +316,7 @@ async function toggleRecording() {
     const wav = wavFile(decoded.getChannelData(0), decoded.sampleRate);
     await attach(new File([wav], `recording-${attachments.length + 1}.wav`, { type: "audio/wav" }));
   });
-  recorder.start();
+  recorder.start(RECORD_SLICE_MS);
   $("#record").textContent = "■ Stop";
 }
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
 
-from omni_serve.config import GraphConfig, load_graph
+from omni_serve.config import GraphConfigError, load_graph
 from omni_serve.launch import load_graph_file
 from omni_serve.ready import base_url, ready_line
 
@@ -75,7 +75,12 @@ def _wait_ready(urls: dict[str, str]) -> None:
                 continue
             if app.status.value == "DEPLOY_FAILED":
                 raise SystemExit(f"omni_serve: application '{name}' failed to deploy: {app.message}")
-            starting = [d for d, s in app.deployments.items() if s.status.value != "HEALTHY"]
+            # Serve's messages say why a deployment waits (e.g. no resources to schedule a replica).
+            starting = [
+                d + (f" ({s.message})" if s.message else "")
+                for d, s in app.deployments.items()
+                if s.status.value != "HEALTHY"
+            ]
             waiting = f"waiting for {', '.join(starting)}" if starting else "waiting for /health"
             line = f"omni_serve: {name}: {waiting}" + (f" ({app.message})" if app.message else "")
             if app.deployments and line != said.get(name):
@@ -119,7 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
-    config: dict[str, Any] = load_graph_file(args.graph)
+    try:
+        config: dict[str, Any] = load_graph_file(args.graph)
+        graphs = {app["name"]: load_graph(app.get("args", {})) for app in config["applications"]}
+    except OSError as err:
+        raise SystemExit(f"omni_serve: cannot read the graph file {args.graph}: {err.strerror}") from None
+    except (KeyError, GraphConfigError) as err:
+        raise SystemExit(f"omni_serve: cannot run {args.graph}: {err}") from None
     http = config.setdefault("http_options", {})
     if args.port:
         http["port"] = args.port
@@ -129,7 +140,6 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault(key, value)
         config.setdefault("logging_config", QUIET_APP_LOGGING)
     schema = ServeDeploySchema.model_validate(config)
-    graphs: dict[str, GraphConfig] = {app.name: load_graph(app.args) for app in schema.applications}
     host, port = schema.http_options.host, schema.http_options.port
     urls = {app.name: base_url(host, port, app.route_prefix) for app in schema.applications}
 

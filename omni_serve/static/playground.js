@@ -454,8 +454,10 @@ async function pollStatus() {
     $("#stages tbody").replaceChildren(...report.stages.map((stage) => {
       const row = document.createElement("tr");
       const starting = stage.starting ? ` (+${stage.starting} starting)` : "";
-      const health_ = health.stages?.[stage.name];
-      const cells = [stage.name, health_ ? `${stage.status} · ${health_}` : stage.status, `${stage.running}/${stage.target}${starting}`, stage.message];
+      let probe = health.stages?.[stage.name]; // /health's own word on the stage, when it gives one
+      if (probe && typeof probe === "object") probe = probe.status ?? JSON.stringify(probe);
+      const status = probe ? `${stage.status} · ${probe}` : stage.status;
+      const cells = [stage.name, status, `${stage.running}/${stage.target}${starting}`, stage.message];
       row.replaceChildren(...cells.map((c) => Object.assign(document.createElement("td"), { textContent: c ?? "" })));
       row.dataset.stage = stage.name;
       row.dataset.running = stage.running;

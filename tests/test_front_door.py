@@ -56,7 +56,9 @@ def test_make_serve_prints_one_ready_line_and_stops_on_sigterm(tmp_path: Path) -
     stamps = tmp_path / "stamps"
     stamps.mkdir()
     (stamps / "install").touch()
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own cluster, as on a fresh shell
+    # As from a fresh shell: its own Ray cluster, and no outer make's recursion state (`make test` runs this).
+    fresh_shell = {"RAY_ADDRESS", "MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES"}
+    env = {k: v for k, v in os.environ.items() if k not in fresh_shell}
     cli = ["make", "serve", f"PYTHON={sys.executable}", f"STAMPS={stamps}", f"PORT={SERVE_PORT}", "ARGS=--no-dashboard"]
     # Its own process group, signalled as a whole below, as timeout(1) or systemd do.
     make = subprocess.Popen(

@@ -47,7 +47,15 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
+def _stopping() -> None:
+    """While stopping, more SIGTERMs are ignored (one sent to the process group comes twice: directly, and
+    forwarded by make) and a second Ctrl-C exits at once (Ray's processes die with this one)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(128 + signum))
+
+
 def _interrupt(signum: int, frame: FrameType | None) -> None:
+    _stopping()
     raise KeyboardInterrupt
 
 
@@ -154,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
             include_dashboard=False if args.no_dashboard else None,
         )
     )
-    # After ray.init, which installs the handlers this one replaces (see the module docstring).
+    # After ray.init, which installs the handlers these replace (see the module docstring).
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         serve.start(
             proxy_location=schema.proxy_location,
@@ -171,10 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        say("omni_serve: stopping")
+        say("omni_serve: stopping (Ctrl-C again forces it)")
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one stop at a time
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _stopping()  # also when leaving on an error
         for name in urls:  # replicas stop gracefully (engines shut down); then the cluster goes
             serve.delete(name)
         ray.shutdown()

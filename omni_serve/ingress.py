@@ -33,6 +33,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from omni_serve import playground
 from omni_serve.config import DEADLINE_MARGIN_S, GraphConfig, check_timeouts, load_graph
 from omni_serve.errors import APIError, bad_request, from_failure, from_validation, http_exception_handler
 from omni_serve.handoff import payload_loads, stage_outputs
@@ -66,6 +67,7 @@ async def _api_error(request: Request, err: APIError) -> JSONResponse:
 
 
 api.add_exception_handler(StarletteHTTPException, http_exception_handler)  # 404/405 as OpenAI errors
+playground.mount(api)  # GET / (the playground page) and GET /stages
 
 
 @serve.deployment(max_ongoing_requests=64, max_queued_requests=256, ray_actor_options={"num_cpus": 0.1})
@@ -86,6 +88,7 @@ class Ingress:
         check_timeouts(self.graph.stage_timeout_s, self.request_timeout_s)
         self.text_stage = next((s.name for s in self.graph.stages if s.final_output is Modality.TEXT), None)
         self._voices: list[str] | None = None  # asked from the stages once, on first need
+        playground.configure(self.graph, self._check_auth)
 
     def _call_stage(self, stage: str, request: StageRequest) -> AsyncIterator[StageOutput]:
         # Handoffs arrive as stream items this replica owns: they live as long as this request needs them.

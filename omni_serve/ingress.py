@@ -88,7 +88,7 @@ class Ingress:
         check_timeouts(self.graph.stage_timeout_s, self.request_timeout_s)
         self.text_stage = next((s.name for s in self.graph.stages if s.final_output is Modality.TEXT), None)
         self._voices: list[str] | None = None  # asked from the stages once, on first need
-        playground.configure(self.graph, self._check_auth)
+        playground.configure(self.graph, self._check_auth, self.serve_view)
 
     def _call_stage(self, stage: str, request: StageRequest) -> AsyncIterator[StageOutput]:
         # Handoffs arrive as stream items this replica owns: they live as long as this request needs them.

@@ -33,7 +33,8 @@ from omni_serve.config import GraphConfig
 from omni_serve.errors import http_exception_handler
 from omni_serve.openai.protocol import AudioOptions
 from omni_serve.openai.speech import SpeechRequest
-from omni_serve.ready import announce_when_running, serve_details
+from omni_serve.readiness import ServeView
+from omni_serve.ready import announce_when_running
 
 FILES = {"index.html": "text/html", "playground.js": "text/javascript", "playground.css": "text/css"}
 NO_CACHE = {"cache-control": "no-cache"}  # a new version of the page shows on reload
@@ -45,7 +46,7 @@ class _Ingress:
 
     graph: GraphConfig | None = None
     check_auth: Callable[[Request], None] = lambda request: None  # raises APIError(401)
-    app_name: str = ""
+    view: ServeView | None = None
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
 
@@ -54,17 +55,10 @@ page = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 page.add_exception_handler(StarletteHTTPException, http_exception_handler)
 
 
-def configure(graph: GraphConfig, check_auth: Callable[[Request], None]) -> None:
+def configure(graph: GraphConfig, check_auth: Callable[[Request], None], view: ServeView) -> None:
     """Called by the ingress constructor, on the replica's event loop."""
-    from ray import serve
-    from ray.serve.exceptions import RayServeException
-
-    _ingress.graph, _ingress.check_auth = graph, check_auth
-    try:
-        _ingress.app_name = serve.get_replica_context().app_name
-    except RayServeException:  # not in a Serve replica: no application to report on
-        return
-    task = asyncio.get_running_loop().create_task(announce_when_running(graph, _ingress.app_name))
+    _ingress.graph, _ingress.check_auth, _ingress.view = graph, check_auth, view
+    task = asyncio.get_running_loop().create_task(announce_when_running(graph, view))
     _ingress.tasks.add(task)
     task.add_done_callback(_ingress.tasks.discard)
 
@@ -110,7 +104,8 @@ async def _file(name: str) -> Response:
 async def stages(request: Request) -> JSONResponse:
     """Each deployment of this application: status, running/target replicas, Serve's message."""
     _ingress.check_auth(request)
-    app = (await serve_details()).get("applications", {}).get(_ingress.app_name, {})
+    assert _ingress.view is not None, "configure() runs in the ingress constructor"
+    app = await _ingress.view.application()
     report = []
     for name, deployment in app.get("deployments", {}).items():
         replicas = [r.get("state") for r in deployment.get("replicas", [])]
@@ -124,7 +119,7 @@ async def stages(request: Request) -> JSONResponse:
                 "message": deployment.get("message", ""),
             }
         )
-    return JSONResponse({"application": _ingress.app_name, "status": app.get("status"), "stages": report})
+    return JSONResponse({"application": _ingress.view.app_name, "status": app.get("status"), "stages": report})
 
 
 def choices(model: type[BaseModel], name: str) -> list[str]:

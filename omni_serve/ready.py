@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 from omni_serve.config import GraphConfig
+from omni_serve.readiness import ServeView
 
 logger = logging.getLogger("ray.serve")
 
@@ -49,28 +49,14 @@ def ready_line(url: str, graph: GraphConfig, after_s: float | None = None) -> st
     return " | ".join(parts)
 
 
-async def serve_details() -> dict[str, Any]:
-    """Serve's controller view (HTTP options, applications, deployments, replicas), from a replica.
-
-    One RPC to the controller, never to a stage, so it never waits behind request work.
-    ``_get_global_client`` is what ``serve.status()`` uses; only it also exposes the HTTP options.
-    """
-    from ray.serve.context import _get_global_client
-
-    return await asyncio.to_thread(lambda: _get_global_client().get_serve_details())
-
-
-async def announce_when_running(graph: GraphConfig, app_name: str) -> None:
-    """Log the ready line once Serve reports every deployment of ``app_name`` running (ingress task)."""
+async def announce_when_running(graph: GraphConfig, view: ServeView) -> None:
+    """Log the ready line once Serve reports every deployment of the ingress' application running."""
     try:
-        while True:
-            details = await serve_details()
-            app = details.get("applications", {}).get(app_name, {})
-            if app.get("status") == "RUNNING":
-                http = details.get("http_options", {})
-                url = base_url(http.get("host", "127.0.0.1"), http.get("port", 8000), app.get("route_prefix"))
-                logger.info(ready_line(url, graph))
-                return
+        # Polls on purpose: reading the view is what keeps its background refresh going.
+        while (app := await view.application()).get("status") != "RUNNING":  # noqa: ASYNC110
             await asyncio.sleep(POLL_S)
+        http = (await view.details()).get("http_options", {})
+        url = base_url(http.get("host", "127.0.0.1"), http.get("port", 8000), app.get("route_prefix"))
+        logger.info(ready_line(url, graph))
     except Exception as err:  # a cosmetic line must never take the ingress down
         logger.warning("omni_serve: could not tell when the graph is ready: %r", err)

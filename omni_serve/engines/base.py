@@ -48,6 +48,10 @@ class StageEngine(abc.ABC):
     def shutdown(self) -> None:
         """Release what start() acquired (child processes, device memory); called when the replica stops."""
 
+    def voices(self) -> list[str]:
+        """Speaker names this engine accepts as ``StageRequest.voice`` (talker engines); [] if it takes none."""
+        return []
+
     def stats(self) -> dict[str, Any]:
         """Engine-level numbers for metrics and autoscaling (e.g. waiting/running requests)."""
         return {}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import pathlib
 from typing import TYPE_CHECKING, Any
@@ -506,6 +507,7 @@ def main(argv: list[str] | None = None) -> None:
         "--cache-dir", default=None, help="Cache root (default: $OMNI_SERVE_CACHE, else ~/.cache/omni_serve)."
     )
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # says when it builds
     print(ensure_tiny_omni(args.cache_dir))
 
 

@@ -554,7 +554,14 @@ class VllmOmniEngine(StageEngine):
         voice = self._voice(request.voice)
         prompt = handoffs.talker_prompt(pipeline, handoff, request_id=request.request_id, voice=voice)
         # DELTA: vLLM-Omni keeps the codec frames as a list of per-step tensors until the end.
-        params = self._params(request, "DELTA")
+        # A frame's residual code groups come with the next step, so the last sampled token never
+        # gets a frame: one more step yields max_tokens whole frames (as in the transformers family).
+        params = self._params(request, "DELTA", max_tokens=request.sampling.max_tokens + 1)
+        if request.sampling.seed is not None:
+            # The code predictor samples the residual code groups with its own generator, seeded per
+            # request only from this extra arg (worker/gpu_model_runner.py, _talker_mtp_forward);
+            # without it a seeded request's audio would still vary.
+            params.extra_args = {**(params.extra_args or {}), "tts_local_seed": request.sampling.seed}
         chunker = None
         if self.args.codec_chunk is not None:
             chunker = handoffs.CodecChunker(

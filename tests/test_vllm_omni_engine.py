@@ -17,68 +17,64 @@ from omni_serve.engines.base import InvalidStageInput  # noqa: E402
 ARGS = {"model": "/models/x", "pipeline": "qwen3_omni_moe", "stage_id": 0, "model_stage": "thinker"}
 
 
-def test_engine_client_is_made_after_the_engine_core_handshake(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Regression (start-up deadlock): launch_stage_replica runs the EngineCore's readiness handshake
-    when its context exits, and the client's constructor waits for a ready EngineCore; a client made
-    inside the context waits forever. Here the stand-ins record the order instead of blocking."""
+ZMQ = SimpleNamespace(inputs=["ipc://in"], outputs=["ipc://out"], frontend_stats_publish_address=None)
+
+
+@pytest.fixture
+def launch_plumbing(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Stand-ins for vLLM-Omni's config builders, ``launch_stage_replica`` and the client factory;
+    the test sets ``events`` to watch the order and ``make_client`` to decide what the factory does."""
     import vllm_omni.config.yaml_util as yaml_util
     import vllm_omni.engine.stage_engine_core_client as client_module
     import vllm_omni.engine.stage_engine_startup as startup
     import vllm_omni.engine.stage_init_utils as init_utils
 
-    events: list[str] = []
-    zmq = SimpleNamespace(inputs=["ipc://in"], outputs=["ipc://out"], frontend_stats_publish_address=None)
+    state: dict[str, Any] = {"events": [], "manager": SimpleNamespace(shutdown=lambda: state["events"].append("stop"))}
 
     @contextlib.contextmanager
     def launch(vllm_config: Any, executor_class: Any, log_stats: bool, stage_id: int, **kwargs: Any):
-        events.append("engine core spawned")
-        yield SimpleNamespace(manager="manager", coordinator=None, addresses=zmq)
-        events.append("handshake done")
-
-    def make_client(**kwargs: Any) -> str:
-        events.append("client made")
-        assert kwargs["client_addresses"] == {"input_address": "ipc://in", "output_address": "ipc://out"}
-        return "client"
+        state["events"].append("engine core spawned")
+        yield SimpleNamespace(manager=state["manager"], coordinator=None, addresses=ZMQ)
+        state["events"].append("handshake done")
 
     monkeypatch.setattr(yaml_util, "create_config", lambda cfg: cfg)
     monkeypatch.setattr(init_utils, "extract_legacy_stage_metadata", lambda cfg: "metadata")
     monkeypatch.setattr(init_utils, "build_engine_args_dict", lambda cfg, model: {})
     monkeypatch.setattr(init_utils, "build_vllm_config", lambda cfg, model, engine_args_dict: ("config", "executor"))
     monkeypatch.setattr(startup, "launch_stage_replica", launch)
-    monkeypatch.setattr(client_module.StageEngineCoreClientBase, "make_async_mp_client", staticmethod(make_client))
+    monkeypatch.setattr(
+        client_module.StageEngineCoreClientBase,
+        "make_async_mp_client",
+        staticmethod(lambda **kwargs: state["make_client"](**kwargs)),
+    )
+    return state
 
+
+def test_engine_client_is_made_after_the_engine_core_handshake(launch_plumbing: dict[str, Any]) -> None:
+    """Regression (start-up deadlock): launch_stage_replica runs the EngineCore's readiness handshake
+    when its context exits, and the client's constructor waits for a ready EngineCore; a client made
+    inside the context waits forever. Here the stand-ins record the order instead of blocking."""
+
+    def make_client(**kwargs: Any) -> str:
+        launch_plumbing["events"].append("client made")
+        assert kwargs["client_addresses"] == {"input_address": "ipc://in", "output_address": "ipc://out"}
+        return "client"
+
+    launch_plumbing["make_client"] = make_client
     stage = engine.VllmOmniEngine("thinker", ARGS)
     stage._launch()
-    assert events == ["engine core spawned", "handshake done", "client made"]
+    assert launch_plumbing["events"] == ["engine core spawned", "handshake done", "client made"]
     assert stage._client == "client"
 
 
-def test_failed_client_stops_the_engine_core(monkeypatch: pytest.MonkeyPatch) -> None:
-    import vllm_omni.config.yaml_util as yaml_util
-    import vllm_omni.engine.stage_engine_core_client as client_module
-    import vllm_omni.engine.stage_engine_startup as startup
-    import vllm_omni.engine.stage_init_utils as init_utils
-
-    stopped: list[bool] = []
-    manager = SimpleNamespace(shutdown=lambda: stopped.append(True))
-    zmq = SimpleNamespace(inputs=["a"], outputs=["b"], frontend_stats_publish_address=None)
-
-    @contextlib.contextmanager
-    def launch(*args: Any, **kwargs: Any):
-        yield SimpleNamespace(manager=manager, coordinator=None, addresses=zmq)
-
+def test_failed_client_stops_the_engine_core(launch_plumbing: dict[str, Any]) -> None:
     def make_client(**kwargs: Any) -> None:
         raise RuntimeError("client failed")
 
-    monkeypatch.setattr(yaml_util, "create_config", lambda cfg: cfg)
-    monkeypatch.setattr(init_utils, "extract_legacy_stage_metadata", lambda cfg: None)
-    monkeypatch.setattr(init_utils, "build_engine_args_dict", lambda cfg, model: {})
-    monkeypatch.setattr(init_utils, "build_vllm_config", lambda cfg, model, engine_args_dict: (None, None))
-    monkeypatch.setattr(startup, "launch_stage_replica", launch)
-    monkeypatch.setattr(client_module.StageEngineCoreClientBase, "make_async_mp_client", staticmethod(make_client))
+    launch_plumbing["make_client"] = make_client
     with pytest.raises(RuntimeError, match="client failed"):
         engine.VllmOmniEngine("thinker", ARGS)._launch()
-    assert stopped == [True]
+    assert launch_plumbing["events"] == ["engine core spawned", "handshake done", "stop"]
 
 
 def test_talker_voices_and_unknown_voice() -> None:

@@ -52,11 +52,9 @@ def thinker_output(prompt: list[int], output: list[int]) -> dict:
     }
 
 
-def test_qwen3_thinker_to_talker_through_real_processors():
-    prompt, output = chat_prompt(user_len=12), [3, 4, 5, 6, 151645]
-    mm = thinker_output(prompt, output)
+def qwen3_thinker_handoff(prompt: list[int], output: list[int], mm: dict) -> HandoffPayload | None:
     hf_config = SimpleNamespace(talker_config=SimpleNamespace(accept_hidden_layer=ACCEPT_LAYER))
-    payload = handoffs.thinker_handoff(
+    return handoffs.thinker_handoff(
         "qwen3_omni_moe",
         request_id="r1",
         prompt_token_ids=prompt,
@@ -64,6 +62,12 @@ def test_qwen3_thinker_to_talker_through_real_processors():
         multimodal_output=mm,
         hf_config=hf_config,
     )
+
+
+def test_qwen3_thinker_to_talker_through_real_processors():
+    prompt, output = chat_prompt(user_len=12), [3, 4, 5, 6, 151645]
+    mm = thinker_output(prompt, output)
+    payload = qwen3_thinker_handoff(prompt, output, mm)
     assert payload is not None and payload.kind == "vllm_omni.qwen3_omni.thinker2talker"
     assert all(isinstance(a, np.ndarray) for a in payload.tensors.values())
     assert payload.tensors["embed.prefill"].dtype == np.int16  # bf16 words, not widened
@@ -176,14 +180,18 @@ def test_engine_output_helpers():
 
 
 def test_codec_rows_returns_each_frame_once():
-    """DELTA outputs carry the talker's growing list of per-step frames, then one consolidated tensor."""
-    frames = torch.arange(5 * GROUPS).reshape(5, GROUPS)
+    """What the talker's DELTA outputs carry, step by step (seen on the real engine): the prefill's
+    all-zero placeholder rows as one tensor, then a growing list that starts with that tensor,
+    then everything consolidated when it finishes."""
+    prefill = torch.zeros(3, GROUPS, dtype=torch.long)
+    frames = torch.arange(1, 5 * GROUPS + 1).reshape(5, GROUPS)
     rows = engine.CodecRows()
-    assert torch.equal(rows.new([frames[0:1]]), frames[0:1])
-    assert rows.new([frames[0:1]]) is None  # nothing new this step
-    assert torch.equal(rows.new([frames[0:1], frames[1:2], frames[2:3]]), frames[1:3])
-    assert torch.equal(rows.new(frames[:4]), frames[3:4])  # consolidated at the end: only unseen rows
-    assert rows.new(frames[:4]) is None and rows.rows == 4
+    assert rows.new(prefill) is None  # placeholders only
+    assert torch.equal(rows.new([prefill, frames[0:1]]), frames[0:1])
+    assert rows.new([prefill, frames[0:1]]) is None  # nothing new this step
+    assert torch.equal(rows.new([prefill, frames[0:1], frames[1:2], frames[2:3]]), frames[1:3])
+    assert torch.equal(rows.new(torch.cat([prefill, frames])), frames[3:5])  # consolidated: only unseen rows
+    assert rows.new(torch.cat([prefill, frames])) is None and rows.rows == 8
 
 
 def test_sampling_params_apply_stage_constraints():
@@ -220,21 +228,12 @@ def test_thinker_payload_keeps_every_computed_row():
     """Synchronous scheduling (CPU) never runs the last sampled token: P + N - 1 rows, all handed on;
     with a row for every token (async scheduling), the processor drops the stop token's row."""
     prompt, output = chat_prompt(user_len=6), [3, 4, 5]
-    hf_config = SimpleNamespace(talker_config=SimpleNamespace(accept_hidden_layer=ACCEPT_LAYER))
     for rows, kept in (
         (len(prompt) + len(output) - 1, len(prompt) + len(output) - 1),
         (len(prompt) + 3, len(prompt) + 2),
     ):
         mm = thinker_output(prompt, output)
         mm["hidden_states"]["layers"] = {k: v[:rows] for k, v in mm["hidden_states"]["layers"].items()}
-        payload = handoffs.thinker_handoff(
-            "qwen3_omni_moe",
-            request_id="r",
-            prompt_token_ids=prompt,
-            output_token_ids=output,
-            multimodal_output=mm,
-            hf_config=hf_config,
-        )
-        info = handoffs.from_handoff(payload)
+        info = handoffs.from_handoff(qwen3_thinker_handoff(prompt, output, mm))
         assert info["embed"]["prefill"].shape[0] == info["hidden_states"]["output"].shape[0] == kept
         assert torch.equal(info["hidden_states"]["output"], mm["hidden_states"]["layers"][ACCEPT_LAYER][:kept])

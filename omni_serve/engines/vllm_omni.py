@@ -211,30 +211,43 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]
 class CodecRows:
     """New codec frames of a talker request, step by step, without re-concatenating old ones.
 
-    vLLM-Omni accumulates ``codes.audio`` per request as a list of per-step tensors, and
-    consolidates them into one tensor when the request finishes; ``new`` returns only the
-    rows not yet seen, from either shape.
+    vLLM-Omni accumulates ``codes.audio`` per request: one tensor after the prefill step (a
+    placeholder row per prompt position, all zero), then a growing list of per-step tensors,
+    and one consolidated tensor when the request finishes. ``new`` returns the rows not seen
+    before, from any of these shapes, without the all-zero placeholder rows (vLLM-Omni's own
+    codec chunker skips those too).
     """
 
     def __init__(self) -> None:
-        self.rows = 0
-        self._parts = 0
+        self.rows = 0  # rows seen, placeholders included
+        self._parts = 0  # list parts already seen, and the rows they hold
+        self._parts_rows = 0
 
     def new(self, value: Any) -> Any:
         import torch
 
         if isinstance(value, (list, tuple)):
-            parts = [v for v in value[self._parts :] if isinstance(v, torch.Tensor)]
-            self._parts = len(value)
-            fresh = torch.cat([p.reshape(-1, p.shape[-1]) for p in parts]) if parts else None
+            if self._parts_rows > self.rows or len(value) < self._parts:
+                self._parts = self._parts_rows = 0
+            fresh = []
+            for part in value[self._parts :]:
+                part = part.reshape(-1, part.shape[-1])
+                skip = max(self.rows - self._parts_rows, 0)
+                if skip < len(part):
+                    fresh.append(part[skip:])
+                self._parts += 1
+                self._parts_rows += len(part)
+            rows = torch.cat(fresh) if fresh else None
         elif isinstance(value, torch.Tensor):
-            fresh = value.reshape(-1, value.shape[-1])[self.rows :]
+            rows = value.reshape(-1, value.shape[-1])[self.rows :]
+            self._parts = self._parts_rows = 0  # a list that follows is walked from its start once
         else:
-            fresh = None
-        if fresh is None or len(fresh) == 0:
+            rows = None
+        if rows is None or len(rows) == 0:
             return None
-        self.rows += len(fresh)
-        return fresh.detach().cpu()
+        self.rows += len(rows)
+        rows = rows[rows.any(dim=1)]
+        return rows.detach().cpu() if len(rows) else None
 
 
 async def _pump_outputs(client: Any, processor: Any, queues: dict[str, Any], scheduler: _SchedulerSnapshot) -> None:

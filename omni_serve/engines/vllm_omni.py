@@ -299,6 +299,7 @@ class VllmOmniEngine(StageEngine):
         self._speakers: dict[str, int] = {}
         self._code_groups = 16  # Qwen3-Omni's; start() reads the checkpoint's
         self._samples_per_frame = 1920
+        self._vocoder_lag = 0  # samples a lone decode holds back at its end (code2wav; measured in start())
         self._pump: asyncio.Task[None] | None = None
         self._scheduler = _SchedulerSnapshot()
         # Engine request ids are minted here, one per stage call, never taken from the client:
@@ -337,6 +338,23 @@ class VllmOmniEngine(StageEngine):
             engine_core_output_type=self.args.engine.get("engine_output_type"),
         )
         self._pump = asyncio.create_task(_pump_outputs(self._client, self._processor, self._queues, self._scheduler))
+        if self.args.model_stage == "code2wav" and self.args.pipeline == "qwen3_omni_moe":
+            self._vocoder_lag = await self._measure_vocoder_lag()
+
+    async def _measure_vocoder_lag(self) -> int:
+        """Decode one frame alone: the samples it lacks of a whole frame are the vocoder's lag.
+
+        vLLM-Omni batches code2wav requests zero-padded to the longest, and a shorter request then
+        gets its held-back tail computed from the padding: cutting every decode to
+        ``frames * samples_per_frame - lag`` keeps a request's audio independent of its batch.
+        """
+        request = StageRequest(request_id="vocoder-lag", sampling=SamplingParams(temperature=0.0))
+        prompt = {"prompt_token_ids": [1] * self._code_groups}
+        async for output in self._generate(request, prompt, self._params(request, "FINAL_ONLY")):
+            if output.finished:
+                audio, _ = audio_samples(multimodal_output(output))
+                return max(self._samples_per_frame - len(audio), 0)
+        raise EngineError(f"stage {self.stage_name}: the warm-up decode returned no audio")
 
     def _launch(self) -> None:
         """Build this stage's VllmConfig, spawn its EngineCore and attach the client (blocking; in a thread)."""
@@ -632,6 +650,7 @@ class VllmOmniEngine(StageEngine):
             # waits for chunks from its own connector; here a chunk arrives whole, so it decodes the
             # context frames too and the replica cuts their samples, as the transformers family does.
             frames = len(prompt["prompt_token_ids"]) // self._code_groups
+            audio = audio[: frames * self._samples_per_frame - self._vocoder_lag]  # see _measure_vocoder_lag
             audio = qwen3_omni.trim_left_context(audio, frames, left, self._samples_per_frame)
             yield StageOutput(
                 stage=self.stage_name,

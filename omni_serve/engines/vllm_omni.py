@@ -347,6 +347,8 @@ class VllmOmniEngine(StageEngine):
         vLLM-Omni batches code2wav requests zero-padded to the longest, and a shorter request then
         gets its held-back tail computed from the padding: cutting every decode to
         ``frames * samples_per_frame - lag`` keeps a request's audio independent of its batch.
+        (vLLM-Omni's ``Qwen3OmniMoeForConditionalGeneration.forward``, code2wav branch; no upstream
+        issue found: its own streaming path trims by left context and never returns that tail.)
         """
         request = StageRequest(request_id="vocoder-lag", sampling=SamplingParams(temperature=0.0))
         prompt = {"prompt_token_ids": [1] * self._code_groups}
@@ -584,6 +586,8 @@ class VllmOmniEngine(StageEngine):
         pipeline = self.args.pipeline
         voice = self._voice(request.voice)
         prompt = handoffs.talker_prompt(pipeline, handoff, request_id=request.request_id, voice=voice)
+        if not prompt["prompt_token_ids"]:  # the EngineCore would die on it (assert num_new_tokens > 0)
+            raise EngineError(f"stage {self.stage_name}: the thinker's handoff has no assistant turn to speak")
         # DELTA: vLLM-Omni keeps the codec frames as a list of per-step tensors until the end.
         # A frame's residual code groups come with the next step, so the last sampled token never
         # gets a frame: one more step yields max_tokens whole frames (as in the transformers family).

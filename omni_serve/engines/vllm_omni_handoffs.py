@@ -205,6 +205,7 @@ def _keep_computed_rows(payload: Any, flat: Mapping[str, Any], hf_config: Any, n
     disables async scheduling) the final token never runs, so the engine holds
     ``num_tokens - 1`` rows and the drop would cut the last real token's row. The payload then
     keeps every computed row, as transformers' ``generate`` hands on every row it computed.
+    (Upstream runs Qwen3-Omni with async scheduling only; no upstream issue found for this.)
     """
     accept = getattr(getattr(hf_config, "talker_config", None), "accept_hidden_layer", None)
     if accept is None or not isinstance(payload, dict):

@@ -418,18 +418,19 @@ class VllmOmniEngine(StageEngine):
         self._client.check_health()
 
     def stats(self) -> dict[str, Any]:
-        """``running`` + ``waiting`` = engine requests in flight here; ``aborted`` counts calls ended early.
+        """``running`` + ``waiting`` = ``in_flight``; ``aborted`` counts stage calls ended early.
 
-        The split comes from the EngineCore's latest scheduler stats, which it sends only while
-        it steps, so both are capped by what is in flight now.
+        ``in_flight`` is vLLM's own count of unfinished engine requests (its output processor drops
+        a request only when it finishes or is aborted, so a request left running shows here); the
+        split comes from the EngineCore's latest scheduler stats, which it sends only while it steps.
         """
-        in_flight = len(self._queues)
+        in_flight = self._processor.get_num_unfinished_requests() if self._processor is not None else 0
         running = min(self._scheduler.running, in_flight)
         return {
             "running": running,
             "waiting": in_flight - running,
             "in_flight": in_flight,
-            "client_requests": len(self._inflight),
+            "stream_calls": len(self._queues),
             "aborted": self._aborted,
         }
 

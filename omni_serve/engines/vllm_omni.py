@@ -309,6 +309,7 @@ class VllmOmniEngine(StageEngine):
         self._queues: dict[str, Any] = {}
         self._inflight: dict[str, set[str]] = {}
         self._aborted = 0
+        self._generated = 0  # tokens (thinker) or codec steps (talker) the engine produced, since start
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -418,7 +419,8 @@ class VllmOmniEngine(StageEngine):
         self._client.check_health()
 
     def stats(self) -> dict[str, Any]:
-        """``running`` + ``waiting`` = ``in_flight``; ``aborted`` counts stage calls ended early.
+        """``running`` + ``waiting`` = ``in_flight``; ``aborted`` counts stage calls ended early,
+        ``generated`` the tokens (codec steps for a talker) the engine produced since start.
 
         ``in_flight`` is vLLM's own count of unfinished engine requests (its output processor drops
         a request only when it finishes or is aborted, so a request left running shows here); the
@@ -432,6 +434,7 @@ class VllmOmniEngine(StageEngine):
             "in_flight": in_flight,
             "stream_calls": len(self._queues),
             "aborted": self._aborted,
+            "generated": self._generated,
         }
 
     def voices(self) -> list[str]:
@@ -475,6 +478,7 @@ class VllmOmniEngine(StageEngine):
             while not finished:
                 output = await queue.get()
                 finished = output.finished
+                self._generated += len(output.outputs[0].token_ids)  # DELTA / FINAL_ONLY: counted once
                 yield output
         finally:
             self._queues.pop(rid, None)

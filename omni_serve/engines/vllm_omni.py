@@ -597,11 +597,9 @@ class VllmOmniEngine(StageEngine):
         # A frame's residual code groups come with the next step, so the last sampled token never
         # gets a frame: one more step yields max_tokens whole frames (as in the transformers family).
         params = self._params(request, "DELTA", max_tokens=request.sampling.max_tokens + 1)
-        if request.sampling.seed is not None:
-            # The code predictor samples the residual code groups with its own generator, seeded per
-            # request only from this extra arg (worker/gpu_model_runner.py, _talker_mtp_forward);
-            # without it a seeded request's audio would still vary.
-            params.extra_args = {**(params.extra_args or {}), "tts_local_seed": request.sampling.seed}
+        # Not reproducible per seed: vLLM-Omni 0.30's Qwen3-Omni code predictor samples the residual
+        # code groups from the worker's global RNG (its talker_mtp ignores the per-request generator the
+        # runner builds from extra_args["tts_local_seed"], which only Qwen3-TTS uses). No upstream issue found.
         chunker = None
         if self.args.codec_chunk is not None:
             chunker = handoffs.CodecChunker(

@@ -182,18 +182,39 @@ def thinker_handoff(
     """
     from vllm_omni.data_entry_keys import flatten_payload
 
+    flat = flatten_payload(multimodal_output)
     request = _stage_request(request_id, prompt_token_ids, output_token_ids, stopped=stopped)
-    payload = processors(pipeline).thinker2talker_full_payload(
-        _model_config_view(hf_config), flatten_payload(multimodal_output), request
-    )
+    payload = processors(pipeline).thinker2talker_full_payload(_model_config_view(hf_config), flat, request)
     if payload is None:
         return None
+    _keep_computed_rows(payload, flat, hf_config, len(prompt_token_ids) + len(output_token_ids))
     return to_handoff(
         kind(pipeline, THINKER2TALKER),
         payload,
         prompt_token_ids=list(prompt_token_ids),
         output_token_ids=list(output_token_ids),
     )
+
+
+def _keep_computed_rows(payload: Any, flat: Mapping[str, Any], hf_config: Any, num_tokens: int) -> None:
+    """Undo the processor's drop of the last hidden-state row when that row was never computed.
+
+    ``thinker2talker_full_payload`` always drops the last accumulated row, assuming it belongs
+    to the final sampled (stop) token. That holds with async scheduling (GPU), where the engine
+    runs one step past the last sampled token; with synchronous scheduling (vLLM's CPU platform
+    disables async scheduling) the final token never runs, so the engine holds
+    ``num_tokens - 1`` rows and the drop would cut the last real token's row. The payload then
+    keeps every computed row, as transformers' ``generate`` hands on every row it computed.
+    (Upstream runs Qwen3-Omni with async scheduling only; no upstream issue found for this.)
+    """
+    accept = getattr(getattr(hf_config, "talker_config", None), "accept_hidden_layer", None)
+    if accept is None or not isinstance(payload, dict):
+        return
+    embed, hidden = flat.get("hidden_states.layer_0"), flat.get(f"hidden_states.layer_{accept}")
+    if not all(hasattr(t, "shape") and t.shape[0] == num_tokens - 1 for t in (embed, hidden)):
+        return
+    payload["embed"]["prefill"] = embed.detach().cpu()
+    payload["hidden_states"]["output"] = hidden.detach().cpu()
 
 
 def talker_prompt(pipeline: str, handoff: HandoffPayload, *, request_id: str, voice: str | None) -> dict[str, Any]:

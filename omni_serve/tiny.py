@@ -147,7 +147,6 @@ CODEC_IDS = {
     "codec_think_eos_id": CODEBOOK_SIZE + 13,
 }
 SPEAKERS = {"ethan": CODEBOOK_SIZE + 30, "chelsie": CODEBOOK_SIZE + 31, "aiden": CODEBOOK_SIZE + 32}
-SAMPLE_RATE = 24000
 SAMPLES_PER_FRAME = 1920
 
 # Encoders, kept consistent with the processor files: vision patches of 4 px merged 2x2

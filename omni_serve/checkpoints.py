@@ -11,12 +11,15 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import pathlib
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
@@ -60,6 +63,7 @@ def ensure_checkpoint(
         if is_current(target, marker, version):  # another process built it while we waited
             return target
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.build-", dir=root))
+        logger.info("building checkpoint %s (version %d) into %s", name, version, target)
         try:
             build(tmp)
             if target.exists():  # stale version: move aside first, rename cannot replace a directory

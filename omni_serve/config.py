@@ -70,6 +70,7 @@ class GraphConfig(BaseModel):
         description="Seconds one stage call may stay silent before the request fails with 504; must stay below "
         f"Serve's http_options.request_timeout_s minus {DEADLINE_MARGIN_S:.0f} s (checked when the ingress starts).",
     )
+    playground: bool = Field(True, description="Serve the browser playground at / (false: / and /playground/ are 404).")
     voice_aliases: dict[str, str] = Field(
         default_factory=dict,
         description="Other voice names clients may send (e.g. OpenAI's 'alloy') -> one of the graph's voices.",

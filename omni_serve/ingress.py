@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from omni_serve import playground
 from omni_serve.config import DEADLINE_MARGIN_S, GraphConfig, check_timeouts, load_graph
 from omni_serve.engines import honoured_sampling, unhonoured_sampling
 from omni_serve.errors import APIError, bad_request, from_failure, from_validation, http_exception_handler
@@ -68,6 +69,7 @@ async def _api_error(request: Request, err: APIError) -> JSONResponse:
 
 
 api.add_exception_handler(StarletteHTTPException, http_exception_handler)  # 404/405 as OpenAI errors
+playground.mount(api)  # GET / (the playground page) and GET /stages
 
 
 class ServeStreamingResponse(StreamingResponse):
@@ -104,6 +106,7 @@ class Ingress:
         self.honoured_sampling = {s.name: honoured_sampling(s.engine, s.engine_args) for s in self.graph.stages}
         self.text_stage = next((s.name for s in self.graph.stages if s.final_output is Modality.TEXT), None)
         self._voices: list[str] | None = None  # asked from the stages once, on first need
+        playground.configure(self.graph, self._check_auth, self.serve_view)
 
     def _call_stage(self, stage: str, request: StageRequest) -> AsyncIterator[StageOutput]:
         # Handoffs arrive as stream items this replica owns: they live as long as this request needs them.

@@ -1,4 +1,4 @@
-"""What the ingress learns from Serve's controller: which stages have a running replica, and the HTTP timeout.
+"""What the ingress learns from Serve's controller: stage readiness, replica counts, the HTTP options.
 
 Readiness never goes through the stages' request queues. A stage is ``ready`` when Serve
 runs at least one replica of it: a replica turns RUNNING once its constructor has loaded the
@@ -6,25 +6,26 @@ engine, and Serve's periodic health check (which calls the engine's ``check_heal
 replaces it when it fails. Asking the controller answers at once whether the replicas are
 idle, saturated or still loading; a probe sent to the replicas would wait behind their
 requests (``max_ongoing_requests``) and report a busy, healthy graph as down.
+
+One background task per ingress asks the controller; ``/health``, ``/stages`` and the ready
+line all read its latest answer, so no route ever waits on the controller (which can take
+seconds to answer while Serve deploys).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any, Literal
 
 logger = logging.getLogger("ray.serve")
 
 StageState = Literal["ready", "loading", "down"]
 
-# The controller is asked in the background this often, so a probe never waits on it (while Serve
-# deploys, the controller can take seconds to answer); the first probe waits at most FIRST_ANSWER_S.
-# The refreshing stops once no probe came for IDLE_STOP_S (an idle graph asks the controller for
-# nothing) and the next probe starts it again, waiting like a first one for a fresh answer.
+# The controller is asked this often while anyone reads the view; the first read waits at most FIRST_ANSWER_S.
 REFRESH_S = 1.0
 FIRST_ANSWER_S = 0.5
+# ... and only while someone reads it: an idle ingress stops asking (a later read restarts it).
 IDLE_STOP_S = 30.0
 
 # Replica states (ray.serve._private.common.ReplicaState) in which a replica is on its way to RUNNING.
@@ -41,18 +42,18 @@ def _controller() -> Any:
 class ServeView:
     """The ingress' read-only view of its application in Serve's controller.
 
-    Stage states are refreshed in the background once the first probe came; a probe answers
-    from the latest refresh at once. Until the controller first answers, every stage counts as
-    loading (the ingress itself has just started).
+    Refreshed in the background while it is read (a read restarts a stopped refresh). Until the
+    controller first answers, every stage counts as loading (the ingress itself has just started).
     """
 
     def __init__(self, app_name: str, stages: list[str]):
         self.app_name = app_name
         self.stages = stages
         self._controller = _controller()
-        self._states: dict[str, StageState] = dict.fromkeys(stages, "loading")
-        self._fresh: asyncio.Event | None = None  # set once the running refresher has answered; None: not running
-        self._last_probe = 0.0
+        self._details: dict[str, Any] = {}  # the controller's latest get_serve_instance_details()
+        self._first = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._last_read = 0.0
 
     def request_timeout_s(self) -> float | None:
         """Serve's ``http_options.request_timeout_s`` (None: no limit). Blocking: call it at start."""
@@ -61,34 +62,38 @@ class ServeView:
         timeout = ray.get(self._controller.get_http_config.remote()).request_timeout_s
         return float(timeout) if timeout and timeout > 0 else None
 
-    async def stage_states(self) -> dict[str, StageState]:
-        """The stages' states as of the latest refresh (at most ``REFRESH_S`` plus one controller answer old)."""
-        self._last_probe = time.monotonic()
-        if self._fresh is None:
-            self._fresh = asyncio.Event()
-            asyncio.get_running_loop().create_task(self._refresh_while_probed(self._fresh))
+    async def details(self) -> dict[str, Any]:
+        """The latest controller answer (at most ``REFRESH_S`` plus one controller answer old; {} before the first)."""
+        loop = asyncio.get_running_loop()
+        self._last_read = loop.time()
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._refresh_while_read())
         try:
-            await asyncio.wait_for(self._fresh.wait(), FIRST_ANSWER_S)
+            await asyncio.wait_for(self._first.wait(), FIRST_ANSWER_S)
         except asyncio.TimeoutError:
             pass
-        return dict(self._states)
+        return self._details
 
-    async def _refresh_while_probed(self, fresh: asyncio.Event) -> None:
-        try:
-            while time.monotonic() - self._last_probe < IDLE_STOP_S:
-                try:
-                    details = await self._controller.get_serve_instance_details.remote()
-                    deployments = details.get("applications", {}).get(self.app_name, {}).get("deployments", {})
-                    self._states = {
-                        name: replica_state([r.get("state") for r in deployments.get(name, {}).get("replicas", [])])
-                        for name in self.stages
-                    }
-                    fresh.set()
-                except Exception as err:  # keep the last answer; the controller may be restarting
-                    logger.warning("readiness: Serve's controller did not answer: %s", type(err).__name__)
-                await asyncio.sleep(REFRESH_S)
-        finally:
-            self._fresh = None
+    async def application(self) -> dict[str, Any]:
+        """This application's entry of the latest answer: status, route_prefix, deployments with replicas."""
+        return (await self.details()).get("applications", {}).get(self.app_name, {})
+
+    async def stage_states(self) -> dict[str, StageState]:
+        deployments = (await self.application()).get("deployments", {})
+        return {
+            name: replica_state([r.get("state") for r in deployments.get(name, {}).get("replicas", [])])
+            for name in self.stages
+        }
+
+    async def _refresh_while_read(self) -> None:
+        loop = asyncio.get_running_loop()
+        while loop.time() - self._last_read < IDLE_STOP_S:
+            try:
+                self._details = await self._controller.get_serve_instance_details.remote()
+                self._first.set()
+            except Exception as err:  # keep the last answer; the controller may be restarting
+                logger.warning("readiness: Serve's controller did not answer: %s", type(err).__name__)
+            await asyncio.sleep(REFRESH_S)
 
 
 def replica_state(replicas: list[str | None]) -> StageState:

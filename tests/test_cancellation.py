@@ -58,10 +58,10 @@ def stats(graph: Any) -> dict[str, dict[str, Any]]:
     return {s: graph.handle(s).stats.remote().result() for s in STAGES}
 
 
-def open_request(base_url: str, stream: bool) -> socket.socket:
-    """Send the request on a raw socket, so the test decides exactly when the client goes away."""
+def open_request(base_url: str, stream: bool, body: dict[str, Any] | None = None) -> socket.socket:
+    """Send the request (``BODY`` unless given) on a raw socket, so the test decides when the client goes away."""
     url = urlparse(base_url)
-    body = json.dumps({**BODY, "stream": stream}).encode()
+    body = json.dumps({**(body or BODY), "stream": stream}).encode()
     sock = socket.create_connection((url.hostname, url.port), timeout=120)
     head = (
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"

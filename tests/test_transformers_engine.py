@@ -185,8 +185,12 @@ def test_concurrent_thinker_requests_match_solo_runs(engines: dict[str, StageEng
 def test_thinker_stop_string(engines: dict[str, StageEngine]) -> None:
     thinker = engines["thinker"]
     full = run(thinker, thinker_request(temperature=0, max_tokens=20))
-    text = text_of(full)
-    stop = next(ch for ch in text[2:] if ch.isprintable() and ch != "\ufffd")
+    text, ids = text_of(full), ids_of(full)
+    # A stop string that starts at a token boundary (a word of the tiny vocab not seen before it).
+    decode = thinker.tokenizer.decode
+    k = next(k for k in range(1, len(ids)) if decode(ids[k : k + 1]).strip() not in decode(ids[:k]))
+    stop = decode(ids[k : k + 1]).strip()
+    assert text.index(stop) == len(decode(ids[:k])) + 1
     outs = run(thinker, thinker_request(temperature=0, max_tokens=20, stop=[stop]))
     assert text_of(outs) == text[: text.index(stop)]
     assert outs[-1].finish_reason is FinishReason.STOP
@@ -194,7 +198,7 @@ def test_thinker_stop_string(engines: dict[str, StageEngine]) -> None:
     # The talker is handed only the tokens before the stop string.
     payload = outs[-1].handoff
     spoken = payload.tensors["token_ids"][payload.meta["prompt_len"] :].tolist()
-    assert thinker.tokenizer.decode(spoken, skip_special_tokens=True) == text[: text.index(stop)]
+    assert decode(spoken, skip_special_tokens=True) == decode(ids[:k]) == text[: text.index(stop)].removesuffix(" ")
 
 
 def test_thinker_stop_token_ids(engines: dict[str, StageEngine]) -> None:

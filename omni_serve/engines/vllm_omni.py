@@ -27,20 +27,22 @@ vLLM-Omni are imported in :meth:`VllmOmniEngine.start`, ``vllm_omni`` first.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import math
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from omni_serve.engines import qwen3_omni
 from omni_serve.engines import vllm_omni_handoffs as handoffs
 from omni_serve.engines.base import EngineError, InvalidStageInput, StageEngine
 from omni_serve.types import FinishReason, HandoffPayload, SamplingParams, StageOutput, StageRequest, Usage
 
 logger = logging.getLogger("ray.serve")
-
-SAMPLE_RATE = 24000
 
 
 class CodecChunkArgs(BaseModel):
@@ -58,7 +60,9 @@ class EngineArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(description="HF model id or local path of the whole omni checkpoint.")
+    model: str = Field(
+        description="HF model id or local path of the whole omni checkpoint; 'tiny' is omni_serve's tiny Qwen3-Omni."
+    )
     pipeline: Literal["qwen3_omni_moe", "qwen2_5_omni"] = Field(
         description="vLLM-Omni pipeline model_type; picks the stage input processors."
     )
@@ -129,7 +133,7 @@ def vllm_sampling_params(sampling: SamplingParams, constraints: Mapping[str, Any
     values = {
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
-        "top_k": sampling.top_k or -1,
+        "top_k": sampling.top_k,  # 0 disables top-k in vLLM as it does here
         "max_tokens": sampling.max_tokens,
         "repetition_penalty": sampling.repetition_penalty,
         "seed": sampling.seed,
@@ -169,11 +173,6 @@ def _tensor(value: Any) -> Any:
     return value.detach().cpu() if isinstance(value, torch.Tensor) else None
 
 
-def codec_codes(mm: Mapping[str, Any]) -> Any:
-    """The talker's accumulated codec codes, [frames, code groups], or None."""
-    return _tensor(_lookup(mm, "codes.audio"))
-
-
 def audio_samples(mm: Mapping[str, Any]) -> tuple[np.ndarray, int]:
     """(float32 mono samples, sample rate) of a code2wav output."""
     import torch
@@ -181,9 +180,9 @@ def audio_samples(mm: Mapping[str, Any]) -> tuple[np.ndarray, int]:
     audio = _tensor(mm.get("audio", mm.get("model_outputs")))
     if audio is None:
         raise EngineError(f"code2wav output has no audio (keys: {sorted(mm)})")
-    rate = mm.get("sr", SAMPLE_RATE)
+    rate = mm.get("sr", qwen3_omni.SAMPLE_RATE)
     if isinstance(rate, (list, tuple)):
-        rate = rate[-1] if rate else SAMPLE_RATE
+        rate = rate[-1] if rate else qwen3_omni.SAMPLE_RATE
     if isinstance(rate, torch.Tensor):
         rate = rate.reshape(-1)[-1].item()
     return audio.to(torch.float32).reshape(-1).numpy(), int(rate)
@@ -193,7 +192,63 @@ def finish_reason(reason: str | None) -> FinishReason:
     return {"length": FinishReason.LENGTH, "abort": FinishReason.ABORT}.get(reason or "stop", FinishReason.STOP)
 
 
-async def _pump_outputs(client: Any, processor: Any, queues: dict[str, Any]) -> None:
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """Prompt token ids of a chat: the template rendered as text, then encoded.
+
+    Rendering to text first keeps this independent of what ``apply_chat_template(tokenize=True)``
+    returns (a list in transformers 4, a ``BatchEncoding`` in 5, whose ``list()`` is its keys).
+    The template writes the special tokens itself, so none are added.
+    """
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as err:  # jinja2 raises TemplateError for conversations the template refuses
+        raise InvalidStageInput(f"messages: the model's chat template refused them: {err}") from None
+    return [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
+
+
+class CodecRows:
+    """New codec frames of a talker request, step by step, without re-concatenating old ones.
+
+    vLLM-Omni accumulates ``codes.audio`` per request: one tensor after the prefill step (a
+    placeholder row per prompt position, all zero), then a growing list of per-step tensors,
+    and one consolidated tensor when the request finishes. ``new`` returns the rows not seen
+    before, from any of these shapes, without the all-zero placeholder rows (vLLM-Omni's own
+    codec chunker skips those too).
+    """
+
+    def __init__(self) -> None:
+        self.rows = 0  # rows seen, placeholders included
+        self._parts = 0  # list parts already seen, and the rows they hold
+        self._parts_rows = 0
+
+    def new(self, value: Any) -> Any:
+        import torch
+
+        if isinstance(value, (list, tuple)):
+            if self._parts_rows > self.rows or len(value) < self._parts:
+                self._parts = self._parts_rows = 0
+            fresh = []
+            for part in value[self._parts :]:
+                part = part.reshape(-1, part.shape[-1])
+                skip = max(self.rows - self._parts_rows, 0)
+                if skip < len(part):
+                    fresh.append(part[skip:])
+                self._parts += 1
+                self._parts_rows += len(part)
+            rows = torch.cat(fresh) if fresh else None
+        elif isinstance(value, torch.Tensor):
+            rows = value.reshape(-1, value.shape[-1])[self.rows :]
+            self._parts = self._parts_rows = 0  # a list that follows is walked from its start once
+        else:
+            rows = None
+        if rows is None or len(rows) == 0:
+            return None
+        self.rows += len(rows)
+        rows = rows[rows.any(dim=1)]
+        return rows.detach().cpu() if len(rows) else None
+
+
+async def _pump_outputs(client: Any, processor: Any, queues: dict[str, Any], scheduler: _SchedulerSnapshot) -> None:
     """Engine outputs -> per-request collectors. Holds no engine reference (like AsyncLLM's handler)."""
     try:
         while True:
@@ -205,7 +260,9 @@ async def _pump_outputs(client: Any, processor: Any, queues: dict[str, Any]) -> 
                     queue.put(output)
             if processed.reqs_to_abort:
                 await client.abort_requests_async(processed.reqs_to_abort)
-            processor.update_scheduler_stats(outputs.scheduler_stats)
+            if outputs.scheduler_stats is not None:
+                scheduler.running = outputs.scheduler_stats.num_running_reqs
+                scheduler.waiting = outputs.scheduler_stats.num_waiting_reqs
     except asyncio.CancelledError:
         raise
     except Exception as err:  # engine dead: every waiting request gets the error
@@ -214,6 +271,14 @@ async def _pump_outputs(client: Any, processor: Any, queues: dict[str, Any]) -> 
         for queue in queues.values():
             queue.put(err)
         raise
+
+
+@dataclass
+class _SchedulerSnapshot:
+    """The EngineCore's latest scheduler stats (sent with its outputs while it steps)."""
+
+    running: int = 0
+    waiting: int = 0
 
 
 # ---------------------------------------------------------------------------
@@ -229,10 +294,20 @@ class VllmOmniEngine(StageEngine):
         self._processor: Any = None
         self._vllm_config: Any = None
         self._tokenizer: Any = None
+        self._speakers: dict[str, int] = {}
+        self._code_groups = 16  # Qwen3-Omni's; start() reads the checkpoint's
+        self._samples_per_frame = 1920
+        self._vocoder_lag = 0  # samples a lone decode holds back at its end (code2wav; measured in start())
         self._pump: asyncio.Task[None] | None = None
-        # internal engine request id -> its collector; external request id -> internal ids (for abort)
+        self._scheduler = _SchedulerSnapshot()
+        # Engine request ids are minted here, one per stage call, never taken from the client:
+        # vLLM-Omni treats a second request with a live id as a streaming update of the first.
+        self._call_ids = itertools.count()
+        # engine request id -> its collector; client request id -> its engine request ids (for abort)
         self._queues: dict[str, Any] = {}
         self._inflight: dict[str, set[str]] = {}
+        self._aborted = 0
+        self._generated = 0  # tokens (thinker) or codec steps (talker) the engine produced, since start
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -247,15 +322,43 @@ class VllmOmniEngine(StageEngine):
             from vllm.tokenizers import cached_tokenizer_from_config
 
             self._tokenizer = cached_tokenizer_from_config(model_config=model_config)
+        hf_config = model_config.hf_config  # the whole omni config, whatever the stage
+        talker_config = getattr(hf_config, "talker_config", None)
+        self._speakers = {k.lower(): int(v) for k, v in (getattr(talker_config, "speaker_id", None) or {}).items()}
+        code2wav_config = getattr(hf_config, "code2wav_config", None)
+        if code2wav_config is not None:
+            self._code_groups = int(code2wav_config.num_quantizers)
+            self._samples_per_frame = math.prod(code2wav_config.upsample_rates) * math.prod(
+                code2wav_config.upsampling_ratios
+            )
         self._processor = MultimodalOutputProcessor(
             tokenizer=self._tokenizer,
             log_stats=False,
             engine_core_output_type=self.args.engine.get("engine_output_type"),
         )
-        self._pump = asyncio.create_task(_pump_outputs(self._client, self._processor, self._queues))
+        self._pump = asyncio.create_task(_pump_outputs(self._client, self._processor, self._queues, self._scheduler))
+        if self.args.model_stage == "code2wav" and self.args.pipeline == "qwen3_omni_moe":
+            self._vocoder_lag = await self._measure_vocoder_lag()
+
+    async def _measure_vocoder_lag(self) -> int:
+        """Decode one frame alone: the samples it lacks of a whole frame are the vocoder's lag.
+
+        vLLM-Omni batches code2wav requests zero-padded to the longest, and a shorter request then
+        gets its held-back tail computed from the padding: cutting every decode to
+        ``frames * samples_per_frame - lag`` keeps a request's audio independent of its batch.
+        (vLLM-Omni's ``Qwen3OmniMoeForConditionalGeneration.forward``, code2wav branch; no upstream
+        issue found: its own streaming path trims by left context and never returns that tail.)
+        """
+        request = StageRequest(request_id="vocoder-lag", sampling=SamplingParams(temperature=0.0))
+        prompt = {"prompt_token_ids": [1] * self._code_groups}
+        async for output in self._generate(request, prompt, self._params(request, "FINAL_ONLY")):
+            if output.finished:
+                audio, _ = audio_samples(multimodal_output(output))
+                return max(self._samples_per_frame - len(audio), 0)
+        raise EngineError(f"stage {self.stage_name}: the warm-up decode returned no audio")
 
     def _launch(self) -> None:
-        """Build this stage's VllmConfig and spawn its EngineCore (blocking; runs in a thread)."""
+        """Build this stage's VllmConfig, spawn its EngineCore and attach the client (blocking; in a thread)."""
         from vllm_omni.config.yaml_util import create_config
         from vllm_omni.engine.stage_engine_core_client import StageEngineCoreClientBase
         from vllm_omni.engine.stage_engine_startup import launch_stage_replica
@@ -265,24 +368,46 @@ class VllmOmniEngine(StageEngine):
             extract_legacy_stage_metadata,
         )
 
+        from omni_serve.tiny import resolve_model
+
+        model = resolve_model(self.args.model)  # "tiny": the local tiny Qwen3-Omni, built on first use
         cfg = create_config(stage_config(self.args))
         metadata = extract_legacy_stage_metadata(cfg)
-        engine_args = build_engine_args_dict(cfg, self.args.model)
-        vllm_config, executor_class = build_vllm_config(cfg, self.args.model, engine_args_dict=engine_args)
-        with launch_stage_replica(vllm_config, executor_class, False, self.args.stage_id, stage_config=cfg) as res:
-            addresses = {"input_address": res.addresses.inputs[0], "output_address": res.addresses.outputs[0]}
-            if res.addresses.frontend_stats_publish_address is not None:
-                addresses["stats_update_address"] = res.addresses.frontend_stats_publish_address
+        engine_args = build_engine_args_dict(cfg, model)
+        vllm_config, executor_class = build_vllm_config(cfg, model, engine_args_dict=engine_args)
+        # The EngineCore's readiness handshake runs when launch_stage_replica's context exits, and the
+        # client's constructor waits for a ready engine: the client must be made after leaving the
+        # context, as vLLM-Omni's StageRuntime does (creating it inside deadlocks every stage start).
+        # log_stats: the EngineCore then sends scheduler stats (running/waiting) with its outputs.
+        with launch_stage_replica(vllm_config, executor_class, True, self.args.stage_id, stage_config=cfg) as res:
+            manager, coordinator, zmq = res.manager, res.coordinator, res.addresses
+        addresses = {"input_address": zmq.inputs[0], "output_address": zmq.outputs[0]}
+        if zmq.frontend_stats_publish_address is not None:
+            addresses["stats_update_address"] = zmq.frontend_stats_publish_address
+        try:
             self._client = StageEngineCoreClientBase.make_async_mp_client(
                 vllm_config=vllm_config,
                 executor_class=executor_class,
-                log_stats=False,
+                log_stats=True,
                 metadata=metadata,
                 client_addresses=addresses,
-                engine_manager=res.manager,
-                coordinator=res.coordinator,
+                engine_manager=manager,
+                coordinator=coordinator,
             )
+        except BaseException:
+            if manager is not None:  # the EngineCore process must not outlive a failed start
+                manager.shutdown()
+            raise
         self._vllm_config = vllm_config
+
+    def shutdown(self) -> None:
+        """Stop the output loop and the EngineCore process."""
+        if self._pump is not None:
+            self._pump.cancel()
+            self._pump = None
+        if self._client is not None:
+            client, self._client = self._client, None
+            client.shutdown()
 
     async def check_health(self) -> None:
         if self._client is None:
@@ -292,7 +417,27 @@ class VllmOmniEngine(StageEngine):
         self._client.check_health()
 
     def stats(self) -> dict[str, Any]:
-        return {"running_requests": len(self._queues), "client_requests": len(self._inflight)}
+        """``running`` + ``waiting`` = ``in_flight``; ``aborted`` counts stage calls ended early,
+        ``generated`` the tokens (codec steps for a talker) the engine produced since start.
+
+        ``in_flight`` is vLLM's own count of unfinished engine requests (its output processor drops
+        a request only when it finishes or is aborted, so a request left running shows here); the
+        split comes from the EngineCore's latest scheduler stats, which it sends only while it steps.
+        """
+        in_flight = self._processor.get_num_unfinished_requests() if self._processor is not None else 0
+        running = min(self._scheduler.running, in_flight)
+        return {
+            "running": running,
+            "waiting": in_flight - running,
+            "in_flight": in_flight,
+            "stream_calls": len(self._queues),
+            "aborted": self._aborted,
+            "generated": self._generated,
+        }
+
+    def voices(self) -> list[str]:
+        """The talker's speaker names (lower case, as vLLM-Omni matches them); other stages have none."""
+        return sorted(self._speakers) if self.args.model_stage == "talker" else []
 
     async def abort(self, request_id: str) -> None:
         internal = self._inflight.pop(request_id, set())
@@ -307,6 +452,8 @@ class VllmOmniEngine(StageEngine):
         from vllm.v1.engine.output_processor import RequestOutputCollector
         from vllm_omni.engine.orchestrator import build_engine_core_request_from_tokens
 
+        if self._client is None:
+            raise EngineError(f"stage {self.stage_name}: engine not started")
         model_config = self._vllm_config.model_config
         room = model_config.max_model_len - len(prompt["prompt_token_ids"])
         if room <= 0:
@@ -314,7 +461,9 @@ class VllmOmniEngine(StageEngine):
                 f"stage {self.stage_name}: prompt of {len(prompt['prompt_token_ids'])} tokens does not fit "
                 f"max_model_len={model_config.max_model_len}"
             )
-        rid = f"{request.request_id}-{self.stage_name}-{request.chunk_index}"
+        if params.max_tokens is None or params.max_tokens > room:
+            params.max_tokens = room
+        rid = f"{self.stage_name}-{next(self._call_ids)}-{request.request_id}"
         core_request = build_engine_core_request_from_tokens(rid, prompt, params, model_config=model_config)
         core_request.external_req_id = rid
         queue = RequestOutputCollector(params.output_kind, rid)
@@ -327,6 +476,7 @@ class VllmOmniEngine(StageEngine):
             while not finished:
                 output = await queue.get()
                 finished = output.finished
+                self._generated += len(output.outputs[0].token_ids)  # DELTA / FINAL_ONLY: counted once
                 yield output
         finally:
             self._queues.pop(rid, None)
@@ -336,14 +486,16 @@ class VllmOmniEngine(StageEngine):
                 if not ids:
                     self._inflight.pop(request.request_id, None)
             if not finished:  # cancelled, closed early or failed: free the engine slot
+                self._aborted += 1
                 aborted = self._processor.abort_requests([rid], internal=False)
-                await asyncio.shield(self._client.abort_requests_async(aborted))
+                if self._client is not None:
+                    await asyncio.shield(self._client.abort_requests_async(aborted))
 
-    def _params(self, request: StageRequest, cumulative: bool) -> Any:
+    def _params(self, request: StageRequest, output_kind: str, **overrides: Any) -> Any:
         from vllm.sampling_params import RequestOutputKind
 
-        kind = RequestOutputKind.CUMULATIVE if cumulative else RequestOutputKind.FINAL_ONLY
-        return vllm_sampling_params(request.sampling, self.args.sampling_constraints, kind)
+        sampling = request.sampling.model_copy(update=overrides) if overrides else request.sampling
+        return vllm_sampling_params(sampling, self.args.sampling_constraints, RequestOutputKind[output_kind])
 
     def stream(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]:
         if self.args.model_stage == "thinker":
@@ -359,34 +511,93 @@ class VllmOmniEngine(StageEngine):
             raise InvalidStageInput(f"stage {self.stage_name}: the entry stage needs messages")
         if self._tokenizer is None:
             raise EngineError(f"stage {self.stage_name}: the thinker needs its tokenizer (skip_tokenizer_init set)")
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        prompt_ids = list(self._tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
-        text_len = ids_len = 0
-        async for output in self._generate(request, {"prompt_token_ids": prompt_ids}, self._params(request, True)):
+        prompt_ids = chat_prompt_ids(self._tokenizer, [m.model_dump() for m in request.messages])
+        if request.reply is not None:
+            async for output in self._speak(request, prompt_ids):
+                yield output
+            return
+        # DELTA: each output carries only its new tokens; vLLM-Omni concatenates the accumulated
+        # hidden states once, at the end (CUMULATIVE would re-concatenate them every step).
+        params = self._params(request, "DELTA")
+        token_ids: list[int] = []
+        async for output in self._generate(request, {"prompt_token_ids": prompt_ids}, params):
             completion = output.outputs[0]
-            token_ids = list(completion.token_ids)
-            delta = StageOutput(stage=self.stage_name, text=completion.text[text_len:], token_ids=token_ids[ids_len:])
-            text_len, ids_len = len(completion.text), len(token_ids)
+            token_ids.extend(completion.token_ids)
+            delta = StageOutput(stage=self.stage_name, text=completion.text, token_ids=list(completion.token_ids))
             if output.finished:
                 delta.finished = True
                 delta.finish_reason = finish_reason(completion.finish_reason)
                 delta.usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(token_ids))
-                delta.handoff = handoffs.thinker_handoff(
-                    self.args.pipeline,
-                    request_id=request.request_id,
-                    prompt_token_ids=prompt_ids,
-                    output_token_ids=token_ids,
-                    multimodal_output=multimodal_output(output),
-                    hf_config=self._vllm_config.model_config.hf_config,
-                    stopped=completion.finish_reason == "stop",
-                )
+                if request.wants_handoff:  # text-only requests: nobody would read the hidden states
+                    delta.handoff = handoffs.thinker_handoff(
+                        self.args.pipeline,
+                        request_id=request.request_id,
+                        prompt_token_ids=prompt_ids,
+                        output_token_ids=token_ids,
+                        multimodal_output=multimodal_output(output),
+                        hf_config=self._vllm_config.model_config.hf_config,
+                        stopped=completion.finish_reason == "stop",
+                    )
             if delta.finished or delta.text or delta.token_ids:
                 yield delta
 
+    async def _speak(self, request: StageRequest, prompt_ids: list[int]) -> AsyncIterator[StageOutput]:
+        """Teacher-force ``request.reply`` as the assistant turn (text to speech).
+
+        The reply's tokens are appended to the prompt and the engine runs one prefill over
+        all of them, sampling a single token that is then replaced by <|im_end|>: the hidden
+        states are those of exactly this text, the same rows generation would have produced
+        had it sampled these tokens and stopped (the stop token's own row is never computed).
+        """
+        reply = [int(i) for i in self._tokenizer.encode(request.reply or "", add_special_tokens=False)]
+        if not reply:
+            raise InvalidStageInput("input: the text to speak is empty")
+        im_end = self._tokenizer.convert_tokens_to_ids("<|im_end|>")
+        params = self._params(request, "FINAL_ONLY", max_tokens=1, temperature=0.0, stop=[], stop_token_ids=[])
+        async for output in self._generate(request, {"prompt_token_ids": prompt_ids + reply}, params):
+            if not output.finished:
+                continue
+            handoff = None
+            if request.wants_handoff:
+                handoff = handoffs.thinker_handoff(
+                    self.args.pipeline,
+                    request_id=request.request_id,
+                    prompt_token_ids=prompt_ids,
+                    output_token_ids=[*reply, im_end],
+                    multimodal_output=multimodal_output(output),
+                    hf_config=self._vllm_config.model_config.hf_config,
+                    stopped=True,
+                )
+            yield StageOutput(
+                stage=self.stage_name,
+                text=request.reply or "",
+                token_ids=reply,
+                finished=True,
+                finish_reason=FinishReason.STOP,
+                usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(reply) + 1),
+                handoff=handoff,
+            )
+
+    def _voice(self, voice: str | None) -> str | None:
+        if voice is None:
+            return None
+        if voice.lower() not in self._speakers:
+            raise InvalidStageInput(f"voice: unknown voice {voice!r}; valid voices: {sorted(self._speakers)}")
+        return voice.lower()
+
     async def _talker(self, request: StageRequest, handoff: HandoffPayload) -> AsyncIterator[StageOutput]:
         pipeline = self.args.pipeline
-        prompt = handoffs.talker_prompt(pipeline, handoff, request_id=request.request_id, voice=request.voice)
-        params = self._params(request, cumulative=True)
+        voice = self._voice(request.voice)
+        prompt = handoffs.talker_prompt(pipeline, handoff, request_id=request.request_id, voice=voice)
+        if not prompt["prompt_token_ids"]:  # the EngineCore would die on it (assert num_new_tokens > 0)
+            raise EngineError(f"stage {self.stage_name}: the thinker's handoff has no assistant turn to speak")
+        # DELTA: vLLM-Omni keeps the codec frames as a list of per-step tensors until the end.
+        # A frame's residual code groups come with the next step, so the last sampled token never
+        # gets a frame: one more step yields max_tokens whole frames (as in the transformers family).
+        params = self._params(request, "DELTA", max_tokens=request.sampling.max_tokens + 1)
+        # Not reproducible per seed: vLLM-Omni 0.30's Qwen3-Omni code predictor samples the residual
+        # code groups from the worker's global RNG (its talker_mtp ignores the per-request generator the
+        # runner builds from extra_args["tts_local_seed"], which only Qwen3-TTS uses). No upstream issue found.
         chunker = None
         if self.args.codec_chunk is not None:
             chunker = handoffs.CodecChunker(
@@ -397,41 +608,55 @@ class VllmOmniEngine(StageEngine):
                 initial_chunk_frames=self.args.codec_chunk.initial_chunk_frames,
                 stop_token_ids=list(params.stop_token_ids or ()),
             )
-        seen = 0
+        rows = CodecRows()
+        frames: list[Any] = []
+        token_ids: list[int] = []
         async for output in self._generate(request, prompt, params):
             completion = output.outputs[0]
-            codes = codec_codes(multimodal_output(output))
-            if chunker is not None:
-                new_rows = codes[seen:] if codes is not None else []
-                seen += len(new_rows)
-                for row in range(len(new_rows)):
-                    payload = chunker.push(new_rows[row : row + 1], finished=False)
-                    if payload is not None:
-                        yield StageOutput(stage=self.stage_name, handoff=payload)
+            token_ids.extend(completion.token_ids)
+            fresh = rows.new(_lookup(multimodal_output(output), "codes.audio"))
+            if fresh is not None:
+                if chunker is None:
+                    frames.append(fresh)
+                else:
+                    for row in range(len(fresh)):
+                        payload = chunker.push(fresh[row : row + 1], finished=False)
+                        if payload is not None:
+                            yield StageOutput(stage=self.stage_name, handoff=payload)
             if not output.finished:
                 continue
-            if chunker is not None:
-                import torch
+            import torch
 
+            if chunker is not None:
                 final = chunker.push(torch.zeros((0, 0), dtype=torch.long), finished=True)
             else:
                 final = handoffs.talker_handoff(
-                    pipeline, request_id=request.request_id, output_token_ids=list(completion.token_ids), codes=codes
+                    pipeline,
+                    request_id=request.request_id,
+                    output_token_ids=token_ids,
+                    codes=torch.cat(frames) if frames else None,
                 )
             yield StageOutput(
                 stage=self.stage_name,
                 handoff=final,
                 finished=True,
                 finish_reason=finish_reason(completion.finish_reason),
-                usage=Usage(prompt_tokens=len(prompt["prompt_token_ids"]), completion_tokens=len(completion.token_ids)),
+                usage=Usage(prompt_tokens=len(prompt["prompt_token_ids"]), completion_tokens=len(token_ids)),
             )
 
     async def _code2wav(self, request: StageRequest, handoff: HandoffPayload) -> AsyncIterator[StageOutput]:
         prompt = handoffs.code2wav_prompt(self.args.pipeline, handoff)
-        async for output in self._generate(request, prompt, self._params(request, cumulative=False)):
+        left = int((prompt.get("additional_information") or {}).get("meta", {}).get("left_context_size", 0))
+        async for output in self._generate(request, prompt, self._params(request, "FINAL_ONLY")):
             if not output.finished:
                 continue
             audio, rate = audio_samples(multimodal_output(output))
+            # vLLM-Omni's code2wav honours a chunk's left context only in its async-chunk mode, where it
+            # waits for chunks from its own connector; here a chunk arrives whole, so it decodes the
+            # context frames too and the replica cuts their samples, as the transformers family does.
+            frames = len(prompt["prompt_token_ids"]) // self._code_groups
+            audio = audio[: frames * self._samples_per_frame - self._vocoder_lag]  # see _measure_vocoder_lag
+            audio = qwen3_omni.trim_left_context(audio, frames, left, self._samples_per_frame)
             yield StageOutput(
                 stage=self.stage_name,
                 audio=audio,

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from omni_serve.handoff import arrays, tensor
 from omni_serve.types import HandoffPayload
 
 # vLLM-Omni pipeline model_type -> short name used in payload kinds and the processor module.
@@ -34,10 +35,6 @@ PROCESSORS = "vllm_omni.model_executor.stage_input_processors."
 
 THINKER2TALKER = "thinker2talker"
 TALKER2CODE2WAV = "talker2code2wav"
-
-# torch dtypes numpy cannot hold are shipped as same-width integer words.
-_WORD_DTYPES = {"bfloat16": "int16", "float8_e4m3fn": "int8", "float8_e5m2": "int8"}
-
 
 def kind(pipeline: str, edge: str) -> str:
     """Payload kind for one edge of one pipeline, e.g. ``vllm_omni.qwen3_omni.thinker2talker``."""
@@ -59,55 +56,44 @@ def processors(pipeline: str) -> Any:
 def to_handoff(payload_kind: str, payload: Any, **meta: Any) -> HandoffPayload:
     """Flatten a processor's ``OmniPayload`` (dict or struct) into numpy arrays plus small values.
 
-    Tensors (moved to CPU) become arrays; lists of ints (token or codec ids) become
-    int64 arrays; everything else (speaker, scalars) stays in ``meta["values"]``.
+    Tensors (moved to CPU) become arrays (bf16 as 16-bit words, :func:`omni_serve.handoff.arrays`);
+    lists of ints (token or codec ids) become int64 arrays; everything else (speaker, scalars) stays
+    in ``meta["values"]``.
     """
     import torch
     from vllm_omni.data_entry_keys import OmniPayloadStruct, flatten_payload, to_dict
 
     if isinstance(payload, OmniPayloadStruct):  # the async-chunk processors return structs
         payload = to_dict(payload)
+    torch_tensors: dict[str, torch.Tensor] = {}
     tensors: dict[str, np.ndarray] = {}
-    dtypes: dict[str, str] = {}
     lists: list[str] = []
     values: dict[str, Any] = {}
     for key, value in flatten_payload(payload).items():
         if isinstance(value, list) and len(value) == 1 and isinstance(value[0], torch.Tensor):
             value = value[0]  # per-step lists of one tensor (e.g. thinker tts embeds)
         if isinstance(value, torch.Tensor):
-            value = value.detach().cpu().contiguous()
-            name = str(value.dtype).removeprefix("torch.")
-            if name in _WORD_DTYPES:
-                dtypes[key] = name
-                value = value.view(getattr(torch, _WORD_DTYPES[name]))
-            tensors[key] = value.numpy()
+            torch_tensors[key] = value
         elif isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             tensors[key] = np.asarray(value, dtype=np.int64)
             lists.append(key)
         else:
             values[key] = value
+    packed, dtypes = arrays(torch_tensors)
+    tensors.update(packed)
     return HandoffPayload(
         kind=payload_kind, tensors=tensors, meta={**meta, "dtypes": dtypes, "lists": lists, "values": values}
     )
 
 
-def from_handoff(handoff: HandoffPayload) -> dict[str, Any]:
+def from_handoff(payload: HandoffPayload) -> dict[str, Any]:
     """Rebuild the nested ``OmniPayload`` (torch tensors on CPU) a processor or model reads."""
-    import torch
     from vllm_omni.data_entry_keys import unflatten_payload
 
-    dtypes: dict[str, str] = handoff.meta.get("dtypes", {})
-    lists = set(handoff.meta.get("lists", ()))
-    flat: dict[str, Any] = dict(handoff.meta.get("values", {}))
-    for key, array in handoff.tensors.items():
-        if key in lists:
-            flat[key] = [int(v) for v in array.tolist()]
-            continue
-        # Arrays out of the object store are read-only; torch wants a writable buffer.
-        tensor = torch.from_numpy(np.array(array, copy=True))
-        if key in dtypes:
-            tensor = tensor.view(getattr(torch, dtypes[key]))
-        flat[key] = tensor
+    lists = set(payload.meta.get("lists", ()))
+    flat: dict[str, Any] = dict(payload.meta.get("values", {}))
+    for key, array in payload.tensors.items():
+        flat[key] = [int(v) for v in array.tolist()] if key in lists else tensor(payload, key)
     return unflatten_payload(flat)
 
 
@@ -182,18 +168,39 @@ def thinker_handoff(
     """
     from vllm_omni.data_entry_keys import flatten_payload
 
+    flat = flatten_payload(multimodal_output)
     request = _stage_request(request_id, prompt_token_ids, output_token_ids, stopped=stopped)
-    payload = processors(pipeline).thinker2talker_full_payload(
-        _model_config_view(hf_config), flatten_payload(multimodal_output), request
-    )
+    payload = processors(pipeline).thinker2talker_full_payload(_model_config_view(hf_config), flat, request)
     if payload is None:
         return None
+    _keep_computed_rows(payload, flat, hf_config, len(prompt_token_ids) + len(output_token_ids))
     return to_handoff(
         kind(pipeline, THINKER2TALKER),
         payload,
         prompt_token_ids=list(prompt_token_ids),
         output_token_ids=list(output_token_ids),
     )
+
+
+def _keep_computed_rows(payload: Any, flat: Mapping[str, Any], hf_config: Any, num_tokens: int) -> None:
+    """Undo the processor's drop of the last hidden-state row when that row was never computed.
+
+    ``thinker2talker_full_payload`` always drops the last accumulated row, assuming it belongs
+    to the final sampled (stop) token. That holds with async scheduling (GPU), where the engine
+    runs one step past the last sampled token; with synchronous scheduling (vLLM's CPU platform
+    disables async scheduling) the final token never runs, so the engine holds
+    ``num_tokens - 1`` rows and the drop would cut the last real token's row. The payload then
+    keeps every computed row, as transformers' ``generate`` hands on every row it computed.
+    (Upstream runs Qwen3-Omni with async scheduling only; no upstream issue found for this.)
+    """
+    accept = getattr(getattr(hf_config, "talker_config", None), "accept_hidden_layer", None)
+    if accept is None or not isinstance(payload, dict):
+        return
+    embed, hidden = flat.get("hidden_states.layer_0"), flat.get(f"hidden_states.layer_{accept}")
+    if not all(hasattr(t, "shape") and t.shape[0] == num_tokens - 1 for t in (embed, hidden)):
+        return
+    payload["embed"]["prefill"] = embed.detach().cpu()
+    payload["hidden_states"]["output"] = hidden.detach().cpu()
 
 
 def talker_prompt(pipeline: str, handoff: HandoffPayload, *, request_id: str, voice: str | None) -> dict[str, Any]:

@@ -1,0 +1,514 @@
+// The omni_serve playground: talks to the graph that serves it through the public HTTP API only
+// (/v1/models, /v1/chat/completions streamed, /v1/audio/speech, /v1/images/generations, /health, /stages).
+// Audio is played with Web Audio as chunks arrive, each chunk scheduled to start where the previous ends.
+// Every panel reports what it measured on its <output> element, as text and as data-* attributes.
+
+const BASE = new URL("../", location.href); // the page lives at <app>/playground/
+const PCM_RATE = 24000; // raw `pcm` audio is 16-bit mono at 24 kHz (the API's documented shape)
+const FIRST_CHUNK_LEAD_S = 0.05; // scheduling slack for the first chunk only
+const POLL_MS = 2000;
+const $ = (selector) => document.querySelector(selector);
+
+let card = null; // the /v1/models card
+let history = []; // the chat so far, as OpenAI messages
+let attachments = []; // content parts for the next user message
+
+// ---- HTTP -----------------------------------------------------------------------------------
+
+async function api(path, init = {}) {
+  const headers = { "content-type": "application/json", ...init.headers };
+  const key = $("#api-key").value.trim();
+  if (key) headers.authorization = `Bearer ${key}`;
+  const response = await fetch(new URL(path, BASE), { ...init, headers });
+  if (!response.ok) {
+    let message = `${response.status} ${response.statusText}`;
+    try {
+      message = (await response.json()).error?.message ?? message;
+    } catch { /* not JSON: keep the status line */ }
+    throw new Error(`${path}: ${message}`);
+  }
+  return response;
+}
+
+/** The `data:` payloads of a server-sent-event stream, one per event. */
+async function* sse(response) {
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += value;
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      const data = event.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trim()).join("\n");
+      if (data) yield data;
+    }
+  }
+}
+
+const base64Bytes = (b64) => Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+
+function readDataURL(blob) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(blob);
+  });
+}
+
+// ---- audio ----------------------------------------------------------------------------------
+
+function pcm16Buffer(ctx, bytes, rate) {
+  const samples = new Int16Array(bytes.buffer.slice(bytes.byteOffset, bytes.byteOffset + bytes.byteLength));
+  const buffer = ctx.createBuffer(1, samples.length, rate);
+  const channel = buffer.getChannelData(0);
+  for (let i = 0; i < samples.length; i++) channel[i] = samples[i] / 32768;
+  return buffer;
+}
+
+/** Plays chunks in arrival order without gaps: each starts where the previous one ends. */
+class AudioPlayer {
+  constructor() {
+    this.ctx = null;
+    this.reset();
+  }
+
+  reset() {
+    this.queue = Promise.resolve();
+    this.nextTime = 0;
+    this.chunks = 0;
+    this.samples = 0;
+    this.seconds = 0;
+    this.gaps = 0; // chunks that arrived after the audio before them had finished playing
+  }
+
+  /** Call from a click handler: browsers start audio only after a user gesture. */
+  start() {
+    this.ctx ??= new AudioContext({ sampleRate: PCM_RATE });
+    return this.ctx.resume();
+  }
+
+  /** One self-contained chunk: a file (wav, flac, mp3, ...) or raw 16-bit PCM. Decoded and played in order. */
+  push(bytes, format, rate = PCM_RATE) {
+    this.queue = this.queue.then(async () => {
+      const buffer = format === "pcm"
+        ? pcm16Buffer(this.ctx, bytes, rate)
+        : await this.ctx.decodeAudioData(bytes.buffer.slice(bytes.byteOffset, bytes.byteOffset + bytes.byteLength));
+      this.schedule(buffer);
+    });
+    return this.queue;
+  }
+
+  schedule(buffer) {
+    const now = this.ctx.currentTime;
+    if (this.chunks > 0 && this.nextTime < now) this.gaps += 1;
+    const start = Math.max(this.nextTime, now + (this.chunks === 0 ? FIRST_CHUNK_LEAD_S : 0));
+    const source = this.ctx.createBufferSource();
+    source.buffer = buffer;
+    source.connect(this.ctx.destination);
+    source.start(start);
+    this.nextTime = start + buffer.duration;
+    this.chunks += 1;
+    this.samples += buffer.length;
+    this.seconds += buffer.duration;
+  }
+}
+
+const player = new AudioPlayer();
+
+/** A 16-bit mono WAV file (microphone recordings are sent as `input_audio` in wav). */
+function wavFile(samples, rate) {
+  const view = new DataView(new ArrayBuffer(44 + samples.length * 2));
+  const text = (offset, s) => [...s].forEach((c, i) => view.setUint8(offset + i, c.charCodeAt(0)));
+  text(0, "RIFF"); view.setUint32(4, 36 + samples.length * 2, true); text(8, "WAVEfmt ");
+  view.setUint32(16, 16, true); view.setUint16(20, 1, true); view.setUint16(22, 1, true);
+  view.setUint32(24, rate, true); view.setUint32(28, rate * 2, true); view.setUint16(32, 2, true);
+  view.setUint16(34, 16, true); text(36, "data"); view.setUint32(40, samples.length * 2, true);
+  samples.forEach((s, i) => view.setInt16(44 + i * 2, Math.max(-1, Math.min(1, s)) * 32767, true));
+  return new Blob([view], { type: "audio/wav" });
+}
+
+// ---- what each panel measured ---------------------------------------------------------------
+
+class Report {
+  constructor(output) {
+    this.output = output;
+    this.started = performance.now();
+    this.marks = {};
+    Object.keys(output.dataset).forEach((k) => delete output.dataset[k]);
+    this.set({ state: "busy" }, "…");
+  }
+
+  mark(name) {
+    this.marks[name] ??= performance.now() - this.started;
+  }
+
+  set(data, text) {
+    Object.assign(this.output.dataset, data);
+    if (text !== undefined) this.output.textContent = text;
+  }
+
+  done(extra = {}, parts = []) {
+    const total = performance.now() - this.started;
+    const ms = (v) => (v < 1000 ? `${v.toFixed(0)} ms` : `${(v / 1000).toFixed(2)} s`);
+    const text = [];
+    if (this.marks.ttft !== undefined) text.push(`first text ${ms(this.marks.ttft)}`);
+    if (this.marks.ttfa !== undefined) text.push(`first audio ${ms(this.marks.ttfa)}`);
+    text.push(`total ${ms(total)}`, ...parts);
+    const data = { state: "done", totalMs: total.toFixed(1), ...extra };
+    if (this.marks.ttft !== undefined) data.ttftMs = this.marks.ttft.toFixed(1);
+    if (this.marks.ttfa !== undefined) data.ttfaMs = this.marks.ttfa.toFixed(1);
+    this.set(data, text.join(" · "));
+  }
+
+  fail(error) {
+    this.set({ state: "error", error: error.message }, `error: ${error.message}`);
+  }
+}
+
+function audioReport() {
+  const gaps = player.gaps ? ` (${player.gaps} late)` : "";
+  return [
+    { audioChunks: player.chunks, audioSamples: player.samples, audioSeconds: player.seconds.toFixed(4), gaps: player.gaps },
+    player.chunks ? [`audio ${player.seconds.toFixed(2)} s in ${player.chunks} chunks${gaps}`] : [],
+  ];
+}
+
+function showError(error) {
+  $("#error").textContent = error ? error.message : "";
+  $("#error").hidden = !error;
+}
+
+async function busy(button, work) {
+  button.disabled = true;
+  showError(null);
+  try {
+    await work();
+  } catch (error) {
+    showError(error);
+  } finally {
+    button.disabled = false;
+  }
+}
+
+// ---- chat -----------------------------------------------------------------------------------
+
+function addMessage(role, text, notes = []) {
+  const item = document.createElement("div");
+  item.className = `message ${role}`;
+  const body = document.createElement("p");
+  body.textContent = text;
+  item.append(body, ...notes.map((note) => Object.assign(document.createElement("small"), { textContent: note })));
+  $("#messages").append(item);
+  item.scrollIntoView({ block: "end" });
+  return { item, body };
+}
+
+function addImage(parent, src, alt) {
+  const img = Object.assign(document.createElement("img"), { src, alt });
+  parent.append(img);
+  return img;
+}
+
+const speaking = () => !$("#speak-option").hidden && $("#speak").checked;
+const voice = () => ($("#voice-select").hidden ? $("#voice-text").value.trim() : $("#voice-select").value) || undefined;
+
+async function sendChat() {
+  const text = $("#prompt").value.trim();
+  const content = attachments.length ? [{ type: "text", text }, ...attachments.map((a) => a.part)] : text;
+  addMessage("user", text, attachments.map((a) => `attached: ${a.name}`));
+  history.push({ role: "user", content });
+  $("#prompt").value = "";
+  attachments = [];
+  $("#attachments").textContent = "";
+
+  const format = $("#chat-format").value;
+  const body = {
+    model: card.id, messages: history, stream: true, stream_options: { include_usage: true },
+    max_tokens: Number($("#max-tokens").value) || undefined,
+    modalities: speaking() ? ["text", "audio"] : ["text"],
+  };
+  if (speaking()) body.audio = { voice: voice(), format };
+  const reply = addMessage("assistant", "");
+  const report = new Report($("#chat-metrics"));
+  player.reset();
+  await player.start();
+  let answer = "";
+  let finished = false;
+  let usage = null;
+  try {
+    const response = await api("v1/chat/completions", { method: "POST", body: JSON.stringify(body) });
+    for await (const data of sse(response)) {
+      if (data === "[DONE]") {
+        finished = true;
+        break;
+      }
+      const chunk = JSON.parse(data);
+      if (chunk.error) throw new Error(chunk.error.message);
+      usage = chunk.usage ?? usage;
+      const delta = chunk.choices?.[0]?.delta ?? {};
+      if (typeof delta.content === "string" && delta.content) {
+        report.mark("ttft");
+        answer += delta.content;
+        reply.body.textContent = answer;
+      } else if (Array.isArray(delta.content)) {
+        for (const part of delta.content) if (part.type === "image_url") addImage(reply.item, part.image_url.url, "image");
+      }
+      if (delta.audio?.data) {
+        report.mark("ttfa");
+        player.push(base64Bytes(delta.audio.data), format);
+      }
+    }
+    // A stream that stops before [DONE] was cut short (the server reports errors in-band): never a reply.
+    if (!finished) throw new Error("the stream ended before [DONE]: the reply is incomplete");
+    await player.queue;
+    history.push({ role: "assistant", content: answer });
+    const [data, parts] = audioReport();
+    const tokens = usage ? [`${usage.completion_tokens} tokens`] : [];
+    report.done({ ...data, text: answer }, [...tokens, ...parts]);
+  } catch (error) {
+    history.pop(); // the user turn that got no answer
+    if (answer) reply.item.classList.add("failed");
+    else reply.item.remove();
+    report.fail(error);
+    throw error;
+  }
+}
+
+async function attach(file) {
+  const url = await readDataURL(file);
+  const kind = file.type.split("/")[0];
+  let part;
+  if (kind === "image") part = { type: "image_url", image_url: { url } };
+  else if (kind === "video") part = { type: "video_url", video_url: { url } };
+  else if (kind === "audio") {
+    const format = /wav/.test(file.type) ? "wav" : /mpeg|mp3/.test(file.type) ? "mp3" : file.name.split(".").pop();
+    part = { type: "input_audio", input_audio: { data: url.slice(url.indexOf(",") + 1), format } };
+  } else throw new Error(`cannot send ${file.name} (${file.type || "unknown type"}): images, audio or video only`);
+  attachments.push({ name: file.name, part });
+  $("#attachments").textContent = attachments.map((a) => a.name).join(", ");
+}
+
+let recorder = null;
+const RECORD_SLICE_MS = 250;
+
+async function toggleRecording() {
+  if (recorder) {
+    recorder.stop();
+    return;
+  }
+  const stream = await navigator.mediaDevices.getUserMedia({ audio: true });
+  const pieces = [];
+  recorder = new MediaRecorder(stream);
+  recorder.ondataavailable = (event) => {
+    pieces.push(event.data);
+    $("#record").textContent = `■ Stop (${((pieces.length * RECORD_SLICE_MS) / 1000).toFixed(2)} s)`;
+  };
+  recorder.onstop = () => busy($("#record"), async () => {
+    stream.getTracks().forEach((track) => track.stop());
+    recorder = null;
+    $("#record").textContent = "● Record";
+    await player.start();
+    const decoded = await player.ctx.decodeAudioData(await new Blob(pieces).arrayBuffer());
+    const wav = wavFile(decoded.getChannelData(0), decoded.sampleRate);
+    await attach(new File([wav], `recording-${attachments.length + 1}.wav`, { type: "audio/wav" }));
+  });
+  recorder.start(RECORD_SLICE_MS);
+  $("#record").textContent = "■ Stop";
+}
+
+// ---- speech ---------------------------------------------------------------------------------
+
+/** Where the samples of a streamed WAV start, and its sample rate (the server streams an open-ended header). */
+function wavHeader(bytes) {
+  const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+  for (let offset = 12; offset + 8 <= bytes.length; ) {
+    const id = String.fromCharCode(...bytes.subarray(offset, offset + 4));
+    if (id === "data") return { end: offset + 8, rate: view.getUint32(24, true) };
+    offset += 8 + view.getUint32(offset + 4, true);
+  }
+  return null; // not all of the header is here yet
+}
+
+async function speak() {
+  const format = $("#speech-format").value;
+  const report = new Report($("#speech-metrics"));
+  player.reset();
+  await player.start();
+  try {
+    const response = await api("v1/audio/speech", {
+      method: "POST",
+      body: JSON.stringify({ model: card.id, input: $("#speech-input").value, voice: voice(), response_format: format }),
+    });
+    const streamed = format === "wav" || format === "pcm"; // 16-bit PCM as it is decoded, after any header
+    const reader = response.body.getReader();
+    const parts = [];
+    let pending = new Uint8Array(0);
+    let rate = format === "pcm" ? PCM_RATE : null;
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      parts.push(value);
+      if (!streamed) continue;
+      let bytes = new Uint8Array(pending.length + value.length);
+      bytes.set(pending);
+      bytes.set(value, pending.length);
+      if (rate === null) {
+        const header = wavHeader(bytes);
+        if (!header) {
+          pending = bytes;
+          continue;
+        }
+        rate = header.rate;
+        bytes = bytes.subarray(header.end);
+      }
+      const whole = bytes.length - (bytes.length % 2);
+      if (whole) {
+        report.mark("ttfa");
+        player.push(bytes.slice(0, whole), "pcm", rate);
+      }
+      pending = bytes.slice(whole);
+    }
+    const file = new Blob(parts, { type: response.headers.get("content-type") ?? "" });
+    if (!streamed) {
+      report.mark("ttfa");
+      player.push(new Uint8Array(await file.arrayBuffer()), format);
+    }
+    await player.queue;
+    Object.assign($("#speech-download"), { href: URL.createObjectURL(file), download: `speech.${format}`, hidden: false });
+    const [data, text] = audioReport();
+    report.done({ ...data, bytes: file.size }, text);
+  } catch (error) {
+    report.fail(error);
+    throw error;
+  }
+}
+
+// ---- images ---------------------------------------------------------------------------------
+
+async function generate() {
+  const report = new Report($("#image-metrics"));
+  const prompt = $("#image-prompt").value;
+  const body = {
+    model: card.id, prompt, size: $("#image-size").value, n: Number($("#image-n").value) || 1,
+    response_format: "b64_json", num_inference_steps: Number($("#image-steps").value) || undefined,
+  };
+  if ($("#image-seed").value !== "") body.seed = Number($("#image-seed").value);
+  try {
+    const response = await api("v1/images/generations", { method: "POST", body: JSON.stringify(body) });
+    const images = (await response.json()).data.map((item) => {
+      const img = Object.assign(document.createElement("img"), { src: `data:image/png;base64,${item.b64_json}`, alt: prompt });
+      $("#gallery").prepend(img);
+      return img;
+    });
+    await Promise.all(images.map((img) => img.decode()));
+    const size = images.length ? `${images[0].naturalWidth}×${images[0].naturalHeight}` : "";
+    report.done({ images: images.length, size }, [`${images.length} image(s) ${size}`]);
+  } catch (error) {
+    report.fail(error);
+    throw error;
+  }
+}
+
+// ---- the graph: model card, health, stages ---------------------------------------------------
+
+function fillSelect(select, values) {
+  select.replaceChildren(...values.map((v) => Object.assign(document.createElement("option"), { value: v, textContent: v })));
+}
+
+async function loadCard() {
+  card = (await (await api("v1/models")).json()).data[0];
+  const info = await (await api("playground/info")).json();
+  const outputs = new Set(card.modalities ?? []);
+  const inputs = new Set(card.input_modalities ?? []);
+  $("#model").textContent = card.id;
+  document.title = `${card.id} · omni_serve playground`;
+  $("#chat").hidden = !outputs.has("text");
+  $("#speak-option").hidden = !outputs.has("audio");
+  document.querySelectorAll(".audio-only").forEach((el) => { el.hidden = !outputs.has("audio"); });
+  $("#speech").hidden = !outputs.has("audio");
+  $("#images").hidden = !outputs.has("image");
+  const voices = (card.voices ?? []).map((v) => (typeof v === "string" ? v : v.id ?? v.name));
+  $("#voice-select").hidden = voices.length === 0;
+  $("#voice-text").hidden = voices.length > 0;
+  fillSelect($("#voice-select"), voices);
+  fillSelect($("#chat-format"), info.chat_audio_formats);
+  fillSelect($("#speech-format"), info.speech_formats);
+  // Omni input: offered only where the card says the graph takes it.
+  const accept = ["image", "audio", "video"].filter((m) => inputs.has(m));
+  $("#attach").hidden = accept.length === 0;
+  $("#attach-file").accept = accept.map((m) => `${m}/*`).join(",");
+  $("#record").hidden = !inputs.has("audio") || !navigator.mediaDevices;
+}
+
+async function pollStatus() {
+  try {
+    const response = await fetch(new URL("health", BASE));
+    const health = await response.json().catch(() => ({}));
+    $("#health").textContent = response.ok ? "healthy" : `unavailable${health.error ? `: ${health.error.message}` : ""}`;
+    $("#health").className = `badge ${response.ok ? "ok" : "down"}`;
+    const report = await (await api("stages")).json();
+    $("#stages tbody").replaceChildren(...report.stages.map((stage) => {
+      const row = document.createElement("tr");
+      const starting = stage.starting ? ` (+${stage.starting} starting)` : "";
+      let probe = health.stages?.[stage.name]; // /health's own word on the stage, when it gives one
+      if (probe && typeof probe === "object") probe = probe.status ?? JSON.stringify(probe);
+      const status = probe ? `${stage.status} · ${probe}` : stage.status;
+      const cells = [stage.name, status, `${stage.running}/${stage.target}${starting}`, stage.message];
+      row.replaceChildren(...cells.map((c) => Object.assign(document.createElement("td"), { textContent: c ?? "" })));
+      row.dataset.stage = stage.name;
+      row.dataset.running = stage.running;
+      return row;
+    }));
+  } catch (error) {
+    $("#health").textContent = `unreachable: ${error.message}`;
+    $("#health").className = "badge down";
+  } finally {
+    setTimeout(pollStatus, POLL_MS);
+  }
+}
+
+async function connect() {
+  try {
+    await loadCard();
+    showError(null);
+  } catch (error) {
+    showError(error);
+  }
+}
+
+function main() {
+  $("#api-key").value = sessionStorage.getItem("omni_serve.api_key") ?? "";
+  $("#api-key").addEventListener("change", () => {
+    sessionStorage.setItem("omni_serve.api_key", $("#api-key").value.trim());
+    connect();
+  });
+  $("#chat-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    busy($("#send"), sendChat);
+  });
+  $("#clear").addEventListener("click", () => {
+    history = [];
+    $("#messages").replaceChildren();
+  });
+  $("#attach-file").addEventListener("change", (event) => busy($("#send"), async () => {
+    for (const file of event.target.files) await attach(file);
+    event.target.value = "";
+  }));
+  $("#record").addEventListener("click", () => toggleRecording().catch(showError));
+  $("#speech-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    busy($("#speak-button"), speak);
+  });
+  $("#image-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    busy($("#generate"), generate);
+  });
+  connect();
+  pollStatus();
+}
+
+main();

@@ -1,0 +1,113 @@
+"""The front door: `make serve` installs once, prints one ready line, stays quiet, and stops cleanly on SIGTERM.
+
+`make serve` here runs the real Makefile and launcher (omni_serve.run) on its own local Ray cluster
+(the session cluster keeps its graph); the install stamp is pre-made, as `make test` leaves it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import HTTP_PORT
+
+REPO = Path(__file__).resolve().parent.parent
+SERVE_PORT = HTTP_PORT + 2  # +1 is the session cluster's metrics port
+NOISE = [" INFO ", "GET /health", "rope_parameters", "Loading weights", "Cannot deregister", "dashboard"]
+BROKEN = ["SIGTERM received", "Aborted", "Traceback", "make: ***", "Error"]
+
+needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
+
+
+def dry_run(workdir: Path, stamps: Path) -> str:
+    """What `make serve` would run (make -n prints the commands, silent ones included)."""
+    cli = ["make", "-n", "-C", str(workdir), "serve", f"PYTHON={sys.executable}", f"STAMPS={stamps}"]
+    return subprocess.run(cli, capture_output=True, text=True, check=True).stdout
+
+
+@needs_make
+def test_second_make_serve_starts_without_pip(tmp_path: Path) -> None:
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(REPO / name, tmp_path / name)
+    stamps = tmp_path / "stamps"
+    assert re.search(r"-m pip .*install -e \.", dry_run(tmp_path, stamps))  # a fresh environment installs
+    stamps.mkdir()
+    (stamps / "install").touch()  # what the first install leaves
+    plan = dry_run(tmp_path, stamps)
+    assert "pip" not in plan and "-m omni_serve.run graphs/tiny_omni.yaml" in plan
+    later = time.time() + 60
+    os.utime(tmp_path / "pyproject.toml", (later, later))  # a dependency changed: install again
+    assert re.search(r"-m pip .*install -e \.", dry_run(tmp_path, stamps))
+
+
+@needs_make
+@pytest.mark.integration
+def test_make_serve_prints_one_ready_line_and_stops_on_sigterm(tmp_path: Path) -> None:
+    stamps = tmp_path / "stamps"
+    stamps.mkdir()
+    (stamps / "install").touch()
+    # As from a fresh shell: its own Ray cluster, and no outer make's recursion state (`make test` runs this).
+    fresh_shell = {"RAY_ADDRESS", "MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES"}
+    env = {k: v for k, v in os.environ.items() if k not in fresh_shell}
+    cli = ["make", "serve", f"PYTHON={sys.executable}", f"STAMPS={stamps}", f"PORT={SERVE_PORT}", "ARGS=--no-dashboard"]
+    # Its own process group, signalled as a whole below, as timeout(1) or systemd do.
+    make = subprocess.Popen(
+        cli, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert make.stdout is not None
+        for line in make.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith("omni_serve ready"):
+                ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        while not ready.wait(1):
+            assert make.poll() is None, "make serve exited before it was ready:\n" + "\n".join(lines)
+        [line] = [x for x in lines if x.startswith("omni_serve ready")]
+        url = f"http://127.0.0.1:{SERVE_PORT}"
+        assert f"API {url}/v1 | playground {url}/ | tiny-qwen3-omni: thinker -> talker -> code2wav" in line
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200  # the line comes after /health is green
+        assert httpx.get(f"{url}/", follow_redirects=True, timeout=30).headers["content-type"].startswith("text/html")
+    finally:
+        os.killpg(make.pid, signal.SIGTERM)
+        make.wait(timeout=120)
+        reader.join(timeout=30)
+    output = "\n".join(lines)
+    assert make.returncode == -signal.SIGTERM, output  # make re-raises the signal after its child exited 0
+    ours = [x for x in lines if x.startswith("omni_serve")]
+    assert ours[-2:] == ["omni_serve: stopping (Ctrl-C again forces it)", "omni_serve: stopped"], output
+    assert not [word for word in BROKEN if word in output], output
+    assert not [word for word in NOISE if word in output], output
+    assert "pip" not in output and re.match(r"omni_serve: starting tiny_omni.yaml", ours[0]), output
+    with pytest.raises(httpx.TransportError):  # Serve's proxy went with the cluster
+        httpx.get(f"{url}/health", timeout=5)
+
+
+@pytest.mark.integration
+def test_plain_serve_run_logs_the_ready_line_too(tiny_omni) -> None:
+    """The ingress logs the line itself once Serve runs the whole application (seen in `serve run`'s output)."""
+    import ray
+
+    url = f"http://127.0.0.1:{HTTP_PORT}"
+    expected = f"omni_serve ready: API {url}/v1 | playground {url}/ | tiny-qwen3-omni: thinker -> talker -> code2wav"
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    deadline = time.monotonic() + 60
+    while not any(expected in f.read_text(errors="replace") for f in logs.glob("replica_omni_ingress_*.log")):
+        assert time.monotonic() < deadline, f"no ready line in {logs}/replica_omni_ingress_*.log"
+        time.sleep(0.5)

@@ -1,0 +1,273 @@
+"""The playground in a real browser: Debian's chromium, driven by playwright, on the session's graphs.
+
+What the page shows is checked against what the server sent, decoded here independently
+(soundfile for audio, Pillow for images), and screenshots are checked for content.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+from fastapi import FastAPI
+from PIL import Image
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.testclient import TestClient
+
+from omni_serve import playground
+from omni_serve.config import load_graph
+from omni_serve.errors import http_exception_handler
+from omni_serve.launch import load_graph_file
+from tests import deps
+
+TOOLS = "make test installs it (.ci/install-debian-tools.sh)"
+
+CHROMIUM = shutil.which("chromium")
+SHOTS = Path(os.environ.get("OMNI_SERVE_SCREENSHOTS", "/tmp/omni_serve-screenshots"))
+DONE = '[data-state="done"], [data-state="error"]'
+TIMEOUT_MS = 120_000
+
+
+# ---- no browser: the routes, in-process ---------------------------------------------------------
+
+
+def _client(playground_on: bool) -> TestClient:
+    args = load_graph_file("tiny_image.yaml")["applications"][0]["args"]
+    app = FastAPI()
+    app.add_exception_handler(StarletteHTTPException, http_exception_handler)  # as the ingress does
+    playground.mount(app)
+    playground.configure(load_graph({**args, "playground": playground_on}), lambda request: None)
+    return TestClient(app)
+
+
+def test_page_files_are_served_with_their_types() -> None:
+    client = _client(True)
+    root = client.get("/", follow_redirects=False)
+    assert root.status_code == 307 and root.headers["location"] == "/playground/"
+    page = client.get("/playground/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert '<script type="module" src="playground.js">' in page.text
+    assert client.get("/playground/playground.js").headers["content-type"].startswith("text/javascript")
+    assert client.get("/playground/playground.css").headers["content-type"].startswith("text/css")
+    assert client.get("/playground/../config.py").status_code == 404
+    info = client.get("/playground/info").json()
+    assert {"wav", "pcm", "flac"} <= set(info["chat_audio_formats"]) and "wav" in info["speech_formats"]
+
+
+def test_graph_args_turn_the_playground_off() -> None:
+    client = _client(False)
+    for path in ("/", "/playground/", "/playground/playground.js", "/playground/info"):
+        reply = client.get(path, follow_redirects=False)
+        assert reply.status_code == 404, path
+        assert "playground: false" in reply.json()["error"]["message"]
+
+
+# ---- in the browser -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        sync_playwright = None
+    if sync_playwright is None or CHROMIUM is None:
+        deps.missing("the playwright package" if sync_playwright is None else "chromium", TOOLS)
+    with sync_playwright() as driver:
+        # The fake devices give the microphone a test tone; no autoplay flag: audio starts from the click.
+        browser = driver.chromium.launch(
+            executable_path=CHROMIUM, args=["--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream"]
+        )
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser, request) -> Iterator[Any]:
+    context = browser.new_context(viewport={"width": 1000, "height": 900})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda err: errors.append(str(err)))
+    yield page
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=SHOTS / f"{request.node.name}.png", full_page=True)
+    context.close()
+    assert not errors, f"JavaScript errors in the page: {errors}"
+
+
+def open_playground(page, base_url: str, stages: list[str]) -> None:
+    page.goto(f"{base_url}/")
+    assert page.url == f"{base_url}/playground/"
+    for stage in stages:  # the stage report shows each stage with a running replica
+        page.wait_for_selector(f'#stages tr[data-stage="{stage}"]:not([data-running="0"])', timeout=TIMEOUT_MS)
+    page.wait_for_selector("#health.ok", timeout=TIMEOUT_MS)
+
+
+def report(page, selector: str) -> dict[str, str]:
+    page.wait_for_selector(f"{selector}:is({DONE})", timeout=TIMEOUT_MS)
+    data = page.eval_on_selector(selector, "e => ({...e.dataset, shown: e.textContent})")
+    assert data["state"] == "done", data
+    return data
+
+
+def shot(locator) -> np.ndarray:
+    """What the element looks like on screen, as RGB pixels."""
+    assert locator.is_visible()
+    return np.asarray(Image.open(io.BytesIO(locator.screenshot())).convert("RGB")).astype(np.int16)
+
+
+def sse_events(body: bytes) -> list[Any]:
+    events = [line[5:].strip() for line in body.decode().split("\n") if line.startswith("data:")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_chat_streams_text_and_plays_every_audio_chunk(tiny_omni, page) -> None:
+    open_playground(page, tiny_omni.base_url, ["thinker", "talker", "code2wav"])
+    assert page.is_visible("#speech") and page.is_hidden("#images")
+    assert page.is_hidden("#attach")  # the card lists no input_modalities: no upload or record
+    assert page.is_checked("#speak")
+    page.fill("#prompt", "Say hello.")
+    with page.expect_response("**/v1/chat/completions") as response:
+        page.click("#send")
+    data = report(page, "#chat-metrics")
+
+    chunks = sse_events(response.value.body())
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("modality") == "text")
+    audio = [c["choices"][0]["delta"]["audio"]["data"] for c in chunks if c.get("modality") == "audio"]
+    decoded = [sf.read(io.BytesIO(base64.b64decode(a)), dtype="float32") for a in audio]
+    assert text and audio and all(rate == 24000 and samples.size for samples, rate in decoded)
+    # The page decoded and scheduled every chunk the server sent, sample for sample.
+    assert int(data["audioChunks"]) == len(audio)
+    assert int(data["audioSamples"]) == sum(samples.size for samples, _ in decoded)
+    assert 0 < float(data["ttftMs"]) <= float(data["totalMs"]) and 0 < float(data["ttfaMs"]) <= float(data["totalMs"])
+    assert "first text" in data["shown"] and "first audio" in data["shown"]
+
+    reply = page.locator(".message.assistant").last
+    assert reply.inner_text() == text
+    pixels = shot(reply)
+    assert pixels.std() > 10  # text is drawn on the bubble, not an empty box
+
+    # A second turn sends the whole conversation.
+    page.uncheck("#speak")
+    page.fill("#prompt", "And again.")
+    with page.expect_request("**/v1/chat/completions") as second:
+        page.click("#send")
+    assert report(page, "#chat-metrics").get("audioChunks") == "0"
+    body = json.loads(second.value.post_data)
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant", "user"]
+    assert body["messages"][1]["content"] == text and body["modalities"] == ["text"]
+
+
+def test_speech_streams_into_the_player(tiny_omni, page) -> None:
+    open_playground(page, tiny_omni.base_url, ["thinker", "talker", "code2wav"])
+    page.fill("#speech-input", "Hello from the playground.")
+    page.select_option("#speech-format", "wav")
+    with page.expect_response("**/v1/audio/speech") as response:
+        page.click("#speak-button")
+    data = report(page, "#speech-metrics")
+    body = response.value.body()
+    assert body[:4] == b"RIFF" and body[36:40] == b"data"
+    samples = (len(body) - 44) // 2  # the stream's 16-bit samples after its open-ended header
+    assert samples > 0 and int(data["audioSamples"]) == samples and int(data["bytes"]) == len(body)
+    assert page.is_visible("#speech-download")
+
+
+def test_omni_input_parts_once_the_card_lists_input_modalities(tiny_omni, page, tmp_path) -> None:
+    """The upload UI appears only for graphs that take media; it sends OpenAI content parts."""
+
+    def card_with_inputs(route) -> None:
+        models = route.fetch().json()
+        models["data"][0]["input_modalities"] = ["text", "image", "audio"]
+        route.fulfill(json=models)
+
+    page.route("**/v1/models", card_with_inputs)
+    open_playground(page, tiny_omni.base_url, ["thinker"])
+    assert page.is_visible("#attach") and page.is_visible("#record")
+    assert page.get_attribute("#attach-file", "accept") == "image/*,audio/*"
+    png = tmp_path / "dot.png"
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(png)
+    page.set_input_files("#attach-file", str(png))
+    page.wait_for_selector("#attachments:has-text('dot.png')")
+    page.click("#record")  # the fake microphone's tone; once half a second is in, stop: it is attached as WAV
+    page.wait_for_selector("#record:has-text('0.50 s')", timeout=TIMEOUT_MS)
+    page.click("#record")
+    page.wait_for_selector("#attachments:has-text('recording-2.wav')", timeout=TIMEOUT_MS)
+
+    page.fill("#prompt", "What is in the picture?")
+    with page.expect_request("**/v1/chat/completions") as sent:
+        page.click("#send")
+    page.wait_for_selector(f"#chat-metrics:is({DONE})", timeout=TIMEOUT_MS)
+    text, image, recording = json.loads(sent.value.post_data)["messages"][0]["content"]
+    assert text == {"type": "text", "text": "What is in the picture?"}
+    assert image["type"] == "image_url"
+    assert image["image_url"]["url"] == "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode()
+    assert recording["type"] == "input_audio" and recording["input_audio"]["format"] == "wav"
+    wav, rate = sf.read(io.BytesIO(base64.b64decode(recording["input_audio"]["data"])))
+    assert rate > 0 and wav.ndim == 1
+    real_card = httpx.get(f"{tiny_omni.base_url}/v1/models", timeout=30).json()["data"][0]
+    if "image" in real_card.get("input_modalities", []):
+        assert page.get_attribute("#chat-metrics", "data-state") == "done"
+    else:  # a text-only graph: the page shows the server's 400, which names the field
+        assert page.get_attribute("#chat-metrics", "data-state") == "error"
+        assert "messages.0.content" in page.inner_text("#error")
+
+
+@pytest.fixture(scope="module")
+def keyed_image(graphs) -> Iterator[Any]:
+    def with_key(config: dict[str, Any]) -> None:
+        config["applications"][0]["args"]["api_key"] = "sk-playground"
+
+    graphs.deploy("tiny_image.yaml", with_key)
+    graphs.wait_healthy()
+    yield graphs
+    graphs.delete()
+
+
+def test_image_generation_renders_the_generated_png(keyed_image, page) -> None:
+    page.goto(f"{keyed_image.base_url}/")
+    page.wait_for_selector("#error:not([hidden])")
+    assert "API key" in page.inner_text("#error")  # the card needs the key
+    page.fill("#api-key", "sk-playground")
+    page.dispatch_event("#api-key", "change")
+    page.wait_for_selector("#images:not([hidden])")
+    page.wait_for_selector('#stages tr[data-stage="image"]:not([data-running="0"])', timeout=TIMEOUT_MS)
+    assert page.is_hidden("#chat") and page.is_hidden("#speech")
+
+    page.fill("#image-prompt", "a red fox in the snow")
+    page.fill("#image-size", "64x48")
+    page.fill("#image-steps", "2")
+    page.fill("#image-seed", "7")
+    with page.expect_response("**/v1/images/generations") as response:
+        page.click("#generate")
+    assert response.value.request.headers["authorization"] == "Bearer sk-playground"
+    data = report(page, "#image-metrics")
+    assert data["images"] == "1" and data["size"] == "64×48"
+    png = base64.b64decode(response.value.json()["data"][0]["b64_json"])
+    sent = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(np.int16)
+    assert sent.shape == (48, 64, 3)
+    shown = shot(page.locator("#gallery img").first)
+    assert shown.std() > 5  # not a blank box
+    # The page draws the PNG the server made, pixel for pixel (a fractional layout position can add a
+    # row or column of background to the element's screenshot).
+    assert 0 <= shown.shape[0] - 48 <= 1 and 0 <= shown.shape[1] - 64 <= 1
+    offsets = [(dy, dx) for dy in range(shown.shape[0] - 47) for dx in range(shown.shape[1] - 63)]
+    assert min(np.abs(shown[dy : dy + 48, dx : dx + 64] - sent).mean() for dy, dx in offsets) < 2
+
+
+def test_stage_report_needs_the_key(keyed_image) -> None:
+    url = f"{keyed_image.base_url}/stages"
+    assert httpx.get(url, timeout=30).status_code == 401
+    report = httpx.get(url, headers={"authorization": "Bearer sk-playground"}, timeout=30).json()
+    image = next(s for s in report["stages"] if s["name"] == "image")
+    assert report["status"] == "RUNNING" and image["status"] == "HEALTHY" and image["running"] >= 1

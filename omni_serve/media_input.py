@@ -185,6 +185,8 @@ def decode_image(data: bytes, fmt: str, param: str, config: MediaInputConfig) ->
         warnings.simplefilter("error", PILImage.DecompressionBombWarning)
         try:
             image = PILImage.open(io.BytesIO(data), formats=[_PIL_FORMATS[fmt]])  # reads the header only
+        except (PILImage.DecompressionBombError, PILImage.DecompressionBombWarning) as err:
+            raise _refused(param, f"image over the pixel limit ({err})") from None
         except Exception as err:  # any decoder error: the bytes are not a valid image of that format
             raise _refused(param, f"not a valid {fmt} image ({type(err).__name__})") from None
         width, height = image.size

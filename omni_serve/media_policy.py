@@ -200,6 +200,16 @@ def _default_port(scheme: str) -> int:
 # --- the fetch (entry stage) -------------------------------------------------------------------
 
 
+async def resolve(host: str, port: int, policy: MediaPolicy, param: str) -> list[IPAddress]:
+    """Every address ``host`` resolves to (the system resolver; tests replace this function)."""
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), policy.connect_timeout_s)
+    except (OSError, TimeoutError):
+        raise _refused(param, f"host '{host}' does not resolve") from None
+    return list(dict.fromkeys(ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos))
+
+
 def _backend(policy: MediaPolicy, param: str) -> Any:
     """httpcore's network backend with the address check bound to the connect.
 
@@ -222,17 +232,7 @@ def _backend(policy: MediaPolicy, param: str) -> Any:
             socket_options: Any = None,
         ) -> Any:
             literal = _ip_literal(host)
-            if literal is not None:
-                addresses = [literal]
-            else:
-                loop = asyncio.get_running_loop()
-                try:
-                    infos = await asyncio.wait_for(
-                        loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), policy.connect_timeout_s
-                    )
-                except (OSError, TimeoutError):
-                    raise _refused(param, f"host '{host}' does not resolve") from None
-                addresses = list(dict.fromkeys(ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos))
+            addresses = [literal] if literal is not None else await resolve(host, port, policy, param)
             refused = [ip for ip in addresses if not address_allowed(ip, port, policy)]
             if refused or not addresses:
                 raise _refused(
@@ -326,10 +326,11 @@ def _read_local(url: str, param: str, policy: MediaPolicy, max_bytes: int) -> by
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError as err:
         raise _refused(param, f"file: URL cannot be read ({err.strerror})") from None
+    info = os.fstat(fd)  # of what was opened, not of the name: a swapped path cannot slip through
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise _refused(param, "file: URL is not a regular file")
     with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise _refused(param, "file: URL is not a regular file")
         if info.st_size > max_bytes:
             raise _refused(param, f"media of {info.st_size} bytes is over the limit of {max_bytes}", 413)
         data = f.read(max_bytes + 1)

@@ -610,10 +610,15 @@ class VllmOmniEngine(StageEngine):
                 yield output
             return
         token_ids: list[int] = []
+        # vLLM's return_prompt_text: the prompt as the model sees it (media placeholders expanded), once.
+        prompt_text = (
+            self._tokenizer.decode(prompt_ids, skip_special_tokens=False) if request.return_prompt_text else None
+        )
         async for output in self._generate(request, {"prompt_token_ids": prompt_ids}, params, mm_features):
             completion = output.outputs[0]
             token_ids.extend(completion.token_ids)
             delta = StageOutput(stage=self.stage_name, text=completion.text, token_ids=list(completion.token_ids))
+            delta.prompt_text, prompt_text = prompt_text, None
             if output.finished:
                 delta.finished = True
                 delta.finish_reason = finish_reason(completion.finish_reason)
@@ -628,7 +633,7 @@ class VllmOmniEngine(StageEngine):
                         hf_config=self._vllm_config.model_config.hf_config,
                         stopped=completion.finish_reason == "stop",
                     )
-            if delta.finished or delta.text or delta.token_ids:
+            if delta.finished or delta.text or delta.token_ids or delta.prompt_text:
                 yield delta
 
     async def _speak(self, request: StageRequest, prompt_ids: list[int]) -> AsyncIterator[StageOutput]:

@@ -34,7 +34,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from omni_serve import playground
+from omni_serve import media_input, playground
 from omni_serve.config import DEADLINE_MARGIN_S, GraphConfig, check_timeouts, load_graph
 from omni_serve.engines.base import InvalidStageInput
 from omni_serve.errors import (
@@ -126,6 +126,10 @@ class Ingress:
     def payload_loads(self) -> dict[str, int]:
         """How many handoff payloads this process deserialized (the invariant says: none)."""
         return payload_loads()
+
+    def media_decodes(self) -> dict[str, int]:
+        """How many media items this process decoded (the invariant says: none; the entry stage decodes)."""
+        return media_input.decodes()
 
     # ---- the shared template -------------------------------------------------------------------
     def _check_auth(self, request: Request) -> None:

@@ -30,6 +30,7 @@ import base64
 import binascii
 import io
 import warnings
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -311,10 +312,20 @@ def _sample_frames(container: Any, stream: Any, param: str, config: MediaInputCo
     return np.stack(frames)
 
 
+# Evidence for the invariant "the ingress never decodes media": decodes, per kind, in this process.
+_decodes: Counter[str] = Counter()
+
+
+def decodes() -> dict[str, int]:
+    """How many media items of each kind this process decoded (tests read the ingress's and the stages')."""
+    return dict(_decodes)
+
+
 def decode(
     kind: str, data: bytes, param: str, config: MediaInputConfig, audio_rate: int, audio_in_video: bool = False
 ) -> Decoded:
     """Sniff and decode one item (blocking: run it in a thread)."""
+    _decodes[kind] += 1
     fmt = check_format(data, kind, param)
     if kind == "image":
         return decode_image(data, fmt, param, config)

@@ -21,6 +21,7 @@ from omni_serve.config import StageConfig
 from omni_serve.engines import create_engine
 from omni_serve.handoff import detached, payload_loads, stream_items
 from omni_serve.media_input import MediaInputConfig, load_media
+from omni_serve.media_input import decodes as media_decodes
 from omni_serve.media_policy import MediaPolicy
 from omni_serve.metrics import StageMetrics
 from omni_serve.types import FinishReason, HandoffPayload, StageOutput, StageRequest
@@ -145,7 +146,13 @@ class StageDeployment:
 
     def stats(self) -> dict[str, Any]:
         """Calls served by this replica plus engine stats (tests and autoscaling read these)."""
-        return {"stage": self.name, "calls": self.calls, "payload_loads": payload_loads(), **self.engine.stats()}
+        return {
+            "stage": self.name,
+            "calls": self.calls,
+            "payload_loads": payload_loads(),
+            "media_decodes": media_decodes(),
+            **self.engine.stats(),
+        }
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom-metrics hook: engine queue for ``omni_serve.autoscaling`` (``engine_waiting``/``_running``).

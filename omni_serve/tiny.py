@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 TINY_NAME = "tiny-qwen3-omni"
 # Bump when the layout below changes: cached checkpoints with another version are rebuilt.
-BUILD_VERSION = 4
+BUILD_VERSION = 5
 _MARKER = "omni_serve_tiny.json"
 _SEED = 1234
 
@@ -308,6 +308,9 @@ def tiny_config():
         "vision_start_token_id": t["<|vision_start|>"],  # read by the code, not declared by the config
         "vision_end_token_id": t["<|vision_end|>"],
         "user_token_id": t["user"],
+        # As in the real config (the default is 25): the processor interleaves a video's audio and
+        # frames at 13 positions a second, and vLLM and the model's RoPE read this value.
+        "position_id_per_seconds": 13,
         "initializer_range": 0.2,
     }
     talker = {
@@ -350,6 +353,7 @@ def tiny_config():
         "audio_start_token_id": t["<|audio_start|>"],
         "spatial_merge_size": VISION_MERGE,  # read by the code, not declared by the config
         "speaker_id": dict(SPEAKERS),
+        "position_id_per_seconds": 13,  # as the thinker's
         "initializer_range": 0.2,
     }
     code2wav = {

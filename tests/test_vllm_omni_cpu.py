@@ -32,6 +32,8 @@ from omni_serve.engines import qwen3_omni as q  # noqa: E402
 from omni_serve.engines import transformers as te  # noqa: E402
 from omni_serve.engines import vllm_omni_handoffs as handoffs  # noqa: E402
 from omni_serve.types import ChatMessage, HandoffPayload, SamplingParams, StageOutput, StageRequest  # noqa: E402
+from tests import test_omni_input as omni  # noqa: E402
+from tests.media import mp4, png, wav  # noqa: E402
 from tests.test_cancellation import open_request, wait_for  # noqa: E402
 
 GRAPH = "tiny_omni_vllm.yaml"
@@ -401,3 +403,32 @@ def test_code2wav_output_does_not_depend_on_its_batch(graph) -> None:
         (_, beside) = [list(g)[-1] for g in pair]
         assert beside.audio.shape == alone.audio.shape == (12 * 1920 - 555,)
         assert np.abs(beside.audio - alone.audio).max() < 1e-5  # float rounding of a batched matmul only
+
+
+# --- media input: vLLM-Omni's stage-0 input processor against HF's processor and generate ------
+
+
+@pytest.mark.parametrize("kinds", [("image",), ("audio",), ("video",), ("image", "audio", "video")], ids="+".join)
+def test_media_input_matches_hf(graph, client: openai.OpenAI, kinds: tuple[str, ...]) -> None:
+    """Same prompt ids as HF's processor (count and text), same greedy text as HF's generate."""
+    made = {"image": omni.image(png()), "audio": omni.audio(wav(1.0)), "video": omni.video(mp4())}
+    omni.check_against_reference(client, [omni.user(omni.QUESTION, *(made[k] for k in kinds))])
+
+
+def test_video_with_its_audio_track(graph, client: openai.OpenAI) -> None:
+    omni.check_against_reference(client, [omni.user(omni.QUESTION, omni.video(mp4()))], use_audio_in_video=True)
+
+
+def test_spoken_reply_to_media(graph, client: openai.OpenAI) -> None:
+    """The talker speaks a reply to media (its first code group greedy: no codec EOS at the first step by chance)."""
+    turns = omni.api_turns([omni.user(omni.QUESTION, omni.image(png()), omni.audio(wav(0.5)))])
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=turns,
+        modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "wav"},
+        max_tokens=6,
+        extra_body={"stage_sampling": {"talker": {"max_tokens": 8, "temperature": 0.0}}},
+    )
+    samples, rate = sf.read(io.BytesIO(base64.b64decode(reply.choices[0].message.audio.data)), dtype="float32")
+    assert rate == 24000 and samples.size > 0 and reply.choices[0].message.content

@@ -62,7 +62,12 @@ def pad_handoffs(config: dict[str, Any], nbytes: int) -> None:
 
 
 def wait_healthy(base_url: str, timeout_s: float = 300) -> None:
+    """Wait for ``/health`` to answer 200; fail at once, with Serve's message, if an application failed to deploy.
+
+    Needs a Ray connection (the caller's driver) for Serve's status.
+    """
     import httpx
+    from ray import serve
 
     deadline = time.monotonic() + timeout_s
     last: Any = None
@@ -73,7 +78,9 @@ def wait_healthy(base_url: str, timeout_s: float = 300) -> None:
                 return
         except httpx.HTTPError as err:
             last = err
+        for name, app in serve.status().applications.items():
+            if app.status == "DEPLOY_FAILED":
+                why = [f"{d}: {s.message}" for d, s in app.deployments.items() if s.status == "DEPLOY_FAILED"]
+                raise RuntimeError(f"graph '{name}' failed to deploy: {app.message} {' | '.join(why)[:3000]}")
         time.sleep(1)
-    from ray import serve
-
     raise TimeoutError(f"graph not healthy after {timeout_s:.0f}s: {last!r}; serve status: {serve.status()}")

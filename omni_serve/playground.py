@@ -55,9 +55,11 @@ page = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 page.add_exception_handler(StarletteHTTPException, http_exception_handler)
 
 
-def configure(graph: GraphConfig, check_auth: Callable[[Request], None], view: ServeView) -> None:
-    """Called by the ingress constructor, on the replica's event loop."""
+def configure(graph: GraphConfig, check_auth: Callable[[Request], None], view: ServeView | None = None) -> None:
+    """Called by the ingress constructor, on the replica's event loop (``view`` None: not in Serve)."""
     _ingress.graph, _ingress.check_auth, _ingress.view = graph, check_auth, view
+    if view is None:
+        return
     task = asyncio.get_running_loop().create_task(announce_when_running(graph, view))
     _ingress.tasks.add(task)
     task.add_done_callback(_ingress.tasks.discard)
@@ -104,7 +106,8 @@ async def _file(name: str) -> Response:
 async def stages(request: Request) -> JSONResponse:
     """Each deployment of this application: status, running/target replicas, Serve's message."""
     _ingress.check_auth(request)
-    assert _ingress.view is not None, "configure() runs in the ingress constructor"
+    if _ingress.view is None:
+        raise StarletteHTTPException(404, "no Serve application to report on")
     app = await _ingress.view.application()
     report = []
     for name, deployment in app.get("deployments", {}).items():

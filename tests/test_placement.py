@@ -72,7 +72,9 @@ class NodeTypes:
         from ray.util.state import list_actors
 
         found: dict[str, list[str]] = {stage: [] for stage in PINS}
-        for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
+        # This cluster's address, never auto-discovery: another Ray instance on the machine would win.
+        actors = list_actors(address=self.cluster.address, filters=[("state", "=", "ALIVE")], limit=1000)
+        for actor in actors:
             name = actor.class_name or ""
             if name.startswith("ServeReplica:omni:"):
                 stage = name.rsplit(":", 1)[1]

@@ -28,6 +28,9 @@ from omni_serve import playground
 from omni_serve.config import load_graph
 from omni_serve.errors import http_exception_handler
 from omni_serve.launch import load_graph_file
+from tests import deps
+
+TOOLS = "make test installs it (.ci/install-debian-tools.sh)"
 
 CHROMIUM = shutil.which("chromium")
 SHOTS = Path(os.environ.get("OMNI_SERVE_SCREENSHOTS", "/tmp/omni_serve-screenshots"))
@@ -79,10 +82,7 @@ def browser() -> Iterator[Any]:
     except ImportError:
         sync_playwright = None
     if sync_playwright is None or CHROMIUM is None:
-        missing = "the playwright package" if sync_playwright is None else "chromium"
-        if os.environ.get("CI"):
-            pytest.fail(f"{missing} is missing: `make test` installs it (.ci/install-debian-tools.sh)")
-        pytest.skip(f"{missing} is missing: `make test` installs it (.ci/install-debian-tools.sh)")
+        deps.missing("the playwright package" if sync_playwright is None else "chromium", TOOLS)
     with sync_playwright() as driver:
         # The fake devices give the microphone a test tone; no autoplay flag: audio starts from the click.
         browser = driver.chromium.launch(

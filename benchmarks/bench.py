@@ -61,6 +61,7 @@ class Sample:
     ttfa: float | None = None
     e2e: float = 0.0
     audio_s: float = 0.0
+    prompt_tokens: int | None = None  # as the server counts them (non-streamed requests)
     error: str | None = None
 
 
@@ -96,6 +97,7 @@ class Scenario:
             "e2e_p99": pct(e2e, 99),
             "rtf_p50": pct(rtf, 50),
             "audio_s_p50": pct([s.audio_s for s in ok], 50),
+            "prompt_tokens_p50": pct([s.prompt_tokens for s in ok if s.prompt_tokens is not None], 50),
             "req_per_s": len(ok) / self.wall_s if self.wall_s else None,
         }
 
@@ -129,7 +131,9 @@ async def _one(client: httpx.AsyncClient, args: argparse.Namespace, sc: Scenario
             response = await client.post("/v1/chat/completions", json=body)
             response.raise_for_status()
             sample.e2e = sample.ttft = sample.ttfa = time.perf_counter() - start
-            audio = response.json()["choices"][0]["message"].get("audio")
+            reply = response.json()
+            sample.prompt_tokens = reply["usage"]["prompt_tokens"]
+            audio = reply["choices"][0]["message"].get("audio")
             sample.audio_s = _audio_seconds(audio["data"]) if audio else 0.0
             if not sc.audio:
                 sample.ttfa = None
@@ -219,6 +223,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         "e2e_p99",
         "rtf_p50",
         "audio_s_p50",
+        "prompt_tokens_p50",
         "req_per_s",
     ]
 

@@ -232,19 +232,28 @@ def test_prompt_tokens_grow_with_the_media_as_the_processor_says(client: openai.
     assert prompt_tokens(video(mp4(seconds=4.0))) - prompt_tokens(video(mp4(seconds=2.0))) == 48
 
 
-def test_spoken_reply_to_media_and_streaming(tiny_omni, client: openai.OpenAI) -> None:
-    turns = api_turns([user(QUESTION, image(png()), audio(wav(0.5)))])
+MEDIA_TURNS = [user(QUESTION, image(png()), audio(wav(0.5)))]
+
+
+def spoken_reply_to_media(client: openai.OpenAI, talker: dict[str, Any], **extra: Any) -> Any:
+    """A spoken reply to an image and audio: text, and a 24 kHz WAV with samples in it."""
     reply = client.chat.completions.create(
         model=MODEL,
-        messages=turns,
+        messages=api_turns(MEDIA_TURNS),
         modalities=["text", "audio"],
         audio={"voice": "ethan", "format": "wav"},
         max_tokens=6,
-        seed=3,
-        extra_body={"stage_sampling": {"talker": {"max_tokens": 8}}},
+        extra_body={"stage_sampling": {"talker": talker}},
+        **extra,
     )
     samples, rate = sf.read(io.BytesIO(base64.b64decode(reply.choices[0].message.audio.data)), dtype="float32")
     assert rate == 24000 and samples.size > 0 and reply.choices[0].message.content
+    return reply
+
+
+def test_spoken_reply_to_media_and_streaming(tiny_omni, client: openai.OpenAI) -> None:
+    reply = spoken_reply_to_media(client, {"max_tokens": 8}, seed=3)
+    turns = api_turns(MEDIA_TURNS)
     chunks = list(
         client.chat.completions.create(
             model=MODEL, messages=turns, max_tokens=6, seed=3, stream=True, stream_options={"include_usage": True}

@@ -433,14 +433,4 @@ def test_video_with_its_audio_track(graph, client: openai.OpenAI) -> None:
 
 def test_spoken_reply_to_media(graph, client: openai.OpenAI) -> None:
     """The talker speaks a reply to media (its first code group greedy: no codec EOS at the first step by chance)."""
-    turns = omni.api_turns([omni.user(omni.QUESTION, omni.image(png()), omni.audio(wav(0.5)))])
-    reply = client.chat.completions.create(
-        model=MODEL,
-        messages=turns,
-        modalities=["text", "audio"],
-        audio={"voice": "ethan", "format": "wav"},
-        max_tokens=6,
-        extra_body={"stage_sampling": {"talker": {"max_tokens": 8, "temperature": 0.0}}},
-    )
-    samples, rate = sf.read(io.BytesIO(base64.b64decode(reply.choices[0].message.audio.data)), dtype="float32")
-    assert rate == 24000 and samples.size > 0 and reply.choices[0].message.content
+    omni.spoken_reply_to_media(client, {"max_tokens": 8, "temperature": 0.0})

@@ -199,6 +199,27 @@ def test_media_equal_hf_processor_and_generate(client: openai.OpenAI, parts: lis
     check_against_reference(client, [user(QUESTION, *parts)])
 
 
+@pytest.mark.parametrize("use_audio_in_video", [False, True], ids=["all-three", "all-three-video-track"])
+def test_prompt_ids_equal_hf_processor_id_for_id(tiny_omni, use_audio_in_video: bool) -> None:
+    """The thinker's prompt token ids, read from its handoff to the talker, equal HF's processor's."""
+    from omni_serve.types import ChatMessage, HandoffPayload, MediaPart, SamplingParams, StageRequest, TextPart
+
+    made = [image(png()), audio(wav(1.0)), video(mp4())]
+    content: list[TextPart | MediaPart] = [TextPart(text=QUESTION["text"])]
+    for j, part in enumerate(made, start=1):
+        in_video = use_audio_in_video and part["type"] == "video"
+        content.append(
+            MediaPart(type=part["type"], param=f"messages.0.content.{j}", data=part["data"], audio_in_video=in_video)
+        )
+    request = StageRequest(
+        "prompt-ids", SamplingParams(max_tokens=1), messages=[ChatMessage(role="user", content=content)]
+    )
+    items = list(tiny_omni.handle("thinker").options(stream=True).generate.remote(request))
+    (payload,) = [item for item in items if isinstance(item, HandoffPayload)]
+    ids = payload.tensors["token_ids"][: payload.meta["prompt_len"]].tolist()
+    assert ids == reference_inputs([user(QUESTION, *made)], use_audio_in_video)["input_ids"][0].tolist()
+
+
 def test_video_with_its_audio_track(client: openai.OpenAI) -> None:
     plain = check_against_reference(client, [user(QUESTION, video(mp4()))])
     with_track = check_against_reference(client, [user(QUESTION, video(mp4()))], use_audio_in_video=True)

@@ -115,11 +115,17 @@ def _body(args: argparse.Namespace, sc: Scenario, seed: int) -> dict[str, Any]:
         "max_tokens": args.max_tokens,
         "seed": seed,
         "stream": stream,
-        "stage_sampling": {args.talker_stage: {"max_tokens": args.talker_frames}} if audio else None,
+        "stage_sampling": {args.talker_stage: _talker_sampling(args)} if audio else None,
     }
     if audio:
         body.update(modalities=["text", "audio"], audio={"format": "wav"})
     return {k: v for k, v in body.items() if v is not None}
+
+
+def _talker_sampling(args: argparse.Namespace) -> dict[str, Any]:
+    # --fixed-frames: the talker ignores its codec EOS, so every request (and the baseline) makes exactly
+    # --talker-frames frames of audio: the graph and the baseline do the same work.
+    return {"max_tokens": args.talker_frames, **({"ignore_eos": True} if args.fixed_frames else {})}
 
 
 async def _one(client: httpx.AsyncClient, args: argparse.Namespace, sc: Scenario, seed: int) -> Sample:
@@ -186,7 +192,12 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.baseline_threads)
     path = ensure_tiny_omni()
     # Same budgets and the graph's talker sampling (the tiny graph's thinker uses top_k 1: greedy).
-    kwargs = dict(max_new_tokens=args.max_tokens, max_frames=args.talker_frames, talker_temperature=0.9)
+    kwargs = dict(
+        max_new_tokens=args.max_tokens,
+        max_frames=args.talker_frames,
+        talker_temperature=0.9,
+        talker_ignore_eos=args.fixed_frames,
+    )
     hf_reference_generate(path, MESSAGES, seed=10_000, **kwargs)  # warm-up
     e2e, audio_s = [], []
     start = time.perf_counter()
@@ -276,6 +287,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16, help="thinker tokens per request")
     parser.add_argument("--talker-frames", type=int, default=64, help="codec frames per request (12.5 per second)")
     parser.add_argument("--talker-stage", default="talker")
+    parser.add_argument(
+        "--fixed-frames",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="every request and the baseline make exactly --talker-frames codec frames (the talker ignores EOS)",
+    )
     parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--baseline-threads", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=300)

@@ -41,6 +41,13 @@ class StageConfig(BaseModel):
     default_sampling: SamplingParams = Field(
         default_factory=SamplingParams, description="Sampling defaults; requests override them."
     )
+    max_coalesce_ms: float = Field(
+        50.0,
+        ge=0.0,
+        description="Longest a stage call merges its text deltas into one stream item. The interval in force is "
+        "10 ms x the calls in flight in the replica, up to this; 0 sends every delta as its own item "
+        "(omni_serve.coalesce).",
+    )
 
     @field_validator("name")
     @classmethod
@@ -169,10 +176,15 @@ def load_graph(args: dict[str, Any] | GraphConfig) -> GraphConfig:
         graph = GraphConfig.model_validate(args)
     except ValidationError as err:
         raise GraphConfigError(f"invalid omni_serve graph: {_format(err)}") from None
-    from omni_serve.engines import validate_engine_args
+    from omni_serve.engines import honoured_sampling, unhonoured_sampling, validate_engine_args
 
     for i, stage in enumerate(graph.stages):
         problem = validate_engine_args(stage.engine, stage.engine_args)
         if problem:
             raise GraphConfigError(f"invalid omni_serve graph: stages[{i}].engine_args: {problem}")
+        for name in unhonoured_sampling(stage.default_sampling, honoured_sampling(stage.engine, stage.engine_args)):
+            raise GraphConfigError(
+                f"invalid omni_serve graph: stages[{i}].default_sampling.{name}: the {stage.engine} engine of "
+                f"stage '{stage.name}' cannot honour it"
+            )
     return graph

@@ -39,7 +39,7 @@ from typing import Any
 
 import yaml
 
-from omni_serve.types import SamplingParams
+from omni_serve.types import SAMPLING_EXTENSIONS, SamplingParams
 
 # Pipelines with handoffs in omni_serve.engines.vllm_omni_handoffs: model_type -> (pipeline object, default model).
 PIPELINES: dict[str, tuple[str, str]] = {
@@ -167,7 +167,8 @@ def _plain(value: Any) -> Any:
 
 def _split_sampling(merged: dict[str, Any], constraints: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(omni_serve default_sampling, constraints applied on every request)."""
-    known = set(SamplingParams.model_fields)
+    # vLLM's extra parameters stay vLLM-Omni constraints: the engine applies them as vLLM-Omni does.
+    known = set(SamplingParams.model_fields) - set(SAMPLING_EXTENSIONS)
     sampling: dict[str, Any] = {}
     extra = dict(constraints)
     for key, value in merged.items():

@@ -33,9 +33,11 @@ from ray.serve._private.http_util import parse_request_timeout_header
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from omni_serve import media_input, playground
 from omni_serve.config import DEADLINE_MARGIN_S, GraphConfig, check_timeouts, load_graph
+from omni_serve.engines import honoured_sampling, unhonoured_sampling
 from omni_serve.engines.base import InvalidStageInput
 from omni_serve.errors import (
     APIError,
@@ -80,6 +82,21 @@ api.add_exception_handler(StarletteHTTPException, http_exception_handler)  # 404
 playground.mount(api)  # GET / (the playground page) and GET /stages
 
 
+class ServeStreamingResponse(StreamingResponse):
+    """Starlette's streaming response, sent the way it sends to ASGI 2.4 servers: no disconnect listener.
+
+    Behind an ASGI < 2.4 server Starlette runs the body in an anyio task group next to a task that
+    waits for ``http.disconnect``, and cancels the group at the end; anyio builds the current task's
+    repr for that cancel, reading source files (~9% of the ingress's CPU at 8 concurrent streams,
+    py-spy). Under Serve the listener is redundant: when the client leaves, Serve's proxy cancels the
+    ingress's call, which cancels this response and the orchestrator's stage calls
+    (``tests/test_cancellation.py``).
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await super().__call__({**scope, "asgi": {**scope.get("asgi", {}), "spec_version": "2.4"}}, receive, send)
+
+
 @serve.deployment(max_ongoing_requests=64, max_queued_requests=256, ray_actor_options={"num_cpus": 0.1})
 @serve.ingress(api)
 class Ingress:
@@ -96,6 +113,7 @@ class Ingress:
         # Serve's own limit; the ingress answers 504 before it (see check_timeouts).
         self.request_timeout_s = self.serve_view.request_timeout_s()
         check_timeouts(self.graph.stage_timeout_s, self.request_timeout_s)
+        self.honoured_sampling = {s.name: honoured_sampling(s.engine, s.engine_args) for s in self.graph.stages}
         self.text_stage = next((s.name for s in self.graph.stages if s.final_output is Modality.TEXT), None)
         self.media_rules = MediaRules(
             frozenset(m.value for m in self.graph.input_modalities), self.graph.media_policy, self.graph.media_input
@@ -193,35 +211,41 @@ class Ingress:
         return resolve_voice(requested, await self._graph_voices(), self.graph.voice_aliases, param)
 
     def _sampling(self, body: ChatCompletionRequest) -> dict[str, SamplingParams]:
-        """Graph defaults, then the OpenAI fields (entry stage; ``seed`` everywhere), then per-stage overrides:
-        ``stage_sampling`` by stage name or vLLM-Omni's ``sampling_params_list`` by stage position."""
+        """Graph defaults, then the top-level fields (entry stage; ``seed`` everywhere), then per-stage overrides:
+        ``stage_sampling`` by stage name or vLLM-Omni's ``sampling_params_list`` by stage position.
+
+        A value the stage's engine cannot honour (one of vLLM's extra sampling parameters, away
+        from its default) is a 400 naming the field as the client sent it."""
         entry = self.graph.entry.name
-        overrides = {
-            "temperature": body.temperature,
-            "top_p": body.top_p,
-            "top_k": body.top_k,
-            "max_tokens": body.max_completion_tokens or body.max_tokens,
-            "seed": body.seed,
-            "repetition_penalty": body.repetition_penalty,
-            "stop": body.stop_list or None,
-        }
-        entry_overrides = {k: v for k, v in overrides.items() if v is not None}
+        top_level = body.entry_sampling()
         per_stage, where = self._per_stage(body)
         resolved: dict[str, SamplingParams] = {}
         for stage in self.graph.stages:
             values = stage.default_sampling.model_dump()
+            sent_as: dict[str, str] = {}  # field -> the prefix of its path in the request
             if stage.name == entry:
-                values.update(entry_overrides)
+                values.update(top_level)
+                sent_as.update(dict.fromkeys(top_level, ""))
             elif body.seed is not None:
                 values["seed"] = body.seed  # one client seed makes every stage reproducible
-            values.update(sampling_overrides(per_stage.get(stage.name, {})))
+            overrides = sampling_overrides(per_stage.get(stage.name, {}))
+            values.update(overrides)
+            sent_as.update(dict.fromkeys(overrides, f"{where[stage.name]}."))
             try:
-                resolved[stage.name] = SamplingParams.model_validate(values)
+                resolved[stage.name] = params = SamplingParams.model_validate(values)
             except ValidationError as err:
                 api_err = from_validation(err)
-                api_err.param = f"{where[stage.name]}.{api_err.param}"
-                api_err.message = f"{where[stage.name]}.{api_err.message}"
+                prefix = sent_as.get((api_err.param or "").split(".")[0], f"{where[stage.name]}.")
+                api_err.param = f"{prefix}{api_err.param}"
+                api_err.message = f"{prefix}{api_err.message}"
                 raise api_err from None
+            for name in unhonoured_sampling(params, self.honoured_sampling[stage.name]):
+                param = f"{sent_as.get(name, '')}{name}"
+                raise bad_request(
+                    f"{param}: stage '{stage.name}' ({stage.engine} engine) cannot honour {name}; leave it at "
+                    f"{SamplingParams.model_fields[name].get_default(call_default_factory=True)!r}",
+                    param,
+                )
         return resolved
 
     def _per_stage(self, body: ChatCompletionRequest) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
@@ -390,7 +414,7 @@ class Ingress:
                 yield chat.sse(chat.usage_chunk(request_id, model, created, result.usage))
             yield chat.sse("[DONE]")
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return ServeStreamingResponse(events(), media_type="text/event-stream")
 
     @api.post("/v1/audio/speech")
     async def audio_speech(self, request: Request) -> Response:
@@ -445,7 +469,7 @@ class Ingress:
             else:
                 yield encode_audio(np.concatenate(whole) if whole else np.zeros(0, np.float32), rate, fmt)
 
-        return StreamingResponse(audio(), media_type=AUDIO_MEDIA_TYPES[fmt])
+        return ServeStreamingResponse(audio(), media_type=AUDIO_MEDIA_TYPES[fmt])
 
     @api.post("/v1/images/generations")
     async def images_generations(self, request: Request) -> JSONResponse:

@@ -17,6 +17,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from omni_serve.coalesce import coalesced
 from omni_serve.config import StageConfig
 from omni_serve.engines import create_engine
 from omni_serve.handoff import detached, payload_loads, stream_items
@@ -27,6 +28,10 @@ from omni_serve.metrics import StageMetrics
 from omni_serve.types import FinishReason, HandoffPayload, StageOutput, StageRequest
 
 logger = logging.getLogger("ray.serve")
+
+# How long one stage call may hold text deltas per call in flight in the replica (omni_serve.coalesce):
+# the replica then sends on the order of 1 / COALESCE_S_PER_CALL text items per second in all.
+COALESCE_S_PER_CALL = 0.01
 
 
 def _outcome(final: StageOutput | None) -> str:
@@ -54,6 +59,8 @@ class StageDeployment:
         )
         self.calls = 0
         self.in_flight = 0
+        self.items = 0  # stream items yielded since start (tests and the README's per-request counts)
+        self.max_coalesce_s = self.config.max_coalesce_ms / 1000
         self.metrics = StageMetrics()
         self.engine = create_engine(self.config.engine, self.name, self.config.engine_args)
         started = time.perf_counter()
@@ -83,6 +90,7 @@ class StageDeployment:
         outcome = "error"
         finished: StageOutput | None = None
         stream: AsyncIterator[StageOutput] | None = None
+        outputs: AsyncIterator[StageOutput] | None = None
         try:
             handoff = request.handoff
             if isinstance(handoff, ray.ObjectRef):
@@ -94,10 +102,12 @@ class StageDeployment:
             if self.media is not None:
                 await self._load_media(request)
             stream = self.engine.stream(request, handoff)
-            async for output in stream:
+            outputs = coalesced(stream, self._coalesce_interval)
+            async for output in outputs:
                 self.metrics.output(output)
                 finished = output if output.finished else finished
                 for item in stream_items(output, request.wants_handoff):
+                    self.items += 1
                     yield item
             outcome = _outcome(finished)
         except (asyncio.CancelledError, GeneratorExit):
@@ -114,6 +124,8 @@ class StageDeployment:
                 await self.engine.abort(request.request_id)
             raise
         finally:
+            if outputs is not None:
+                await outputs.aclose()
             if stream is not None:
                 await stream.aclose()
             self.in_flight -= 1
@@ -130,6 +142,9 @@ class StageDeployment:
             request.media = await load_media(parts, policy, config, self.engine.audio_input_rate)
             for part in parts:
                 part.data = None
+
+    def _coalesce_interval(self) -> float:
+        return min(COALESCE_S_PER_CALL * self.in_flight, self.max_coalesce_s)
 
     def __del__(self) -> None:
         # Serve calls this when the replica stops; engines with child processes stop them here.
@@ -149,6 +164,7 @@ class StageDeployment:
         return {
             "stage": self.name,
             "calls": self.calls,
+            "items": self.items,
             "payload_loads": payload_loads(),
             "media_decodes": media_decodes(),
             **self.engine.stats(),

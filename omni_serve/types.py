@@ -47,6 +47,36 @@ class SamplingParams(BaseModel):
     seed: int | None = Field(None, description="Per-request seed; None draws one.")
     stop: list[str] = Field(default_factory=list, description="Stop strings (text stages).")
     stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop token ids.")
+    # vLLM's extra sampling parameters, with vLLM's meaning and defaults. An engine family honours
+    # some of them (``honoured_sampling`` of its module); a request or graph that sets one to anything
+    # but its default on a stage whose engine does not honour it is refused, naming the field.
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens below min_p x the top token's probability.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI presence penalty; 0 disables it.")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI frequency penalty; 0 disables it.")
+    min_tokens: int = Field(0, ge=0, description="Tokens generated before EOS, stop ids or stop strings may end it.")
+    ignore_eos: bool = Field(False, description="Keep generating past the model's EOS token (benchmarks).")
+    include_stop_str_in_output: bool = Field(False, description="Keep the matched stop string in the text.")
+    skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
+    spaces_between_special_tokens: bool = Field(True, description="Separate special tokens by spaces in the text.")
+    bad_words: list[str] = Field(default_factory=list, description="Words never generated.")
+    allowed_token_ids: list[int] | None = Field(None, description="Only these token ids may be generated.")
+    logit_bias: dict[int, float] | None = Field(None, description="Token id -> bias added to its logit.")
+
+
+# The fields above from min_p on: vLLM sampling parameters an engine family may or may not honour.
+SAMPLING_EXTENSIONS: tuple[str, ...] = (
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "bad_words",
+    "allowed_token_ids",
+    "logit_bias",
+)
 
 
 class TextPart(BaseModel):

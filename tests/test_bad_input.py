@@ -81,7 +81,18 @@ CORPUS: list[tuple[str, dict[str, Any], int, str]] = [
     ("stream not bool", {"json": chat(stream="maybe")}, 400, "stream"),
     ("stream_options unknown key", {"json": chat(stream=True, stream_options={"x": 1})}, 400, "stream_options"),
     ("logprobs true", {"json": chat(logprobs=True)}, 400, "logprobs"),
+    # vLLM's extra sampling parameters the transformers thinker cannot honour: refused by name
     ("frequency_penalty set", {"json": chat(frequency_penalty=0.5)}, 400, "frequency_penalty"),
+    ("min_tokens on the thinker", {"json": chat(min_tokens=2)}, 400, "min_tokens"),
+    ("logit_bias on the thinker", {"json": chat(logit_bias={"5": 10})}, 400, "logit_bias"),
+    ("min_p out of range", {"json": chat(min_p=2)}, 400, "min_p"),
+    ("use_beam_search", {"json": chat(use_beam_search=True)}, 400, "use_beam_search"),
+    (
+        "min_p on the talker",
+        {"json": chat(stage_sampling={"talker": {"min_p": 0.1}})},
+        400,
+        "stage_sampling.talker.min_p",
+    ),
     # --- sampling ---
     ("negative max_tokens", {"json": chat(max_tokens=-1)}, 400, "max_tokens"),
     ("zero max_tokens", {"json": chat(max_tokens=0)}, 400, "max_tokens"),
@@ -146,9 +157,15 @@ CORPUS: list[tuple[str, dict[str, Any], int, str]] = [
     ("sampling_params_list too long", {"json": chat(sampling_params_list=[{}] * 9)}, 400, "3 stages"),
     (
         "sampling_params_list unknown field",
-        {"json": chat(sampling_params_list=[{"ignore_eos": True}])},
+        {"json": chat(sampling_params_list=[{"use_beam_search": True}])},
         400,
-        "sampling_params_list.0.ignore_eos",
+        "sampling_params_list.0.use_beam_search",
+    ),
+    (
+        "sampling_params_list field the talker cannot honour",
+        {"json": chat(sampling_params_list=[{}, {"presence_penalty": 0.5}])},
+        400,
+        "sampling_params_list.1.presence_penalty",
     ),
     (
         "sampling_params_list huge max_tokens",
@@ -223,6 +240,15 @@ def test_a_stage_raised_400_names_its_field(client: httpx.Client) -> None:
     reply = client.post("/v1/chat/completions", json=chat(**msg("word " * 20_000)))
     assert reply.status_code == 400
     assert error_of(reply)["param"] == "messages" and "context" in error_of(reply)["message"]
+
+
+def test_vllm_sampling_parameters_the_thinker_honours_are_accepted(client: httpx.Client) -> None:
+    """What `vllm bench serve` sends (ignore_eos) and vLLM parameters the transformers thinker maps onto HF."""
+    body = chat(max_tokens=6, ignore_eos=True, min_p=0.05, skip_special_tokens=True, top_k=-1, seed=3, stream=True)
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200, r.read()
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["usage"]["completion_tokens"] == 6  # ignore_eos: the whole budget
 
 
 def test_server_is_healthy_and_serves_after_the_corpus(client: httpx.Client) -> None:

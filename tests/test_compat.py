@@ -189,9 +189,11 @@ def test_vllm_omni_extensions(http: httpx.Client) -> None:
     # sampling_params_list is positional over the graph's stage order; each entry names its field.
     too_many = _chat(http, sampling_params_list=[{}, {}, {}, {}])
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "sampling_params_list"
-    unknown = _chat(http, sampling_params_list=[{}, {"ignore_eos": True}])
-    assert unknown.status_code == 400, unknown.text
-    assert unknown.json()["error"]["param"] == "sampling_params_list.1.ignore_eos"
+    # vLLM's min_p is honoured by the thinker, not by the transformers talker: refused by its path.
+    unhonoured = _chat(http, sampling_params_list=[{}, {"min_p": 0.1}])
+    assert unhonoured.status_code == 400, unhonoured.text
+    assert unhonoured.json()["error"]["param"] == "sampling_params_list.1.min_p"
+    assert "cannot honour" in unhonoured.json()["error"]["message"]
     bad = _chat(http, sampling_params_list=[{"temperature": 9}])
     assert bad.json()["error"]["param"] == "sampling_params_list.0.temperature"
     both = _chat(http, sampling_params_list=[{}], stage_sampling={"thinker": {}})

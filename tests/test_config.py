@@ -81,6 +81,14 @@ def test_bad_sampling_default() -> None:
     assert "stages[0].default_sampling.temperature" in error_of(args)
 
 
+def test_sampling_default_the_engine_cannot_honour() -> None:
+    args = tiny_args()
+    args["stages"][0]["default_sampling"]["ignore_eos"] = True  # the transformers thinker honours it
+    load_graph(args)
+    args["stages"][1]["default_sampling"]["min_p"] = 0.1  # the transformers talker does not
+    assert "stages[1].default_sampling.min_p: the transformers engine of stage 'talker' cannot honour" in error_of(args)
+
+
 def test_duplicate_and_reserved_names() -> None:
     args = tiny_args()
     args["stages"].append(copy.deepcopy(args["stages"][2]))

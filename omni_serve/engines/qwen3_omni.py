@@ -422,6 +422,7 @@ def hf_reference_generate(
     processor_inputs: Any = None,
     use_audio_in_video: bool = False,
     return_audio: bool = True,
+    talker_ignore_eos: bool = False,
 ) -> tuple[str, np.ndarray]:
     """Text and 24 kHz waveform from transformers' own ``generate(return_audio=True)``: the in-process baseline.
 
@@ -435,7 +436,8 @@ def hf_reference_generate(
     residual groups (top_k 50, top_p 0.8), so ``seed`` seeds torch before the call; a
     stage engine seeded the same way consumes the RNG identically (the greedy thinker draws
     nothing). ``max_frames`` maps to ``talker_max_new_tokens = max_frames + 1`` because HF
-    gives the last sampled codec token no residual codes.
+    gives the last sampled codec token no residual codes. ``talker_ignore_eos`` makes the talker
+    run to ``max_frames`` (as a stage's ``ignore_eos`` does), so benchmarks compare equal work.
     """
     import torch
     from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
@@ -458,6 +460,7 @@ def hf_reference_generate(
     input_ids = inputs.pop("input_ids")
     inputs.pop("attention_mask", None)
     eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    codec_eos = model.config.talker_config.codec_eos_token_id
     torch.manual_seed(seed)
     result = model.generate(
         input_ids,
@@ -474,6 +477,8 @@ def hf_reference_generate(
         talker_top_k=talker_top_k,
         talker_top_p=talker_top_p,
         talker_repetition_penalty=talker_repetition_penalty,
+        # No EOS; the pad id HF would otherwise take from the EOS list (a batch of one is never padded).
+        **({"talker_eos_token_id": [], "talker_pad_token_id": codec_eos} if talker_ignore_eos else {}),
     )
     sequences, wav = result if return_audio else (result, torch.zeros(0))
     text = tokenizer.decode(sequences[0, input_ids.shape[1] :], skip_special_tokens=True)

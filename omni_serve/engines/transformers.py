@@ -96,6 +96,17 @@ def input_modalities(args: TransformersEngineArgs) -> set[Modality]:
     return {Modality.TEXT, Modality.IMAGE, Modality.AUDIO, Modality.VIDEO} if args.model_stage == "thinker" else set()
 
 
+def honoured_sampling(engine_args: dict[str, Any]) -> frozenset[str]:
+    """The thinker maps ``ignore_eos``, ``min_p`` and ``skip_special_tokens`` onto HF ``generate``, the talker
+    ``ignore_eos`` (its codec EOS); the talker and code2wav produce no text, so the two parameters that only
+    shape text change nothing there."""
+    stage = engine_args.get("model_stage")
+    if stage == "thinker":
+        return frozenset({"ignore_eos", "min_p", "skip_special_tokens"})
+    text_only = {"skip_special_tokens", "spaces_between_special_tokens"}
+    return frozenset(text_only | {"ignore_eos"} if stage == "talker" else text_only)
+
+
 def create(stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
     """The engine for ``engine_args['model_stage']``; raises ``pydantic.ValidationError`` on bad args."""
     args = TransformersEngineArgs.model_validate(engine_args)
@@ -300,7 +311,18 @@ def _sampling_kwargs(s: SamplingParams) -> dict[str, Any]:
         kwargs["repetition_penalty"] = s.repetition_penalty
     if s.temperature > 0:
         kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)  # top_k 0: HF adds no filter
+        if s.min_p > 0:
+            kwargs["min_p"] = s.min_p
     return kwargs
+
+
+def end_ids(eos_ids: list[int], stop_token_ids: set[int], ignore_eos: bool) -> list[int]:
+    """The token ids that end a generation: the model's EOS tokens unless ``ignore_eos``, and the stop ids.
+
+    An empty list (``ignore_eos`` without stop ids) overrides the checkpoint's generation config, so
+    ``generate`` then runs to ``max_new_tokens``.
+    """
+    return sorted(stop_token_ids if ignore_eos else set(eos_ids) | stop_token_ids)
 
 
 def _stopping(cancelled: threading.Event, delay_s: float, extra: Callable[[], bool] | None = None) -> Any:
@@ -329,8 +351,9 @@ class _TextStream:
     (a stop string may be forming) are held back until ``finish``.
     """
 
-    def __init__(self, tokenizer: Any, stop: list[str], stop_token_ids: set[int]):
+    def __init__(self, tokenizer: Any, stop: list[str], stop_token_ids: set[int], skip_special_tokens: bool = True):
         self._tok = tokenizer
+        self._skip_special = skip_special_tokens
         self._stop = [s for s in stop if s]
         self._stop_ids = stop_token_ids
         self._hold = max((len(s) for s in self._stop), default=1) - 1
@@ -346,7 +369,7 @@ class _TextStream:
         if token_id not in self._stop_ids:  # a stop token ends the text without showing in it
             self._text_ids.append(token_id)
         self._text_len.append(len(self._text_ids))
-        text = self._tok.decode(self._text_ids, skip_special_tokens=True)
+        text = self._tok.decode(self._text_ids, skip_special_tokens=self._skip_special)
         hits = [i for i in (text.find(s) for s in self._stop) if i >= 0]
         if hits:
             self.stop_at = min(hits)
@@ -378,7 +401,7 @@ class _TextStream:
         return k
 
     def _decode_first(self, n: int) -> str:
-        return self._tok.decode(self._text_ids[:n], skip_special_tokens=True)
+        return self._tok.decode(self._text_ids[:n], skip_special_tokens=self._skip_special)
 
 
 class ThinkerEngine(_HFEngine):
@@ -500,8 +523,8 @@ class ThinkerEngine(_HFEngine):
 
         s = request.sampling
         stop_ids = set(s.stop_token_ids)
-        eos = sorted(set(self.eos_ids) | stop_ids)
-        text = _TextStream(self.tokenizer, s.stop, stop_ids)
+        eos = end_ids(self.eos_ids, stop_ids, s.ignore_eos)
+        text = _TextStream(self.tokenizer, s.stop, stop_ids, s.skip_special_tokens)
         generated: list[int] = []
 
         class _Streamer(BaseStreamer):
@@ -660,7 +683,7 @@ class TalkerEngine(_HFEngine):
                 for chunk in chunker.push(codes[0].cpu().numpy()):
                     emit(("chunk", chunk))
 
-        eos = self.config.talker_config.codec_eos_token_id
+        ends = end_ids([self.config.talker_config.codec_eos_token_id], set(s.stop_token_ids), s.ignore_eos)
         hook = self.talker.register_forward_hook(on_step, with_kwargs=True)
         try:
             with _RNG_LOCK, torch.inference_mode():
@@ -670,7 +693,8 @@ class TalkerEngine(_HFEngine):
                     # HF's talker never gives the last sampled token residual codes: one more step
                     # yields max_tokens complete frames.
                     max_new_tokens=s.max_tokens + 1,
-                    eos_token_id=sorted({eos, *s.stop_token_ids}),
+                    eos_token_id=ends,
+                    pad_token_id=self.config.talker_config.codec_eos_token_id,  # batch of one: never padded
                     suppress_tokens=self.suppress_tokens,
                     stopping_criteria=_stopping(cancelled, self.args.step_delay_s),
                     output_hidden_states=True,  # the residual codes travel in the hidden states
@@ -682,7 +706,7 @@ class TalkerEngine(_HFEngine):
         last = int(sequences[0, -1]) if sequences.shape[1] else None
         if cancelled.is_set():
             reason = FinishReason.ABORT
-        elif last == eos or last in s.stop_token_ids:
+        elif last in ends:
             reason = FinishReason.STOP
         else:
             reason = FinishReason.LENGTH

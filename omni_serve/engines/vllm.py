@@ -24,7 +24,16 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from omni_serve.engines.base import EngineError, InvalidStageInput, StageEngine
-from omni_serve.types import ChatMessage, FinishReason, HandoffPayload, SamplingParams, StageOutput, StageRequest, Usage
+from omni_serve.types import (
+    SAMPLING_EXTENSIONS,
+    ChatMessage,
+    FinishReason,
+    HandoffPayload,
+    SamplingParams,
+    StageOutput,
+    StageRequest,
+    Usage,
+)
 
 if TYPE_CHECKING:
     import vllm
@@ -112,22 +121,19 @@ class EngineArgs(BaseModel):
 # ---- pure mapping: omni_serve <-> vLLM ---------------------------------------------------------------
 
 
+def honoured_sampling(engine_args: dict[str, Any]) -> frozenset[str]:
+    """vLLM honours all of its own extra sampling parameters."""
+    return frozenset(SAMPLING_EXTENSIONS)
+
+
 def sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
     """``vllm.SamplingParams`` keyword arguments for one stage call (output kind excluded).
 
     vLLM already means what omni_serve means by temperature 0 (greedy: top_p/top_k are
-    ignored) and top_k 0 (disabled), so those pass through unchanged.
+    ignored) and top_k 0 (disabled), and the extra parameters are vLLM's own, so every
+    field passes through unchanged.
     """
-    return {
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k,
-        "max_tokens": params.max_tokens,
-        "seed": params.seed,
-        "stop": list(params.stop),
-        "stop_token_ids": list(params.stop_token_ids),
-        "repetition_penalty": params.repetition_penalty,
-    }
+    return params.model_dump()
 
 
 def to_vllm_sampling(params: SamplingParams) -> vllm.SamplingParams:

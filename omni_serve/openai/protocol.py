@@ -19,7 +19,7 @@ from omni_serve import media_input, types
 from omni_serve.errors import APIError, bad_request
 from omni_serve.media import AudioFormat
 from omni_serve.media_policy import MediaPolicy, check_url
-from omni_serve.types import ChatMessage, Modality
+from omni_serve.types import SAMPLING_EXTENSIONS, ChatMessage, Modality
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -96,9 +96,9 @@ def _valid_unicode(text: str, what: str) -> str:
 
 # ---- request models ---------------------------------------------------------------------------
 
-# vLLM SamplingParams fields that shape only how vLLM reports its output (never the tokens): accepted in
-# stage_sampling / sampling_params_list entries, ignored.
-_VLLM_REPORTING_FIELDS = frozenset({"detokenize", "skip_special_tokens", "spaces_between_special_tokens"})
+# vLLM SamplingParams' ``detokenize`` decides only whether vLLM reports text for a stage; accepted in
+# stage_sampling / sampling_params_list entries (vLLM-Omni's example client sends it), ignored.
+_VLLM_REPORTING_FIELDS = frozenset({"detokenize"})
 
 
 def sampling_overrides(values: dict[str, Any]) -> dict[str, Any]:
@@ -271,13 +271,28 @@ class ChatCompletionRequest(_Strict):
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=-1, description="vLLM's -1, like 0, means no top-k filtering.")
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     n: Literal[1] = 1
+    # vLLM's extra sampling parameters (its OpenAI server accepts them at the top level; `vllm bench
+    # serve` sends ignore_eos). They apply to the entry stage; types.SamplingParams has their meaning.
+    # A stage whose engine cannot honour one that is sent refuses it with a 400 naming it.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None
     stage_sampling: dict[str, dict[str, Any]] | None = Field(
         None, description="Per-stage sampling overrides keyed by stage name, e.g. {'talker': {'temperature': 0.9}}."
     )
@@ -360,3 +375,23 @@ class ChatCompletionRequest(_Strict):
     @property
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def entry_sampling(self) -> dict[str, Any]:
+        """The top-level sampling fields the client sent, by ``types.SamplingParams`` name (entry stage)."""
+        sent = {name: getattr(self, name) for name in _TOP_LEVEL_SAMPLING}
+        sent["max_tokens"] = self.max_completion_tokens or self.max_tokens
+        sent["stop"] = self.stop_list or None
+        if sent["top_k"] == -1:
+            sent["top_k"] = 0
+        return {name: value for name, value in sent.items() if value is not None}
+
+
+# Top-level request fields that are also types.SamplingParams fields of the same name.
+_TOP_LEVEL_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "repetition_penalty",
+    *(name for name in ChatCompletionRequest.model_fields if name in SAMPLING_EXTENSIONS or name == "stop_token_ids"),
+)

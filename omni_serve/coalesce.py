@@ -1,0 +1,63 @@
+"""Coalescing a stage call's text deltas into fewer stream items, more of them merged as load rises.
+
+Every item a stage yields costs a Ray object, an RPC to the ingress, a wake-up of the ingress,
+an SSE event and a message to Serve's proxy (README, "Where the time goes"). A fast text stage
+yields one delta per token, so under load the serving path, not the engine, sets the pace.
+:func:`coalesced` merges consecutive text deltas of one call while its previous item is younger
+than ``interval()``: the stage passes ``min(per-call interval x calls in flight, cap)``, so one
+call on a slow model sends every delta as it comes, and a busy replica sends each call's text in
+a few larger pieces. The stream's content is unchanged: the merged item's text and token ids are
+the deltas' concatenation, in order.
+
+Never merged, never held: the first output (time to first token), the final output (it flushes
+what is held), and any output with audio, images or a handoff (audio chunks are self-contained
+files, and a handoff must stay one item). Nothing waits on a timer: held text goes out with the
+next engine output after the interval, so text is never later than one engine step past it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+
+from omni_serve.types import StageOutput
+
+
+def mergeable(output: StageOutput) -> bool:
+    """Plain text progress: no audio, images, handoff, final status or prompt report."""
+    return (
+        not output.finished
+        and output.audio is None
+        and not output.images
+        and output.handoff is None
+        and output.prompt_text is None
+    )
+
+
+def merged(held: StageOutput, later: StageOutput) -> StageOutput:
+    """``held`` followed by ``later`` as one output (``later`` carries any final status, audio or handoff)."""
+    later.text = held.text + later.text
+    later.token_ids = held.token_ids + later.token_ids
+    return later
+
+
+async def coalesced(
+    outputs: AsyncIterator[StageOutput],
+    interval: Callable[[], float],
+    clock: Callable[[], float] = time.monotonic,
+) -> AsyncIterator[StageOutput]:
+    """``outputs`` with consecutive text deltas merged while the previous item is younger than ``interval()`` s."""
+    held: StageOutput | None = None
+    sent_at: float | None = None  # None: nothing sent yet, the first output goes at once
+    async for output in outputs:
+        if held is not None:
+            output = merged(held, output)
+            held = None
+        now = clock()
+        if sent_at is not None and mergeable(output) and now - sent_at < interval():
+            held = output
+            continue
+        sent_at = now
+        yield output
+    if held is not None:  # the engine ended without a final output: the caller treats that as a failure
+        yield held

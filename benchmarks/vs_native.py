@@ -117,7 +117,7 @@ def serve_omni(port: int) -> None:
     import ray
     from ray import serve
 
-    from omni_serve.launch import deploy_graph_file
+    from omni_serve.launch import deploy_graph_file, wait_healthy
 
     def fixed(config: dict[str, Any]) -> None:
         app = config["applications"][0]
@@ -138,6 +138,7 @@ def serve_omni(port: int) -> None:
     asked, answer = stats_files(port)
     try:
         deploy_graph_file(GRAPH, ray.get_runtime_context().gcs_address, port, fixed)
+        wait_healthy(f"http://127.0.0.1:{port}", timeout_s=600)  # the stage's deployment exists once it is healthy
         stage = serve.get_deployment_handle(STAGE, app_name="omni").options(method_name="stats")
         while not stopping:
             if asked.exists():  # the parent wants the stage's counters (items and calls so far)

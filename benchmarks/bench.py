@@ -3,6 +3,10 @@
     python benchmarks/bench.py --start-tiny                    # starts the tiny CPU graph itself
     python benchmarks/bench.py --url http://127.0.0.1:8000     # any running omni_serve
 
+Scenario ``image+audio-in`` sends the text scenario's prompt with a 640x480 JPEG (``image_url`` data
+URL) and 5 s of 16 kHz WAV (``input_audio``) in the same message: compare it with ``text`` at the
+same concurrency for what media input costs (entry-stage decoding, processor, encoders, longer prompt).
+
 Per request it records TTFT (first text delta), TTFA (first audio chunk), end-to-end latency and
 RTF (e2e / seconds of audio). Non-streamed requests have TTFT = TTFA = e2e. The baseline is HF
 transformers' in-process `generate(return_audio=True)` on the same tiny checkpoint, run
@@ -26,7 +30,29 @@ import httpx
 import numpy as np
 import soundfile as sf
 
-MESSAGES = [{"role": "user", "content": "Tell me a short story about a robot."}]
+PROMPT = "Tell me a short story about a robot."
+MESSAGES = [{"role": "user", "content": PROMPT}]
+
+
+def media_messages() -> list[dict[str, Any]]:
+    """The same prompt with a 640x480 JPEG and 5 s of speech-band audio (a WAV) in the message."""
+    from PIL import Image
+
+    y, x = np.mgrid[0:480, 0:640]
+    rng = np.random.default_rng(0)
+    pixels = np.stack([x * 255 // 639, y * 255 // 479, (x + y) % 256], -1) + rng.integers(0, 24, (480, 640, 3))
+    image = io.BytesIO()
+    Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(image, format="JPEG", quality=85)
+    t = np.arange(5 * 16000) / 16000
+    audio = io.BytesIO()
+    sf.write(audio, (0.3 * np.sin(2 * np.pi * 220 * t * (1 + t / 5))).astype(np.float32), 16000, format="WAV")
+    jpeg, wav = (base64.b64encode(b.getvalue()).decode() for b in (image, audio))
+    parts = [
+        {"type": "text", "text": PROMPT},
+        {"type": "image_url", "image_url": {"url": f"data:image/jpeg;base64,{jpeg}"}},
+        {"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}},
+    ]
+    return [{"role": "user", "content": parts}]
 
 
 @dataclass
@@ -35,6 +61,7 @@ class Sample:
     ttfa: float | None = None
     e2e: float = 0.0
     audio_s: float = 0.0
+    prompt_tokens: int | None = None  # as the server counts them (non-streamed requests)
     error: str | None = None
 
 
@@ -44,6 +71,7 @@ class Scenario:
     stream: bool
     audio: bool
     concurrency: int
+    messages: list[dict[str, Any]] = field(default_factory=lambda: MESSAGES)
     samples: list[Sample] = field(default_factory=list)
     wall_s: float = 0.0
 
@@ -69,6 +97,7 @@ class Scenario:
             "e2e_p99": pct(e2e, 99),
             "rtf_p50": pct(rtf, 50),
             "audio_s_p50": pct([s.audio_s for s in ok], 50),
+            "prompt_tokens_p50": pct([s.prompt_tokens for s in ok if s.prompt_tokens is not None], 50),
             "req_per_s": len(ok) / self.wall_s if self.wall_s else None,
         }
 
@@ -78,10 +107,11 @@ def _audio_seconds(b64: str) -> float:
     return len(data) / rate
 
 
-def _body(args: argparse.Namespace, audio: bool, stream: bool, seed: int) -> dict[str, Any]:
+def _body(args: argparse.Namespace, sc: Scenario, seed: int) -> dict[str, Any]:
+    audio, stream = sc.audio, sc.stream
     body: dict[str, Any] = {
         "model": args.model,
-        "messages": MESSAGES,
+        "messages": sc.messages,
         "max_tokens": args.max_tokens,
         "seed": seed,
         "stream": stream,
@@ -102,12 +132,14 @@ async def _one(client: httpx.AsyncClient, args: argparse.Namespace, sc: Scenario
     sample = Sample()
     start = time.perf_counter()
     try:
-        body = _body(args, sc.audio, sc.stream, seed)
+        body = _body(args, sc, seed)
         if not sc.stream:
             response = await client.post("/v1/chat/completions", json=body)
             response.raise_for_status()
             sample.e2e = sample.ttft = sample.ttfa = time.perf_counter() - start
-            audio = response.json()["choices"][0]["message"].get("audio")
+            reply = response.json()
+            sample.prompt_tokens = reply["usage"]["prompt_tokens"]
+            audio = reply["choices"][0]["message"].get("audio")
             sample.audio_s = _audio_seconds(audio["data"]) if audio else 0.0
             if not sc.audio:
                 sample.ttfa = None
@@ -202,6 +234,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         "e2e_p99",
         "rtf_p50",
         "audio_s_p50",
+        "prompt_tokens_p50",
         "req_per_s",
     ]
 
@@ -232,10 +265,12 @@ def _replica_counts(text: str) -> dict[str, int]:
     return {name: int(count) for name, count in (item.split("=") for item in text.split(",") if item)}
 
 
+# name -> (streamed, audio out, image and audio in)
 SCENARIOS = {
-    "text": (False, False),
-    "text+audio": (False, True),
-    "stream-text+audio": (True, True),
+    "text": (False, False, False),
+    "text+audio": (False, True, False),
+    "stream-text+audio": (True, True, False),
+    "image+audio-in": (False, False, True),
 }
 
 
@@ -285,9 +320,11 @@ def main() -> None:
         wait_healthy(args.url)
     try:
         for name in args.scenarios:
-            stream, audio = SCENARIOS[name]
+            stream, audio, media = SCENARIOS[name]
+            messages = media_messages() if media else MESSAGES
             for concurrency in args.concurrency:
-                sc = asyncio.run(run_scenario(args, Scenario(f"graph {name}", stream, audio, concurrency)))
+                sc = Scenario(f"graph {name}", stream, audio, concurrency, messages=messages)
+                sc = asyncio.run(run_scenario(args, sc))
                 rows.append(sc.summary())
                 errors = [s.error for s in sc.samples if s.error]
                 if errors:
@@ -301,11 +338,13 @@ def main() -> None:
             ray.shutdown()
     if args.baseline:
         rows.append(run_baseline(args))
-    result = {"args": vars(args), "machine": f"{os.cpu_count()} CPUs", "rows": rows}
+    load = os.getloadavg()
+    result = {"args": vars(args), "machine": f"{os.cpu_count()} CPUs", "load_avg_at_end": load, "rows": rows}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(table(rows))
+    print(f"load average at the end (1/5/15 min): {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 
 
 if __name__ == "__main__":

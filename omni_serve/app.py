@@ -18,8 +18,12 @@ from omni_serve.stage import StageDeployment
 
 def build_app(args: dict[str, Any] | GraphConfig) -> Application:
     graph = load_graph(args)
+    # The entry stage fetches and decodes the requests' media: it gets the media policy and limits.
+    media = {"policy": graph.media_policy.model_dump(mode="json"), "input": graph.media_input.model_dump(mode="json")}
     stages = {
-        stage.name: StageDeployment.options(name=stage.name).bind(stage.model_dump(mode="json"))
+        stage.name: StageDeployment.options(name=stage.name).bind(
+            stage.model_dump(mode="json"), media if stage.name == graph.entry.name else None
+        )
         for stage in graph.stages
     }
     return Ingress.options(name=INGRESS_NAME).bind(graph.model_dump(mode="json"), stages)

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from omni_serve.media_input import MediaInputConfig
+from omni_serve.media_policy import MediaPolicy
 from omni_serve.types import Modality, SamplingParams
 
 EngineFamily = Literal["transformers", "vllm", "vllm_omni", "diffusers", "vllm_omni_diffusion"]
@@ -75,6 +77,14 @@ class GraphConfig(BaseModel):
         default_factory=dict,
         description="Other voice names clients may send (e.g. OpenAI's 'alloy') -> one of the graph's voices.",
     )
+    media_policy: MediaPolicy = Field(
+        default_factory=MediaPolicy,
+        description="Where media URLs in requests may point (data URLs always work; remote and local URLs only "
+        "as allowed here).",
+    )
+    media_input: MediaInputConfig = Field(
+        default_factory=MediaInputConfig, description="Per-request limits on media parts; video sampling."
+    )
 
     @field_validator("voice_aliases")
     @classmethod
@@ -118,6 +128,14 @@ class GraphConfig(BaseModel):
     @property
     def modalities(self) -> set[Modality]:
         return {s.final_output for s in self.stages if s.final_output}
+
+    @property
+    def input_modalities(self) -> list[Modality]:
+        """What a chat message may carry: what the entry stage's engine takes (text at least)."""
+        from omni_serve.engines import input_modalities
+
+        entry = self.entry
+        return input_modalities(entry.engine, entry.engine_args)
 
     def stages_for(self, modalities: set[Modality]) -> set[str]:
         """Stages a request must run: producers of the wanted outputs and their upstreams."""

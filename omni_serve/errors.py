@@ -133,13 +133,14 @@ _FIELD = re.compile(r"[a-z_][a-z0-9_]*(?:\.[a-z0-9_]+)*")
 
 
 def stage_bad_request(cause: InvalidStageInput) -> APIError:
-    """A stage's 400: ``param`` is what the engine named, else the field its message starts with."""
+    """A stage's 400 (or 413): ``param`` is what the engine named, else the field its message starts with."""
     message = _RAISED_AS.sub("", str(cause)) or "invalid input"
     param = getattr(cause, "param", None)
     head, sep, _ = message.partition(":")
     if param is None and sep and _FIELD.fullmatch(head):
         param = head
-    return bad_request(message, param)
+    status = getattr(cause, "status", 400)
+    return APIError(status if status in (400, 413) else 400, message, type="invalid_request_error", param=param)
 
 
 def from_failure(err: BaseException, request_id: str, log: bool = True) -> APIError:

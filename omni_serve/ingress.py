@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 import numpy as np
+import ray
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ValidationError
 from ray import serve
@@ -34,16 +35,25 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from omni_serve import playground
+from omni_serve import media_input, playground
 from omni_serve.config import DEADLINE_MARGIN_S, GraphConfig, check_timeouts, load_graph
 from omni_serve.engines import honoured_sampling, unhonoured_sampling
-from omni_serve.errors import APIError, bad_request, from_failure, from_validation, http_exception_handler
+from omni_serve.engines.base import InvalidStageInput
+from omni_serve.errors import (
+    APIError,
+    bad_request,
+    from_failure,
+    from_validation,
+    http_exception_handler,
+    stage_bad_request,
+)
 from omni_serve.handoff import payload_loads, stage_outputs
 from omni_serve.media import AUDIO_MEDIA_TYPES, EMPTY_AUDIO_SAMPLE_RATE, STREAMABLE_AUDIO, AudioEncoder, encode_audio
 from omni_serve.metrics import RequestMetrics
 from omni_serve.openai import chat, images
 from omni_serve.openai.protocol import (
     ChatCompletionRequest,
+    MediaRules,
     api_key_matches,
     check_content_type,
     parse_json_object,
@@ -105,6 +115,9 @@ class Ingress:
         check_timeouts(self.graph.stage_timeout_s, self.request_timeout_s)
         self.honoured_sampling = {s.name: honoured_sampling(s.engine, s.engine_args) for s in self.graph.stages}
         self.text_stage = next((s.name for s in self.graph.stages if s.final_output is Modality.TEXT), None)
+        self.media_rules = MediaRules(
+            frozenset(m.value for m in self.graph.input_modalities), self.graph.media_policy, self.graph.media_input
+        )
         self._voices: list[str] | None = None  # asked from the stages once, on first need
         playground.configure(self.graph, self._check_auth, self.serve_view)
 
@@ -131,6 +144,10 @@ class Ingress:
     def payload_loads(self) -> dict[str, int]:
         """How many handoff payloads this process deserialized (the invariant says: none)."""
         return payload_loads()
+
+    def media_decodes(self) -> dict[str, int]:
+        """How many media items this process decoded (the invariant says: none; the entry stage decodes)."""
+        return media_input.decodes()
 
     # ---- the shared template -------------------------------------------------------------------
     def _check_auth(self, request: Request) -> None:
@@ -257,6 +274,18 @@ class Ingress:
             return defaults
         return {name: params.model_copy(update={"seed": seed}) for name, params in defaults.items()}
 
+    def _chat_messages(self, body: ChatCompletionRequest) -> list[ChatMessage]:
+        """The request's turns; media checked cheaply here and sent on by reference (never decoded here):
+        the bytes of data URLs go into the object store, and the entry stage fetches and decodes."""
+        try:
+            messages = body.chat_messages(self.media_rules)
+        except InvalidStageInput as err:
+            raise stage_bad_request(err) from None
+        for part in (p for m in messages for p in m.media()):
+            if part.data is not None:
+                part.data = ray.put(part.data)
+        return messages
+
     def _modalities(self, body: ChatCompletionRequest) -> set[Modality]:
         wanted = set(body.modalities or [Modality.TEXT])
         missing = wanted - self.graph.modalities
@@ -292,6 +321,7 @@ class Ingress:
             "created": 0,
             "owned_by": "omni_serve",
             "modalities": sorted(m.value for m in self.graph.modalities),
+            "input_modalities": [m.value for m in self.graph.input_modalities],
             "stages": [s.name for s in self.graph.stages],
         }
         if Modality.AUDIO in self.graph.modalities:
@@ -314,7 +344,7 @@ class Ingress:
         body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
         modalities = self._modalities(body)
-        messages = body.chat_messages()
+        messages = self._chat_messages(body)
         voice = await self._voice(*body.requested_voice()) if Modality.AUDIO in modalities else None
         omni = self._omni_request(
             request,

@@ -21,6 +21,9 @@ from omni_serve.coalesce import coalesced
 from omni_serve.config import StageConfig
 from omni_serve.engines import create_engine
 from omni_serve.handoff import detached, payload_loads, stream_items
+from omni_serve.media_input import MediaInputConfig, load_media
+from omni_serve.media_input import decodes as media_decodes
+from omni_serve.media_policy import MediaPolicy
 from omni_serve.metrics import StageMetrics
 from omni_serve.types import FinishReason, HandoffPayload, StageOutput, StageRequest
 
@@ -45,9 +48,15 @@ def _outcome(final: StageOutput | None) -> str:
     health_check_period_s=5,
 )
 class StageDeployment:
-    async def __init__(self, stage: dict[str, Any]):
+    async def __init__(self, stage: dict[str, Any], media: dict[str, Any] | None = None):
         self.config = StageConfig.model_validate(stage)
         self.name = self.config.name
+        # Entry stage only: the requests' media policy and limits (it fetches and decodes their media).
+        self.media = (
+            (MediaPolicy.model_validate(media["policy"]), MediaInputConfig.model_validate(media["input"]))
+            if media
+            else None
+        )
         self.calls = 0
         self.in_flight = 0
         self.items = 0  # stream items yielded since start (tests and the README's per-request counts)
@@ -90,6 +99,8 @@ class StageDeployment:
                 request.handoff = None
             if handoff is not None and not isinstance(handoff, HandoffPayload):
                 raise TypeError(f"stage {self.name}: expected a HandoffPayload, got {type(handoff).__name__}")
+            if self.media is not None:
+                await self._load_media(request)
             stream = self.engine.stream(request, handoff)
             outputs = coalesced(stream, self._coalesce_interval)
             async for output in outputs:
@@ -122,6 +133,16 @@ class StageDeployment:
             self.metrics.processing.observe(time.time() - started)
             self.metrics.calls.inc(tags={"outcome": outcome})
 
+    async def _load_media(self, request: StageRequest) -> None:
+        """Fetch and decode the request's media (omni_serve.media_input) into ``request.media``; the
+        references to the bytes are dropped once read, like a handoff's."""
+        parts = [part for message in request.messages or [] for part in message.media()]
+        if parts:
+            policy, config = self.media
+            request.media = await load_media(parts, policy, config, self.engine.audio_input_rate)
+            for part in parts:
+                part.data = None
+
     def _coalesce_interval(self) -> float:
         return min(COALESCE_S_PER_CALL * self.in_flight, self.max_coalesce_s)
 
@@ -145,6 +166,7 @@ class StageDeployment:
             "calls": self.calls,
             "items": self.items,
             "payload_loads": payload_loads(),
+            "media_decodes": media_decodes(),
             **self.engine.stats(),
         }
 

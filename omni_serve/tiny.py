@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 TINY_NAME = "tiny-qwen3-omni"
 # Bump when the layout below changes: cached checkpoints with another version are rebuilt.
-BUILD_VERSION = 3
+BUILD_VERSION = 5
 _MARKER = "omni_serve_tiny.json"
 _SEED = 1234
 
@@ -243,6 +243,10 @@ def build_omni_tokenizer() -> PreTrainedTokenizerFast:
 # the smallest vLLM's CPU attention accepts (CPUAttentionBackend.get_supported_head_sizes).
 HEAD_DIM = 32
 _MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 4, 4], "interleaved": True}
+# The thinker's positions are interleaved T/H/W: transformers always interleaves them, vLLM only when
+# the config says `mrope_interleaved` (as the real Qwen3-Omni thinker config does; its talker's does not).
+# Without it vLLM places image and video tokens (whose T/H/W positions differ) elsewhere than HF.
+_THINKER_MROPE = {**_MROPE, "mrope_interleaved": True}
 
 
 def tiny_config():
@@ -260,7 +264,7 @@ def tiny_config():
         "num_key_value_heads": 1,
         "head_dim": HEAD_DIM,
         "max_position_embeddings": 1024,
-        "rope_parameters": _MROPE,
+        "rope_parameters": _THINKER_MROPE,
         "moe_intermediate_size": 32,
         "num_experts": 4,
         "num_experts_per_tok": 2,
@@ -304,6 +308,9 @@ def tiny_config():
         "vision_start_token_id": t["<|vision_start|>"],  # read by the code, not declared by the config
         "vision_end_token_id": t["<|vision_end|>"],
         "user_token_id": t["user"],
+        # As in the real config (the default is 25): the processor interleaves a video's audio and
+        # frames at 13 positions a second, and vLLM and the model's RoPE read this value.
+        "position_id_per_seconds": 13,
         "initializer_range": 0.2,
     }
     talker = {
@@ -346,6 +353,7 @@ def tiny_config():
         "audio_start_token_id": t["<|audio_start|>"],
         "spatial_merge_size": VISION_MERGE,  # read by the code, not declared by the config
         "speaker_id": dict(SPEAKERS),
+        "position_id_per_seconds": 13,  # as the thinker's
         "initializer_range": 0.2,
     }
     code2wav = {

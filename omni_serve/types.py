@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -23,6 +23,7 @@ class Modality(str, enum.Enum):
     TEXT = "text"
     AUDIO = "audio"
     IMAGE = "image"
+    VIDEO = "video"  # an input modality only
 
 
 class FinishReason(str, enum.Enum):
@@ -78,11 +79,36 @@ SAMPLING_EXTENSIONS: tuple[str, ...] = (
 )
 
 
+class TextPart(BaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class MediaPart(BaseModel):
+    """A media item of a chat turn on its way to the entry stage: by reference, never decoded before it.
+
+    The ingress puts the bytes of a data URL (or ``input_audio``) into the object store (``data`` is
+    that ObjectRef; plain bytes in local tests); a remote or local URL travels as ``url`` and the entry
+    stage fetches it under the graph's media policy.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    type: Literal["image", "audio", "video"]
+    param: str  # the client's field, e.g. "messages.1.content.2": every error about this item names it
+    data: Any = None
+    url: str | None = None
+    audio_in_video: bool = False  # video: its audio track is input too (vLLM-Omni's use_audio_in_video)
+
+
 class ChatMessage(BaseModel):
-    """One validated chat turn as the entry stage sees it (text content only)."""
+    """One validated chat turn as the entry stage sees it: text, or parts when it carries media."""
 
     role: str
-    content: str
+    content: str | list[TextPart | MediaPart]
+
+    def media(self) -> list[MediaPart]:
+        return [p for p in self.content if isinstance(p, MediaPart)] if isinstance(self.content, list) else []
 
 
 class ImageParams(BaseModel):
@@ -143,6 +169,9 @@ class StageRequest:
     sent_at: float = 0.0  # wall-clock time the orchestrator dispatched this call (queue-wait metric)
     client_request_id: str | None = None  # the client's X-Request-ID: for logs only, never a key
     return_prompt_text: bool = False  # the entry stage adds the templated prompt to its first output
+    # The messages' media, fetched and decoded (omni_serve.media_input) inside the entry stage replica
+    # before its engine runs, in message order. Never sent across deployments.
+    media: list[Any] | None = None
 
 
 @dataclass

@@ -47,8 +47,9 @@ CORPUS: list[tuple[str, dict[str, Any], int, str]] = [
     ("NaN literal", {"content": b'{"messages": [], "temperature": NaN}', "headers": JSON}, 400, "NaN"),
     ("nested 100k deep", {"content": b"[" * 100_000 + b"]" * 100_000, "headers": JSON}, 400, "not valid JSON"),
     ("huge int literal", {"content": b'{"max_tokens": 1' + b"0" * 5000 + b"}", "headers": JSON}, 400, "JSON"),
-    ("oversized body", {"content": json.dumps(msg("x" * (2 << 20))).encode(), "headers": JSON}, 413, "bytes"),
-    ("oversized chunked body", {"content": iter([b'{"a": "' + b"x" * (1 << 16)] * 40), "headers": JSON}, 413, "bytes"),
+    # The tiny graph takes 8 MiB bodies (media arrive base64-encoded in them).
+    ("oversized body", {"content": json.dumps(msg("x" * (9 << 20))).encode(), "headers": JSON}, 413, "bytes"),
+    ("oversized chunked body", {"content": iter([b'{"a": "' + b"x" * (1 << 16)] * 160), "headers": JSON}, 413, "bytes"),
     (
         "wrong content-type text",
         {"content": json.dumps(chat()).encode(), "headers": {"content-type": "text/plain"}},
@@ -213,16 +214,17 @@ def test_unknown_route_and_wrong_method_are_openai_errors(client: httpx.Client) 
 
 
 def test_media_parts_are_refused_naming_the_exact_part(client: httpx.Client) -> None:
-    """Media input is refused until the graph takes it; ``param`` points at the message and part."""
+    """Media the default media policy or the decoder refuses; ``param`` points at the message and part
+    (tests/test_omni_input.py has the hostile-media corpus under a policy that allows a local server)."""
     parts = [
-        {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
-        {"type": "audio_url", "audio_url": {"url": "file:///etc/passwd"}},
-        {"type": "video_url", "video_url": {"url": "http://127.0.0.1:9/clip.mp4"}},
-        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
-        {"type": "file", "file": {"file_id": "/etc/passwd"}},
+        ({"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}, "media policy"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}, "not a valid png"),
+        ({"type": "audio_url", "audio_url": {"url": "file:///etc/passwd"}}, "file: URLs are not accepted"),
+        ({"type": "video_url", "video_url": {"url": "https://127.0.0.1:9/clip.mp4"}}, "allow-list"),
+        ({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}, "no known format"),
+        ({"type": "file", "file": {"file_id": "/etc/passwd"}}, "not supported"),
     ]
-    for part in parts:
+    for part, says in parts:
         messages = [
             {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},  # a part list that is fine
             {"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]},
@@ -230,7 +232,7 @@ def test_media_parts_are_refused_naming_the_exact_part(client: httpx.Client) -> 
         reply = client.post("/v1/chat/completions", json=chat(messages=messages))
         assert reply.status_code == 400, reply.text
         error = error_of(reply)
-        assert part["type"] in error["message"] and "not supported" in error["message"]
+        assert says in error["message"], error
         assert error["param"] == "messages.1.content.1"
 
 

@@ -132,3 +132,60 @@ def test_voice_aliases_are_case_insensitive() -> None:
     args = tiny_args()
     args["voice_aliases"] = {"Alloy": "Chelsie"}
     assert load_graph(args).voice_aliases == {"alloy": "chelsie"}
+
+
+# --- what a chat message may carry: the entry stage's input modalities ------------------------
+
+
+def graph_args(name: str) -> dict:
+    return yaml.safe_load((GRAPHS / name).read_text())["applications"][0]["args"]
+
+
+@pytest.mark.parametrize(
+    ("name", "takes"),
+    [
+        ("tiny_omni.yaml", ["text", "audio", "image", "video"]),
+        ("tiny_omni_vllm.yaml", ["text", "audio", "image", "video"]),
+        ("qwen3_omni.yaml", ["text", "audio", "image", "video"]),
+        ("single_stage_llm.yaml", ["text"]),  # the vllm family: text only (no VLM path yet)
+    ],
+)
+def test_input_modalities_are_the_entry_stages(name: str, takes: list[str]) -> None:
+    assert [m.value for m in load_graph(graph_args(name)).input_modalities] == takes
+
+
+def test_a_graph_refuses_media_its_entry_stage_cannot_take_naming_the_part() -> None:
+    from omni_serve.errors import APIError
+    from omni_serve.openai.protocol import ChatCompletionRequest, MediaRules
+
+    graph = load_graph(graph_args("single_stage_llm.yaml"))
+    rules = MediaRules(frozenset(m.value for m in graph.input_modalities), graph.media_policy, graph.media_input)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    request = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]},
+            ],
+        }
+    )
+    with pytest.raises(APIError) as info:
+        request.chat_messages(rules)
+    assert info.value.status == 400 and info.value.param == "messages.1.content.1"
+    assert "'image_url' input is not supported by this graph (it takes text)" in info.value.message
+
+
+def test_media_args_are_validated_naming_the_field() -> None:
+    args = tiny_args()
+    args["media_policy"] = {"allowed_addresses": ["not-an-ip"]}
+    assert "media_policy.allowed_addresses" in error_of(args) and "not-an-ip" in error_of(args)
+    args = tiny_args()
+    args["media_policy"] = {"allowed_local_dir": "relative/dir"}
+    assert "media_policy.allowed_local_dir" in error_of(args)
+    args = tiny_args()
+    args["media_input"] = {"max_video_frames": 0}
+    assert "media_input.max_video_frames" in error_of(args)
+    args = tiny_args()
+    args["media_input"] = {"max_pixels": 1}  # unknown key
+    assert "media_input.max_pixels" in error_of(args)

@@ -36,6 +36,8 @@ from omni_serve.engines import transformers as te  # noqa: E402
 from omni_serve.engines import vllm_omni_handoffs as handoffs  # noqa: E402
 from omni_serve.handoff import PAYLOAD_FOLLOWS  # noqa: E402
 from omni_serve.types import ChatMessage, HandoffPayload, SamplingParams, StageOutput, StageRequest  # noqa: E402
+from tests import test_omni_input as omni  # noqa: E402
+from tests.media import mp4, png, wav  # noqa: E402
 from tests.test_cancellation import open_request, wait_for  # noqa: E402
 
 GRAPH = "tiny_omni_vllm.yaml"
@@ -413,3 +415,22 @@ def test_code2wav_output_does_not_depend_on_its_batch(graph) -> None:
         (_, beside) = [list(g)[-1] for g in pair]
         assert beside.audio.shape == alone.audio.shape == (12 * 1920 - 555,)
         assert np.abs(beside.audio - alone.audio).max() < 1e-5  # float rounding of a batched matmul only
+
+
+# --- media input: vLLM-Omni's stage-0 input processor against HF's processor and generate ------
+
+
+@pytest.mark.parametrize("kinds", [("image",), ("audio",), ("video",), ("image", "audio", "video")], ids="+".join)
+def test_media_input_matches_hf(graph, client: openai.OpenAI, kinds: tuple[str, ...]) -> None:
+    """Same prompt ids as HF's processor (count and text), same greedy text as HF's generate."""
+    made = {"image": omni.image(png()), "audio": omni.audio(wav(1.0)), "video": omni.video(mp4())}
+    omni.check_against_reference(client, [omni.user(omni.QUESTION, *(made[k] for k in kinds))])
+
+
+def test_video_with_its_audio_track(graph, client: openai.OpenAI) -> None:
+    omni.check_against_reference(client, [omni.user(omni.QUESTION, omni.video(mp4()))], use_audio_in_video=True)
+
+
+def test_spoken_reply_to_media(graph, client: openai.OpenAI) -> None:
+    """The talker speaks a reply to media (its first code group greedy: no codec EOS at the first step by chance)."""
+    omni.spoken_reply_to_media(client, {"max_tokens": 8, "temperature": 0.0})

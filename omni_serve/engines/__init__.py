@@ -1,7 +1,9 @@
 """Engine families, imported lazily so a graph only pulls in the libraries it uses.
 
 Each family module exposes ``EngineArgs`` (a pydantic model, cheap to import) and
-``create(stage_name, engine_args) -> StageEngine``; heavy imports happen in ``start()``.
+``create(stage_name, engine_args) -> StageEngine``, and may expose ``input_modalities(args)``
+(what an entry stage of the family takes in chat messages; text only if absent); heavy imports
+happen in ``start()``.
 A family that honours some of vLLM's extra sampling parameters
 (:data:`omni_serve.types.SAMPLING_EXTENSIONS`) says which in
 ``honoured_sampling(engine_args) -> frozenset[str]``; without it, it honours none.
@@ -16,7 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from omni_serve.engines.base import StageEngine
-from omni_serve.types import SAMPLING_EXTENSIONS, SamplingParams
+from omni_serve.types import SAMPLING_EXTENSIONS, Modality, SamplingParams
 
 FAMILIES = {
     "transformers": "omni_serve.engines.transformers",
@@ -58,3 +60,11 @@ def unhonoured_sampling(params: SamplingParams, honoured: frozenset[str]) -> lis
 
 def create_engine(family: str, stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
     return _module(family).create(stage_name, engine_args)
+
+
+def input_modalities(family: str, engine_args: dict[str, Any]) -> list[Modality]:
+    """What the family's engine takes as chat input with these args, text first."""
+    module = _module(family)
+    declare = getattr(module, "input_modalities", None)
+    taken = declare(module.EngineArgs.model_validate(engine_args)) if declare else {Modality.TEXT}
+    return [m for m in Modality if m in taken or m is Modality.TEXT]

@@ -24,16 +24,22 @@ class InvalidStageInput(ValueError):
     """The request is invalid for this engine (e.g. prompt longer than the context); maps to 400.
 
     ``param`` names the request field at fault as the client sent it (``messages``,
-    ``input``, ``size``, ...); it survives Ray's pickling with the exception.
+    ``input``, ``size``, ``messages.1.content.2``, ...); ``status`` is 400, or 413 for input over
+    a size limit. Both survive Ray's pickling with the exception.
     """
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)
         self.param = param
+        self.status = status
 
 
 class StageEngine(abc.ABC):
     """One engine instance serving one stage inside one replica."""
+
+    # The rate audio input is decoded to for this engine (its feature extractor's; Whisper's 16 kHz
+    # unless the engine reads another from its processor). Used only for engines that take audio.
+    audio_input_rate: int = 16000
 
     def __init__(self, stage_name: str, engine_args: dict[str, Any]):
         self.stage_name = stage_name

@@ -12,6 +12,11 @@ Payloads:
   ``accept_hidden_layer``), ``tts_embeds`` [3, D] (thinker embeddings of tts bos/eos/pad);
   R <= T is the number of positions the thinker ran (HF never runs the last sampled token).
   The float tensors keep the thinker's dtype (bf16 as 16-bit words, :mod:`omni_serve.handoff`).
+  A prompt with media adds what the talker's 3D RoPE needs to place the media positions, as HF's
+  ``generate`` hands it over: ``rope.image_grid_thw`` / ``rope.video_grid_thw`` int64 [n, 3],
+  ``rope.video_second_per_grid`` float [n], ``rope.audio_feature_lengths`` int64 [n] (HF does not
+  hand the talker ``use_audio_in_video``, so neither does this: the talker places the positions as
+  in HF's ``generate``).
 - ``qwen3_omni.codec_chunk``: ``codes`` int64 [groups, left_context + frames]; meta
   ``left_context``, ``index``, ``start_frame``, ``num_frames``. Every chunk carries its own
   left context, so any code2wav replica decodes any chunk without state.
@@ -20,13 +25,14 @@ Payloads:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from omni_serve import handoff
-from omni_serve.types import ChatMessage, HandoffPayload
+from omni_serve.media_input import Audio, Decoded, Image, Video
+from omni_serve.types import ChatMessage, HandoffPayload, TextPart
 
 if TYPE_CHECKING:
     import torch
@@ -34,6 +40,56 @@ if TYPE_CHECKING:
 THINKER2TALKER = "qwen3_omni.thinker2talker"
 CODEC_CHUNK = "qwen3_omni.codec_chunk"
 SAMPLE_RATE = 24000  # code2wav's output rate (1920 samples per codec frame)
+
+
+# --- (0) the thinker's prompt with media ----------------------------------------------------
+
+# Processor outputs the talker's RoPE needs too (HF's generate passes them to both models).
+ROPE_INPUTS = ("image_grid_thw", "video_grid_thw", "video_second_per_grid")
+
+
+def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Chat turns as the chat template takes them: text, and one ``{"type": kind}`` per media part."""
+    turns: list[dict[str, Any]] = []
+    for m in messages:
+        if isinstance(m.content, str):
+            turns.append({"role": m.role, "content": m.content})
+        else:
+            parts = [
+                {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": p.type} for p in m.content
+            ]
+            turns.append({"role": m.role, "content": parts})
+    return turns
+
+
+def processor_media(media: Sequence[Decoded]) -> dict[str, Any]:
+    """``Qwen3OmniMoeProcessor`` keyword arguments for decoded media in prompt order.
+
+    Audio is listed where the prompt consumes it: audio parts, and a video's own track where the
+    video is when it is input too (``use_audio_in_video``); all videos were sampled at one fps.
+    """
+    audio = [
+        m.samples if isinstance(m, Audio) else m.audio
+        for m in media
+        if isinstance(m, Audio) or (isinstance(m, Video) and m.audio is not None)
+    ]
+    videos = [m for m in media if isinstance(m, Video)]
+    kwargs: dict[str, Any] = {
+        "images": [m.pixels for m in media if isinstance(m, Image)] or None,
+        "videos": [v.frames for v in videos] or None,
+        "audio": audio or None,
+    }
+    if videos:
+        kwargs.update(fps=videos[0].fps, use_audio_in_video=any(v.audio is not None for v in videos))
+    return kwargs
+
+
+def rope_inputs(inputs: Any) -> dict[str, Any]:
+    """From the processor's output: what the talker's RoPE needs of the media positions (HF's names)."""
+    rope: dict[str, Any] = {k: inputs[k] for k in ROPE_INPUTS if inputs.get(k) is not None}
+    if inputs.get("feature_attention_mask") is not None:
+        rope["audio_feature_lengths"] = inputs["feature_attention_mask"].sum(-1)
+    return rope
 
 
 # --- (a) thinker -> talker -----------------------------------------------------------------
@@ -53,12 +109,13 @@ def build_thinker2talker(
     hidden: torch.Tensor | np.ndarray,
     tts_embeds: torch.Tensor | np.ndarray,
     accept_hidden_layer: int,
+    rope: dict[str, Any] | None = None,
 ) -> HandoffPayload:
     """The thinker's handoff for one request.
 
     ``token_ids``: prompt + generated ids; ``embeds``/``hidden``: [R, D] layer-0 and
     ``accept_hidden_layer`` states of the first R positions; ``tts_embeds``: [3, D] thinker
-    input embeddings of (tts_bos, tts_eos, tts_pad).
+    input embeddings of (tts_bos, tts_eos, tts_pad); ``rope``: :func:`rope_inputs` of a prompt with media.
     """
     arrays, dtypes = handoff.arrays(
         {
@@ -66,6 +123,7 @@ def build_thinker2talker(
             "embeds": embeds,
             "hidden": hidden,
             "tts_embeds": tts_embeds,
+            **{f"rope.{k}": v for k, v in (rope or {}).items()},
         }
     )
     rows = arrays["embeds"].shape[0]
@@ -93,6 +151,7 @@ class TalkerInputs:
     trailing_text_hidden: torch.Tensor  # [1, N, D_talker]: one per step, then tts_pad
     tts_pad_embed: torch.Tensor  # [1, 1, D_talker]
     talker_input_ids: torch.Tensor  # [1, L]: for the talker's 3D RoPE index
+    rope: dict[str, Any] = field(default_factory=dict)  # media positions for that index (HF's argument names)
 
     def as_kwargs(self) -> dict[str, Any]:
         return {
@@ -100,6 +159,7 @@ class TalkerInputs:
             "trailing_text_hidden": self.trailing_text_hidden,
             "tts_pad_embed": self.tts_pad_embed,
             "talker_input_ids": self.talker_input_ids,
+            **self.rope,
         }
 
 
@@ -196,11 +256,13 @@ def build_talker_inputs(payload: HandoffPayload, talker: Any, config: Any, speak
         # system turns, earlier assistant turns and unknown roles carry nothing for the talker
     if trailing is None:
         raise ValueError("the thinker2talker payload has no final assistant turn")
+    rope = {k.removeprefix("rope."): handoff.tensor(payload, k, dev) for k in payload.tensors if k.startswith("rope.")}
     return TalkerInputs(
         inputs_embeds=torch.cat(parts, dim=1),
         trailing_text_hidden=trailing,
         tts_pad_embed=tts_pad,
         talker_input_ids=torch.cat(part_ids, dim=1),
+        rope=rope,
     )
 
 
@@ -214,6 +276,19 @@ def _user_part(talker: Any, embed: torch.Tensor, hidden: torch.Tensor, mm_mask: 
         out[seg_mm] = talker.hidden_projection(hidden[:, a:b][seg_mm])
     out[~seg_mm] = talker.text_projection(embed[:, a:b][~seg_mm])
     return out
+
+
+def give_talker_the_audio_config(model: Any) -> None:
+    """Let the talker place audio positions in its 3D RoPE (prompts with audio and an image or video).
+
+    transformers 5.14's talker ``get_rope_index`` reads ``config.audio_config.n_window``, which
+    ``Qwen3OmniMoeTalkerConfig`` does not have: HF's own ``generate(return_audio=True)`` raises
+    AttributeError for such prompts (no upstream issue found). The audio tokens are the thinker's
+    audio encoder's, so the talker is given the thinker's audio config, as the call expects.
+    """
+    talker_config = model.talker.config
+    if not hasattr(talker_config, "audio_config"):
+        talker_config.audio_config = model.config.thinker_config.audio_config
 
 
 def talker_suppress_tokens(config: Any) -> list[int]:
@@ -344,11 +419,17 @@ def hf_reference_generate(
     talker_top_k: int = 50,
     talker_top_p: float = 1.0,
     talker_repetition_penalty: float = 1.0,
+    processor_inputs: Any = None,
+    use_audio_in_video: bool = False,
+    return_audio: bool = True,
     talker_ignore_eos: bool = False,
 ) -> tuple[str, np.ndarray]:
     """Text and 24 kHz waveform from transformers' own ``generate(return_audio=True)``: the in-process baseline.
 
     ``model_path`` is a checkpoint path or ``"tiny"``; the loaded model is cached per path.
+    ``processor_inputs``: the output of the checkpoint's ``Qwen3OmniMoeProcessor`` for a prompt with
+    media (used instead of templating ``messages``). ``return_audio=False``: the text only (the
+    waveform is empty).
 
     The thinker decodes greedily (EOS ``<|im_end|>``/``<|endoftext|>``); ``talker_temperature``
     0 makes the talker's first code group greedy. HF's code predictor always samples the
@@ -366,19 +447,27 @@ def hf_reference_generate(
     model_path = resolve_model(model_path)
     if model_path not in _REFERENCE_MODELS:
         model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32).eval()
+        give_talker_the_audio_config(model)  # else HF's generate fails on audio + image/video prompts
         _REFERENCE_MODELS[model_path] = (model, AutoTokenizer.from_pretrained(model_path))
     model, tokenizer = _REFERENCE_MODELS[model_path]
-    chat = [m.model_dump() if isinstance(m, ChatMessage) else dict(m) for m in messages]
-    input_ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
-        "input_ids"
-    ]
+    if processor_inputs is None:
+        chat = [m.model_dump() if isinstance(m, ChatMessage) else dict(m) for m in messages]
+        inputs = dict(
+            tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        )
+    else:
+        inputs = dict(processor_inputs)
+    input_ids = inputs.pop("input_ids")
+    inputs.pop("attention_mask", None)
     eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     codec_eos = model.config.talker_config.codec_eos_token_id
     torch.manual_seed(seed)
-    sequences, wav = model.generate(
+    result = model.generate(
         input_ids,
+        **inputs,
+        use_audio_in_video=use_audio_in_video,
         speaker=voice,
-        return_audio=True,
+        return_audio=return_audio,
         thinker_max_new_tokens=max_new_tokens,
         thinker_eos_token_id=eos,
         thinker_do_sample=False,
@@ -391,5 +480,6 @@ def hf_reference_generate(
         # No EOS; the pad id HF would otherwise take from the EOS list (a batch of one is never padded).
         **({"talker_eos_token_id": [], "talker_pad_token_id": codec_eos} if talker_ignore_eos else {}),
     )
+    sequences, wav = result if return_audio else (result, torch.zeros(0))
     text = tokenizer.decode(sequences[0, input_ids.shape[1] :], skip_special_tokens=True)
     return text, wav.reshape(-1).float().numpy()

@@ -35,10 +35,12 @@ from omni_serve.engines.base import EngineError, InvalidStageInput, StageEngine
 from omni_serve.types import (
     FinishReason,
     HandoffPayload,
+    Modality,
     RequestId,
     SamplingParams,
     StageOutput,
     StageRequest,
+    TextPart,
     Usage,
 )
 
@@ -79,9 +81,19 @@ class TransformersEngineArgs(BaseModel):
         description="Test-only: adds this many bytes to every handoff this stage yields (no engine reads them), "
         "so tests and soaks move production-sized payloads (Qwen3-Omni's thinker: ~8 KiB a token) on CPU.",
     )
+    mm_processor_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Thinker: keyword arguments for every call of the checkpoint's processor on media (as vLLM's "
+        "engine arg of that name), e.g. a video size for a checkpoint whose processor defaults do not fit.",
+    )
 
 
 EngineArgs = TransformersEngineArgs  # the name omni_serve.engines looks up in every family
+
+
+def input_modalities(args: TransformersEngineArgs) -> set[Modality]:
+    """The thinker takes images, audio and video through Qwen3-Omni's encoders; the other stages take no chat."""
+    return {Modality.TEXT, Modality.IMAGE, Modality.AUDIO, Modality.VIDEO} if args.model_stage == "thinker" else set()
 
 
 def honoured_sampling(engine_args: dict[str, Any]) -> frozenset[str]:
@@ -422,6 +434,19 @@ class ThinkerEngine(_HFEngine):
         with torch.inference_mode():
             tts_ids = torch.tensor([cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id])
             self.tts_embeds = self.thinker.get_input_embeddings()(tts_ids.to(self.thinker.device))
+        # The checkpoint's processor (feature extractor, image and video processors) turns media into
+        # encoder inputs and expands their placeholders. Its image/video processors need torchvision;
+        # without it the thinker still serves text and refuses media with a 500 naming the cause.
+        self.processor: Any = None
+        self.processor_error = ""
+        try:
+            from transformers import AutoProcessor
+
+            self.processor = AutoProcessor.from_pretrained(self.model_path)
+            self.audio_input_rate = int(self.processor.feature_extractor.sampling_rate)
+        except Exception as err:
+            self.processor_error = f"{type(err).__name__}: {err}"
+            logger.warning("stage %s: no media input, the processor did not load (%s)", self.stage_name, err)
 
     async def stream(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]:
         if not request.messages:
@@ -451,24 +476,42 @@ class ThinkerEngine(_HFEngine):
                         prompt_text=prompt,
                     )
 
+    def _prompt(self, request: StageRequest) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+        """Prompt ids [1, T]; with media also the processor's encoder inputs for ``generate`` and
+        what the talker's RoPE needs of them (:func:`qwen3_omni.rope_inputs`)."""
+        field = "input" if request.reply is not None else "messages"
+        for message in request.messages or []:  # the template adds no reserved token; the text must not either
+            parts = [message.content] if isinstance(message.content, str) else message.content
+            for text in (p if isinstance(p, str) else p.text for p in parts if isinstance(p, str | TextPart)):
+                if self.reserved_ids.intersection(self.tokenizer.encode(text, add_special_tokens=False)):
+                    raise InvalidStageInput("messages: the prompt contains reserved multimodal tokens", field)
+        turns = qwen3_omni.template_messages(request.messages or [])
+        if not request.media:
+            ids = self.tokenizer.apply_chat_template(
+                turns, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+            )["input_ids"]
+            return ids.to(self.thinker.device), {}, {}
+        if self.processor is None:
+            raise EngineError(f"stage {self.stage_name}: cannot take media input ({self.processor_error})")
+        text = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+        media = qwen3_omni.processor_media(request.media)
+        inputs = self.processor(text=text, return_tensors="pt", **{**self.args.mm_processor_kwargs, **media})
+        inputs = dict(inputs.to(self.thinker.device, dtype=self.thinker.dtype))
+        inputs.pop("attention_mask", None)
+        ids = inputs.pop("input_ids")
+        generate_inputs = {**inputs, "use_audio_in_video": bool(media.get("use_audio_in_video"))}
+        return ids, generate_inputs, qwen3_omni.rope_inputs(inputs)
+
     def _generate(self, request: StageRequest, emit: Emit, cancelled: threading.Event) -> None:
         import torch
         from transformers.generation.streamers import BaseStreamer
 
-        chat = [m.model_dump() for m in request.messages or []]
-        input_ids = self.tokenizer.apply_chat_template(
-            chat, add_generation_prompt=True, return_dict=True, return_tensors="pt"
-        )["input_ids"].to(self.thinker.device)
+        input_ids, media_inputs, rope = self._prompt(request)
         prompt_len = int(input_ids.shape[1])
         if prompt_len >= self.context_len:
             raise InvalidStageInput(
                 f"messages: the prompt has {prompt_len} tokens; the model's context is "
                 f"{self.context_len} tokens and generation needs at least one more",
-                "input" if request.reply is not None else "messages",
-            )
-        if self.reserved_ids.intersection(input_ids[0].tolist()):
-            raise InvalidStageInput(
-                "messages: the prompt contains reserved multimodal tokens",
                 "input" if request.reply is not None else "messages",
             )
         if request.return_prompt_text:
@@ -503,6 +546,7 @@ class ThinkerEngine(_HFEngine):
             out = self.thinker.generate(
                 input_ids=input_ids,
                 attention_mask=torch.ones_like(input_ids),
+                **media_inputs,
                 max_new_tokens=min(s.max_tokens, self.context_len - prompt_len),
                 eos_token_id=eos,
                 pad_token_id=self.tokenizer.pad_token_id,
@@ -522,7 +566,9 @@ class ThinkerEngine(_HFEngine):
         else:
             reason = FinishReason.LENGTH
         payload = (
-            self._padded(self._handoff(out, prompt_len, text.tokens_before_stop())) if request.wants_handoff else None
+            self._padded(self._handoff(out, prompt_len, text.tokens_before_stop(), rope))
+            if request.wants_handoff
+            else None
         )
         usage = Usage(prompt_tokens=prompt_len, completion_tokens=len(generated))
         emit(("final", text.finish(), reason, usage, payload))
@@ -561,7 +607,7 @@ class ThinkerEngine(_HFEngine):
         )
         emit(("final", request.reply, FinishReason.STOP, usage, self._padded(payload)))
 
-    def _handoff(self, out: Any, prompt_len: int, kept: int) -> HandoffPayload:
+    def _handoff(self, out: Any, prompt_len: int, kept: int, rope: dict[str, Any]) -> HandoffPayload:
         # The talker speaks only what the client sees: tokens from a stop string on are dropped.
         rows = min(prompt_len + kept, sum(step[0].shape[1] for step in out.hidden_states))
         return qwen3_omni.build_thinker2talker(
@@ -571,6 +617,7 @@ class ThinkerEngine(_HFEngine):
             hidden=qwen3_omni.thinker_states(out.hidden_states, self.accept_layer)[:rows],
             tts_embeds=self.tts_embeds,
             accept_hidden_layer=self.accept_layer,
+            rope=rope,
         )
 
 
@@ -581,6 +628,7 @@ class TalkerEngine(_HFEngine):
     """thinker2talker handoff -> codec chunks, streamed as the frames are generated."""
 
     def _setup(self, model: Any) -> None:
+        qwen3_omni.give_talker_the_audio_config(model)
         self.talker = model.talker
         self.suppress_tokens = qwen3_omni.talker_suppress_tokens(self.config)
 

@@ -40,7 +40,16 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from omni_serve.engines import qwen3_omni
 from omni_serve.engines import vllm_omni_handoffs as handoffs
 from omni_serve.engines.base import EngineError, InvalidStageInput, StageEngine
-from omni_serve.types import FinishReason, HandoffPayload, SamplingParams, StageOutput, StageRequest, Usage
+from omni_serve.media_input import Audio, Decoded, Video
+from omni_serve.types import (
+    FinishReason,
+    HandoffPayload,
+    Modality,
+    SamplingParams,
+    StageOutput,
+    StageRequest,
+    Usage,
+)
 
 logger = logging.getLogger("ray.serve")
 
@@ -100,6 +109,11 @@ class EngineArgs(BaseModel):
 
 def create(stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
     return VllmOmniEngine(stage_name, engine_args)
+
+
+def input_modalities(args: EngineArgs) -> set[Modality]:
+    """Both pipelines' thinkers take images, audio and video; the other stages take no chat."""
+    return {Modality.TEXT, Modality.IMAGE, Modality.AUDIO, Modality.VIDEO} if args.model_stage == "thinker" else set()
 
 
 # ---------------------------------------------------------------------------
@@ -190,6 +204,30 @@ def audio_samples(mm: Mapping[str, Any]) -> tuple[np.ndarray, int]:
 
 def finish_reason(reason: str | None) -> FinishReason:
     return {"length": FinishReason.LENGTH, "abort": FinishReason.ABORT}.get(reason or "stop", FinishReason.STOP)
+
+
+def multimodal_prompt(text: str, media: list[Decoded], audio_rate: int) -> dict[str, Any]:
+    """The prompt as vLLM-Omni hands it to the stage-0 input processor: the templated text, the media by
+    modality in prompt order (``multi_modal_data``; audio as (samples, rate)), and the processor options."""
+    kwargs = qwen3_omni.processor_media(media)
+    videos = [m for m in media if isinstance(m, Video)]
+    if kwargs.get("use_audio_in_video") and any(isinstance(m, Audio) for m in media):
+        # vLLM pairs every audio item with a video under use_audio_in_video (Qwen3-Omni's
+        # _derive_audio_from_video_placeholders raises otherwise); the transformers family takes both.
+        raise InvalidStageInput(
+            "mm_processor_kwargs.use_audio_in_video: this engine takes no audio parts beside videos with their "
+            "own audio track",
+            "mm_processor_kwargs.use_audio_in_video",
+        )
+    data: dict[str, Any] = {}
+    if kwargs["images"]:
+        data["image"] = kwargs["images"]
+    if kwargs["audio"]:
+        data["audio"] = [(samples, audio_rate) for samples in kwargs["audio"]]
+    if kwargs["videos"]:
+        data["video"] = kwargs["videos"]
+    options = {k: kwargs[k] for k in ("fps", "use_audio_in_video") if videos}
+    return {"prompt": text, "multi_modal_data": data, "mm_processor_kwargs": options}
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
@@ -308,6 +346,8 @@ class VllmOmniEngine(StageEngine):
         self._inflight: dict[str, set[str]] = {}
         self._aborted = 0
         self._generated = 0  # tokens (thinker) or codec steps (talker) the engine produced, since start
+        self._input_processor: Any = None  # thinker: vLLM's input processor for prompts with media
+        self._media_thread: Any = None
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -337,6 +377,8 @@ class VllmOmniEngine(StageEngine):
             engine_core_output_type=self.args.engine.get("engine_output_type"),
         )
         self._pump = asyncio.create_task(_pump_outputs(self._client, self._processor, self._queues, self._scheduler))
+        if self.args.model_stage == "thinker" and self._tokenizer is not None:
+            self._start_media_input()
         if self.args.model_stage == "code2wav" and self.args.pipeline == "qwen3_omni_moe":
             self._vocoder_lag = await self._measure_vocoder_lag()
 
@@ -400,8 +442,47 @@ class VllmOmniEngine(StageEngine):
             raise
         self._vllm_config = vllm_config
 
+    def _start_media_input(self) -> None:
+        """The stage-0 input processor vLLM-Omni builds for its entry stage: it runs the checkpoint's HF
+        processor on a prompt's media and expands the placeholders. It runs on one thread of its own
+        (the HF processor is CPU-bound; vLLM's processor cache is not shared between threads)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from vllm_omni.engine.stage_init_utils import build_stage0_input_processor
+
+        self._input_processor = build_stage0_input_processor(self._vllm_config)
+        self._media_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.stage_name}-media")
+        try:
+            info = self._input_processor.renderer.mm_processor.info
+            self.audio_input_rate = int(info.get_feature_extractor().sampling_rate)
+        except Exception as err:  # a pipeline without a feature extractor: Whisper's rate
+            logger.info("stage %s: audio input rate from the processor unavailable (%s)", self.stage_name, err)
+
+    async def _media_prompt(
+        self, request: StageRequest, turns: list[dict[str, Any]], params: Any
+    ) -> tuple[list[int], Any]:
+        """Prompt ids with the media placeholders expanded, and the media features for the EngineCore."""
+        try:
+            text = self._tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        except Exception as err:  # jinja2 raises TemplateError for conversations the template refuses
+            raise InvalidStageInput(f"messages: the model's chat template refused them: {err}") from None
+        prompt = multimodal_prompt(text, request.media or [], self.audio_input_rate)
+        loop = asyncio.get_running_loop()
+        try:
+            processed = await loop.run_in_executor(
+                self._media_thread,
+                lambda: self._input_processor.process_inputs(
+                    request.request_id, prompt, params, supported_tasks=("generate",)
+                ),
+            )
+        except ValueError as err:  # vLLM's input validation (e.g. a prompt over max_model_len)
+            raise InvalidStageInput(f"messages: {err}", "messages") from None
+        return [int(i) for i in processed.prompt_token_ids], processed.mm_features
+
     def shutdown(self) -> None:
         """Stop the output loop and the EngineCore process."""
+        if self._media_thread is not None:
+            self._media_thread.shutdown(wait=False, cancel_futures=True)
         if self._pump is not None:
             self._pump.cancel()
             self._pump = None
@@ -447,7 +528,9 @@ class VllmOmniEngine(StageEngine):
 
     # -- requests ----------------------------------------------------------
 
-    async def _generate(self, request: StageRequest, prompt: dict[str, Any], params: Any) -> AsyncIterator[Any]:
+    async def _generate(
+        self, request: StageRequest, prompt: dict[str, Any], params: Any, mm_features: Any = None
+    ) -> AsyncIterator[Any]:
         """One engine request; yields ``RequestOutput``s until finished, aborts it if the caller leaves."""
         from vllm.v1.engine.output_processor import RequestOutputCollector
         from vllm_omni.engine.orchestrator import build_engine_core_request_from_tokens
@@ -464,7 +547,9 @@ class VllmOmniEngine(StageEngine):
         if params.max_tokens is None or params.max_tokens > room:
             params.max_tokens = room
         rid = f"{self.stage_name}-{next(self._call_ids)}-{request.request_id}"
-        core_request = build_engine_core_request_from_tokens(rid, prompt, params, model_config=model_config)
+        core_request = build_engine_core_request_from_tokens(
+            rid, prompt, params, model_config=model_config, mm_features=mm_features
+        )
         core_request.external_req_id = rid
         queue = RequestOutputCollector(params.output_kind, rid)
         self._queues[rid] = queue
@@ -511,19 +596,29 @@ class VllmOmniEngine(StageEngine):
             raise InvalidStageInput(f"stage {self.stage_name}: the entry stage needs messages")
         if self._tokenizer is None:
             raise EngineError(f"stage {self.stage_name}: the thinker needs its tokenizer (skip_tokenizer_init set)")
-        prompt_ids = chat_prompt_ids(self._tokenizer, [m.model_dump() for m in request.messages])
+        turns = qwen3_omni.template_messages(request.messages)
+        # DELTA: each output carries only its new tokens; vLLM-Omni concatenates the accumulated
+        # hidden states once, at the end (CUMULATIVE would re-concatenate them every step).
+        params = self._params(request, "DELTA")
+        mm_features = None
+        if request.media:
+            prompt_ids, mm_features = await self._media_prompt(request, turns, params)
+        else:
+            prompt_ids = chat_prompt_ids(self._tokenizer, turns)
         if request.reply is not None:
             async for output in self._speak(request, prompt_ids):
                 yield output
             return
-        # DELTA: each output carries only its new tokens; vLLM-Omni concatenates the accumulated
-        # hidden states once, at the end (CUMULATIVE would re-concatenate them every step).
-        params = self._params(request, "DELTA")
         token_ids: list[int] = []
-        async for output in self._generate(request, {"prompt_token_ids": prompt_ids}, params):
+        # vLLM's return_prompt_text: the prompt as the model sees it (media placeholders expanded), once.
+        prompt_text = (
+            self._tokenizer.decode(prompt_ids, skip_special_tokens=False) if request.return_prompt_text else None
+        )
+        async for output in self._generate(request, {"prompt_token_ids": prompt_ids}, params, mm_features):
             completion = output.outputs[0]
             token_ids.extend(completion.token_ids)
             delta = StageOutput(stage=self.stage_name, text=completion.text, token_ids=list(completion.token_ids))
+            delta.prompt_text, prompt_text = prompt_text, None
             if output.finished:
                 delta.finished = True
                 delta.finish_reason = finish_reason(completion.finish_reason)
@@ -538,7 +633,7 @@ class VllmOmniEngine(StageEngine):
                         hf_config=self._vllm_config.model_config.hf_config,
                         stopped=completion.finish_reason == "stop",
                     )
-            if delta.finished or delta.text or delta.token_ids:
+            if delta.finished or delta.text or delta.token_ids or delta.prompt_text:
                 yield delta
 
     async def _speak(self, request: StageRequest, prompt_ids: list[int]) -> AsyncIterator[StageOutput]:

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import hmac
 import json
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from omni_serve import media_input, types
 from omni_serve.errors import APIError, bad_request
 from omni_serve.media import AudioFormat
+from omni_serve.media_policy import MediaPolicy, check_url
 from omni_serve.types import SAMPLING_EXTENSIONS, ChatMessage, Modality
 
 if TYPE_CHECKING:
@@ -124,14 +127,78 @@ class TextPart(_Strict):
         return _valid_unicode(text, "text")
 
 
-class MediaPart(BaseModel):
-    """Image/audio/video parts are recognised so they can be refused with a clear message."""
+class MediaURL(_Strict):
+    url: str = Field(description="A data URL (data:<type>;base64,...), or an http(s)/file URL the media policy allows.")
+
+
+class ImageURL(MediaURL):
+    detail: Literal["auto"] | None = Field(None, description="Only 'auto': the model's processor sets the resolution.")
+
+
+class ImageURLPart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class AudioURLPart(_Strict):
+    type: Literal["audio_url"]
+    audio_url: MediaURL
+
+
+class VideoURLPart(_Strict):
+    type: Literal["video_url"]
+    video_url: MediaURL
+
+
+class InputAudio(_Strict):
+    data: str = Field(description="Base64 of the encoded audio file.")
+    format: Literal["wav", "mp3", "flac", "ogg", "opus", "aac", "m4a", "webm"]
+
+
+class InputAudioPart(_Strict):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class FilePart(BaseModel):
+    """OpenAI's file parts are recognised so they can be refused with a clear message."""
 
     model_config = ConfigDict(extra="allow")
-    type: Literal["image_url", "input_audio", "audio_url", "video_url", "file"]
+    type: Literal["file"]
 
 
-ContentPart = Annotated[TextPart | MediaPart, Field(discriminator="type")]
+MediaContentPart = ImageURLPart | AudioURLPart | VideoURLPart | InputAudioPart
+ContentPart = Annotated[TextPart | MediaContentPart | FilePart, Field(discriminator="type")]
+_KIND = {"image_url": "image", "audio_url": "audio", "input_audio": "audio", "video_url": "video"}
+
+
+@dataclass(frozen=True)
+class MediaRules:
+    """What the graph accepts as media input, and under which policy and limits."""
+
+    accepts: frozenset[str]  # the entry stage's input modalities ("text" always)
+    policy: MediaPolicy
+    limits: media_input.MediaInputConfig
+
+
+def _media_part(part: MediaContentPart, param: str, rules: MediaRules, audio_in_video: bool) -> types.MediaPart:
+    """The cheap ingress checks of one media part; the bytes of a data URL ride along (not decoded)."""
+    kind = _KIND[part.type]
+    if kind not in rules.accepts:
+        offered = ", ".join(sorted(rules.accepts))
+        raise bad_request(f"{param}: '{part.type}' input is not supported by this graph (it takes {offered})", param)
+    max_bytes = rules.limits.max_bytes
+    if isinstance(part, InputAudioPart):
+        data = media_input.base64_bytes(part.input_audio.data, param, max_bytes)
+        media_input.check_format(data, kind, param, declared=part.input_audio.format)
+        return types.MediaPart(type=kind, param=param, data=data)
+    url = (part.image_url if isinstance(part, ImageURLPart) else getattr(part, part.type)).url.strip()
+    if url[:5].lower() == "data:":
+        data = media_input.data_url_bytes(url, param, max_bytes)
+        media_input.check_format(data, kind, param)
+        return types.MediaPart(type=kind, param=param, data=data, audio_in_video=audio_in_video and kind == "video")
+    check_url(url, param, rules.policy)
+    return types.MediaPart(type=kind, param=param, url=url, audio_in_video=audio_in_video and kind == "video")
 
 
 class Message(_Strict):
@@ -150,17 +217,33 @@ class Message(_Strict):
             raise ValueError("content: a message needs content")
         return self
 
-    def text(self, index: int) -> str:
-        """The message as plain text; ``index`` (its position in ``messages``) names a refused part."""
+    def chat_message(self, index: int, rules: MediaRules, audio_in_video: bool = False) -> ChatMessage:
+        """The turn for the entry stage; ``index`` (its position in ``messages``) names a refused part.
+
+        Text-only turns become one string; a turn with media keeps its parts in order.
+        """
         if isinstance(self.content, str):
-            return self.content
-        parts = []
+            return ChatMessage(role=self.role, content=self.content)
+        parts: list[types.TextPart | types.MediaPart] = []
         for j, part in enumerate(self.content or []):
-            if isinstance(part, MediaPart):
-                param = f"messages.{index}.content.{j}"
-                raise bad_request(f"{param}: '{part.type}' input is not supported by this graph (text only)", param)
-            parts.append(part.text)
-        return "".join(parts)
+            param = f"messages.{index}.content.{j}"
+            if isinstance(part, TextPart):
+                parts.append(types.TextPart(text=part.text))
+            elif isinstance(part, FilePart):
+                raise bad_request(f"{param}: 'file' input is not supported by this graph", param)
+            elif self.role != "user" and _KIND[part.type] in rules.accepts:
+                raise bad_request(f"{param}: media parts are accepted in user messages only", param)
+            else:
+                parts.append(_media_part(part, param, rules, audio_in_video))
+        if all(isinstance(p, types.TextPart) for p in parts):
+            return ChatMessage(role=self.role, content="".join(p.text for p in parts))
+        return ChatMessage(role=self.role, content=parts)
+
+
+class MMProcessorKwargs(_Strict):
+    """vLLM-Omni's per-request processor options this server honours (others are refused by name)."""
+
+    use_audio_in_video: bool = Field(False, description="A video's audio track is input too, interleaved in time.")
 
 
 ChatAudioFormat = Literal["wav", "mp3", "flac", "opus", "aac", "pcm16", "pcm"]
@@ -220,10 +303,9 @@ class ChatCompletionRequest(_Strict):
     voice: str | None = Field(None, description="The voice, as vLLM-Omni accepts it at the top level.")
     speaker: str | None = Field(None, description="vLLM-Omni's name for voice.")
     return_prompt_text: bool | None = Field(None, description="Add the templated prompt as 'prompt_text'.")
-    # Accepted for vLLM-Omni clients; they do not change this graph's output: mm_processor_kwargs only
-    # steer media processing (text-only input here), and vLLM-Omni's Qwen3-Omni path drops language and
-    # instructions too (they are read by its TTS-model paths).
-    mm_processor_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: MMProcessorKwargs | None = None
+    # Accepted for vLLM-Omni clients; they do not change this graph's output: vLLM-Omni's Qwen3-Omni
+    # path drops language and instructions too (they are read by its TTS-model paths).
     language: str | None = None
     instructions: str | None = None
 
@@ -277,8 +359,18 @@ class ChatCompletionRequest(_Strict):
         field, voice = next(iter(self._voices().items()), ("audio.voice", None))
         return voice, field
 
-    def chat_messages(self) -> list[ChatMessage]:
-        return [ChatMessage(role=m.role, content=m.text(i)) for i, m in enumerate(self.messages)]
+    def chat_messages(self, rules: MediaRules) -> list[ChatMessage]:
+        """The turns for the entry stage, media checked under ``rules`` (their bytes not decoded here)."""
+        audio_in_video = bool(self.mm_processor_kwargs and self.mm_processor_kwargs.use_audio_in_video)
+        messages = [m.chat_message(i, rules, audio_in_video) for i, m in enumerate(self.messages)]
+        parts = [p for m in messages for p in m.media()]
+        if len(parts) > rules.limits.max_parts:
+            extra = parts[rules.limits.max_parts].param
+            raise bad_request(
+                f"{extra}: more than {rules.limits.max_parts} media parts in one request (media_input.max_parts)",
+                extra,
+            )
+        return messages
 
     @property
     def stop_list(self) -> list[str]:

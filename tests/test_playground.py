@@ -193,7 +193,8 @@ def test_omni_input_parts_once_the_card_lists_input_modalities(tiny_omni, page, 
 
     page.route("**/v1/models", card_with_inputs)
     open_playground(page, tiny_omni.base_url, ["thinker"])
-    assert page.is_visible("#attach") and page.is_visible("#record")
+    page.wait_for_selector("#attach", state="visible", timeout=TIMEOUT_MS)  # shown once the card has loaded
+    assert page.is_visible("#record")
     assert page.get_attribute("#attach-file", "accept") == "image/*,audio/*"
     png = tmp_path / "dot.png"
     Image.new("RGB", (8, 8), (200, 30, 30)).save(png)

@@ -49,7 +49,7 @@ serve: install
 test: install-test
 	$(call say,ruff)
 	$(PYTHON) -m ruff check omni_serve tests benchmarks
-	$(call say,tests: 8 to 11 min measured on a loaded 2-core machine)
+	$(call say,tests: 10 to 13 min measured on a 2-core machine)
 	$(PYTHON) -m pytest -q -m "not gpu and not multinode" -p no:cacheprovider
 	$(call say,multinode tests (their own multi-raylet cluster: a process where Ray was never initialized))
 	$(PYTHON) -m pytest -q -m multinode -p no:cacheprovider

@@ -14,10 +14,21 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
+import pytest
 import soundfile as sf
 from PIL import Image
 
+from omni_serve.engines.base import InvalidStageInput
+
 # --- valid media -------------------------------------------------------------------------------
+
+
+def refused(call: Callable[[], object], param: str, status: int = 400) -> str:
+    """The message of the InvalidStageInput ``call`` raises, checked to name ``param`` (first) with ``status``."""
+    with pytest.raises(InvalidStageInput) as info:
+        call()
+    assert info.value.param == param and str(info.value).startswith(f"{param}: ") and info.value.status == status
+    return str(info.value)
 
 
 def png(width: int = 40, height: int = 24, seed: int = 0) -> bytes:

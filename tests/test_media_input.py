@@ -8,14 +8,13 @@ import base64
 import io
 
 import numpy as np
-import pytest
 import soundfile as sf
 from PIL import Image as PILImage
 
 from omni_serve import media_input as mi
-from omni_serve.engines.base import InvalidStageInput
 from omni_serve.media_policy import MediaPolicy
 from omni_serve.types import MediaPart
+from tests import media
 from tests.media import flac, mp4, png, png_bomb, tone, wav, wav_claiming
 
 P = "messages.0.content.1"
@@ -30,10 +29,7 @@ CONFIG = mi.MediaInputConfig(
 
 
 def refused(call, status: int = 400) -> str:
-    with pytest.raises(InvalidStageInput) as info:
-        call()
-    assert info.value.param == P and info.value.status == status
-    return str(info.value)
+    return media.refused(call, P, status)
 
 
 def test_sniffing_by_magic_bytes() -> None:

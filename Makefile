@@ -50,9 +50,11 @@ test: install-test
 	$(call say,ruff)
 	$(PYTHON) -m ruff check omni_serve tests benchmarks
 	$(call say,tests: 10 to 13 min measured on a 2-core machine)
-	$(PYTHON) -m pytest -q -m "not gpu and not multinode" -p no:cacheprovider
+	$(PYTHON) -m pytest -q -m "not gpu and not multinode and not haproxy" -p no:cacheprovider
 	$(call say,multinode tests (their own multi-raylet cluster: a process where Ray was never initialized))
 	$(PYTHON) -m pytest -q -m multinode -p no:cacheprovider
+	$(call say,the single-stage graph behind Serve's HAProxy ingress (a cluster started with it; 2 s drain, not 30))
+	RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=2 $(PYTHON) -m pytest -q -m haproxy -p no:cacheprovider
 
 lint:
 	$(PYTHON) -m ruff check omni_serve tests benchmarks

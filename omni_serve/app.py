@@ -2,7 +2,8 @@
 
 Validates the graph once (a bad graph fails ``serve run`` with one message naming
 the field), then binds one stage deployment per stage, named after the stage so
-the graph file's ``deployments:`` entries apply to it, and the ingress on top.
+the graph file's ``deployments:`` entries apply to it, and the ingress on top (a graph with
+``engine_in_ingress`` has no stage deployment: the ingress runs its one stage).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ def build_app(args: dict[str, Any] | GraphConfig) -> Application:
     graph = load_graph(args)
     # The entry stage fetches and decodes the requests' media: it gets the media policy and limits.
     media = {"policy": graph.media_policy.model_dump(mode="json"), "input": graph.media_input.model_dump(mode="json")}
+    if graph.engine_in_ingress:
+        return Ingress.options(name=INGRESS_NAME).bind(graph.model_dump(mode="json"), {}, media)
     stages = {
         stage.name: StageDeployment.options(name=stage.name).bind(
             stage.model_dump(mode="json"), media if stage.name == graph.entry.name else None

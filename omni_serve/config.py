@@ -85,6 +85,12 @@ class GraphConfig(BaseModel):
     media_input: MediaInputConfig = Field(
         default_factory=MediaInputConfig, description="Per-request limits on media parts; video sampling."
     )
+    engine_in_ingress: bool = Field(
+        False,
+        description="Graphs of one stage: run the stage's engine inside the ingress replicas instead of a deployment "
+        "of its own, one Python hop less per request (Ray Serve LLM's direct streaming does the same). The stage then "
+        "scales, and takes its resources, as the `ingress` deployment.",
+    )
 
     @field_validator("voice_aliases")
     @classmethod
@@ -113,11 +119,20 @@ class GraphConfig(BaseModel):
             raise ValueError(f"stages: a graph needs exactly one entry stage (with no input), found {entries}")
         if not any(s.final_output for s in self.stages):
             raise ValueError("stages: no stage has a final_output, the graph would return nothing")
+        if self.engine_in_ingress and len(self.stages) > 1:
+            raise ValueError(
+                f"engine_in_ingress: only a graph of one stage can run its engine in the ingress (this one has "
+                f"{len(self.stages)}: each stage of a graph scales on its own deployment)"
+            )
         return self
 
     @property
     def entry(self) -> StageConfig:
         return next(s for s in self.stages if s.input is None)
+
+    def deployment(self, stage: str) -> str:
+        """The Serve deployment that runs ``stage``'s engine."""
+        return INGRESS_NAME if self.engine_in_ingress else stage
 
     def stage(self, name: str) -> StageConfig:
         return next(s for s in self.stages if s.name == name)

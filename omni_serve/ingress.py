@@ -64,6 +64,7 @@ from omni_serve.openai.speech import SpeechRequest
 from omni_serve.openai.voices import resolve_voice, voices_json
 from omni_serve.orchestrator import OmniRequest, Orchestrator, StageFailed
 from omni_serve.readiness import ServeView
+from omni_serve.stage import Stage
 from omni_serve.types import ChatMessage, Modality, SamplingParams, StageOutput, StageRequest
 
 logger = logging.getLogger("ray.serve")
@@ -100,7 +101,9 @@ class ServeStreamingResponse(StreamingResponse):
 @serve.deployment(max_ongoing_requests=64, max_queued_requests=256, ray_actor_options={"num_cpus": 0.1})
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, graph: dict[str, Any], stages: dict[str, DeploymentHandle]):
+    async def __init__(
+        self, graph: dict[str, Any], stages: dict[str, DeploymentHandle], media: dict[str, Any] | None = None
+    ):
         self.graph: GraphConfig = load_graph(graph)
         # By reference: a handoff ObjectRef passed on to the next stage is never
         # materialized here, even if RAY_SERVE_THROUGHPUT_OPTIMIZED flips the default.
@@ -109,7 +112,9 @@ class Ingress:
         self.orchestrator = Orchestrator(self.graph, self._call_stage)
         self.api_key = self.graph.api_key or os.environ.get("OMNI_SERVE_API_KEY") or None
         self.metrics = RequestMetrics()
-        self.serve_view = ServeView(serve.get_replica_context().app_name, [s.name for s in self.graph.stages])
+        self.serve_view = ServeView(
+            serve.get_replica_context().app_name, {s.name: self.graph.deployment(s.name) for s in self.graph.stages}
+        )
         # Serve's own limit; the ingress answers 504 before it (see check_timeouts).
         self.request_timeout_s = self.serve_view.request_timeout_s()
         check_timeouts(self.graph.stage_timeout_s, self.request_timeout_s)
@@ -119,9 +124,16 @@ class Ingress:
             frozenset(m.value for m in self.graph.input_modalities), self.graph.media_policy, self.graph.media_input
         )
         self._voices: list[str] | None = None  # asked from the stages once, on first need
+        # engine_in_ingress: the graph's one stage runs here, called in process (no handle, no Ray objects).
+        self.local: Stage | None = None
+        if self.graph.engine_in_ingress:
+            self.local = Stage(self.graph.entry.model_dump(mode="json"), media)
+            await self.local.start()
         playground.configure(self.graph, self._check_auth, self.serve_view)
 
     def _call_stage(self, stage: str, request: StageRequest) -> AsyncIterator[StageOutput]:
+        if self.local is not None:
+            return self.local.generate(request)  # one stage: no handoff to own
         # Handoffs arrive as stream items this replica owns: they live as long as this request needs them.
         return stage_outputs(self.handles[stage].generate.remote(request), request)
 
@@ -139,6 +151,25 @@ class Ingress:
             raise
         finally:
             timer.done(status)
+
+    # ---- the engine in this replica (engine_in_ingress): Serve's hooks, handle methods, shutdown ------
+    async def check_health(self) -> None:
+        if self.local is not None:
+            await self.local.check_health()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """The local engine's queue for ``omni_serve.autoscaling`` (empty without one)."""
+        return self.local.record_autoscaling_stats() if self.local is not None else {}
+
+    def stats(self) -> dict[str, Any]:
+        """The local stage's ``stats()`` (tests and benchmarks read them as a stage deployment's)."""
+        if self.local is None:
+            raise RuntimeError("this graph's stages run in deployments of their own: ask them")
+        return self.local.stats()
+
+    def __del__(self) -> None:
+        if getattr(self, "local", None) is not None:
+            self.local.shutdown()  # Serve calls __del__ when the replica stops
 
     # ---- not HTTP: handle methods for tests and operators -------------------------------------
     def payload_loads(self) -> dict[str, int]:
@@ -197,11 +228,13 @@ class Ingress:
 
             async def ask(stage: str) -> list[str]:
                 try:
+                    if self.local is not None:
+                        return self.local.voices()
                     return await self.voice_handles[stage].remote()
                 except Exception as err:
                     raise from_failure(StageFailed(stage, err), "voices") from None
 
-            declared = await asyncio.gather(*(ask(stage) for stage in self.voice_handles))
+            declared = await asyncio.gather(*(ask(s.name) for s in self.graph.stages))
             self._voices = sorted({voice.lower() for voices in declared for voice in voices})
         return self._voices
 
@@ -276,13 +309,14 @@ class Ingress:
 
     def _chat_messages(self, body: ChatCompletionRequest) -> list[ChatMessage]:
         """The request's turns; media checked cheaply here and sent on by reference (never decoded here):
-        the bytes of data URLs go into the object store, and the entry stage fetches and decodes."""
+        the bytes of data URLs go into the object store, and the entry stage fetches and decodes (in this
+        process with ``engine_in_ingress``: then the bytes stay where they are)."""
         try:
             messages = body.chat_messages(self.media_rules)
         except InvalidStageInput as err:
             raise stage_bad_request(err) from None
         for part in (p for m in messages for p in m.media()):
-            if part.data is not None:
+            if part.data is not None and self.local is None:
                 part.data = ray.put(part.data)
         return messages
 

@@ -46,9 +46,9 @@ class ServeView:
     controller first answers, every stage counts as loading (the ingress itself has just started).
     """
 
-    def __init__(self, app_name: str, stages: list[str]):
+    def __init__(self, app_name: str, stages: dict[str, str]):
         self.app_name = app_name
-        self.stages = stages
+        self.stages = stages  # stage name -> the deployment that runs it
         self._controller = _controller()
         self._details: dict[str, Any] = {}  # the controller's latest get_serve_instance_details()
         self._first = asyncio.Event()
@@ -81,8 +81,8 @@ class ServeView:
     async def stage_states(self) -> dict[str, StageState]:
         deployments = (await self.application()).get("deployments", {})
         return {
-            name: replica_state([r.get("state") for r in deployments.get(name, {}).get("replicas", [])])
-            for name in self.stages
+            name: replica_state([r.get("state") for r in deployments.get(deployment, {}).get("replicas", [])])
+            for name, deployment in self.stages.items()
         }
 
     async def _refresh_while_read(self) -> None:

@@ -38,17 +38,11 @@ def _outcome(final: StageOutput | None) -> str:
     return "ok" if final is not None and final.finish_reason is not FinishReason.ABORT else "error"
 
 
-@serve.deployment(
-    # Engines batch internally, so a replica takes several requests at once; the
-    # graph file's `deployments:` entry overrides these defaults.
-    max_ongoing_requests=16,
-    # Bounded queue per caller: overload answers 503 + Retry-After instead of growing memory.
-    max_queued_requests=64,
-    ray_actor_options={"num_cpus": 0.25},
-    health_check_period_s=5,
-)
-class StageDeployment:
-    async def __init__(self, stage: dict[str, Any], media: dict[str, Any] | None = None):
+class Stage:
+    """One stage's engine and its calls; a Serve deployment of its own (:class:`StageDeployment`), or
+    inside the ingress replica when the graph says ``engine_in_ingress`` (one Python hop less)."""
+
+    def __init__(self, stage: dict[str, Any], media: dict[str, Any] | None = None):
         self.config = StageConfig.model_validate(stage)
         self.name = self.config.name
         # Entry stage only: the requests' media policy and limits (it fetches and decodes their media).
@@ -63,6 +57,8 @@ class StageDeployment:
         self.max_coalesce_s = self.config.max_coalesce_ms / 1000
         self.metrics = StageMetrics()
         self.engine = create_engine(self.config.engine, self.name, self.config.engine_args)
+
+    async def start(self) -> None:
         started = time.perf_counter()
         await self.engine.start()
         logger.info(
@@ -146,11 +142,14 @@ class StageDeployment:
     def _coalesce_interval(self) -> float:
         return min(COALESCE_S_PER_CALL * self.in_flight, self.max_coalesce_s)
 
-    def __del__(self) -> None:
-        # Serve calls this when the replica stops; engines with child processes stop them here.
-        engine = getattr(self, "engine", None)
+    def shutdown(self) -> None:
+        """Stop the engine (once): engines with child processes stop them here."""
+        engine = self.__dict__.pop("engine", None)
         if engine is not None:
             engine.shutdown()
+
+    def __del__(self) -> None:
+        self.shutdown()  # Serve calls __del__ when the replica stops
 
     async def check_health(self) -> None:
         await self.engine.check_health()
@@ -181,3 +180,20 @@ class StageDeployment:
             for key in ("waiting", "running")
             if isinstance(value := stats.get(key), (int, float)) and not isinstance(value, bool)
         }
+
+
+@serve.deployment(
+    # Engines batch internally, so a replica takes several requests at once; the
+    # graph file's `deployments:` entry overrides these defaults.
+    max_ongoing_requests=16,
+    # Bounded queue per caller: overload answers 503 + Retry-After instead of growing memory.
+    max_queued_requests=64,
+    ray_actor_options={"num_cpus": 0.25},
+    health_check_period_s=5,
+)
+class StageDeployment(Stage):
+    """The stage as its own Serve deployment: its replicas, resources and autoscaling are its own."""
+
+    async def __init__(self, stage: dict[str, Any], media: dict[str, Any] | None = None):
+        super().__init__(stage, media)
+        await self.start()

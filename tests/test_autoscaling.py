@@ -13,7 +13,16 @@ from ray.serve.autoscaling_policy import _apply_app_level_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext, AutoscalingPolicy
 from ray.serve.schema import ServeDeploySchema
 
-from omni_serve.autoscaling import PolicyConfig, StageLoad, StagePolicy, apply_min_ratios, decide, wanted_replicas
+from omni_serve.autoscaling import (
+    ALL_STAGES,
+    PolicyConfig,
+    StageLoad,
+    StagePolicy,
+    apply_min_ratios,
+    decide,
+    wanted_replicas,
+)
+from omni_serve.config import load_graph
 
 GRAPHS = Path(__file__).resolve().parent.parent / "graphs"
 APP = "omni"
@@ -200,10 +209,13 @@ def test_every_shipped_graph_autoscales_every_stage_with_the_policy(path):
         policy = AutoscalingPolicy(**app["autoscaling_policy"])
         assert policy.policy_function == "omni_serve.autoscaling:StagePolicy"
         instance = policy.get_policy()(**policy.policy_kwargs)  # what the controller does
-        stages = {s["name"] for s in app["args"]["stages"]}
+        # The policy sees deployments: a stage's own, or the ingress where the engine runs in it.
+        graph = load_graph(app["args"])
+        stages = {graph.deployment(s.name) for s in graph.stages}
         deployments = {d["name"]: d for d in app["deployments"]}
         named = set(instance.config.min_ratios) | {o for p in instance.config.min_ratios.values() for o in p}
-        assert named <= stages, f"{path.name}: ratios name unknown stages {named - stages}"
+        named |= set(instance.config.max_engine_waiting) - {ALL_STAGES}
+        assert named <= stages, f"{path.name}: the policy names unknown stage deployments {named - stages}"
         for stage in stages:
             assert stage in deployments, f"{path.name}: stage {stage} has no deployments: entry"
             entry = deployments[stage]

@@ -37,8 +37,11 @@ def test_every_shipped_graph_validates(path: Path) -> None:
     for app in config["applications"]:
         graph = load_graph(app["args"])
         deployments = {d["name"] for d in app.get("deployments", [])}
-        # Resources and autoscaling of every stage are set in the file, where Ray users look.
-        assert {s.name for s in graph.stages} <= deployments, path.name
+        # Resources and autoscaling of every stage are set in the file, where Ray users look (the
+        # ingress's entry, where the engine runs in the ingress), and no entry names a deployment
+        # the graph does not have (Serve refuses the file).
+        assert {graph.deployment(s.name) for s in graph.stages} <= deployments, path.name
+        assert deployments <= {"ingress", *(graph.deployment(s.name) for s in graph.stages)}, path.name
 
 
 def test_unknown_upstream_stage() -> None:
@@ -96,6 +99,18 @@ def test_duplicate_and_reserved_names() -> None:
     args = tiny_args()
     args["stages"][0]["name"] = "ingress"
     assert "stages[0].name" in error_of(args)
+
+
+def test_engine_in_ingress_takes_one_stage() -> None:
+    args = tiny_args()
+    args["engine_in_ingress"] = True
+    message = error_of(args)
+    assert "engine_in_ingress" in message and "has 3" in message
+    args["stages"] = args["stages"][:1]
+    args["stages"][0]["final_output"] = "text"
+    graph = load_graph(args)
+    assert graph.deployment("thinker") == "ingress"
+    assert load_graph(tiny_args()).deployment("thinker") == "thinker"
 
 
 def test_unknown_key_is_rejected() -> None:

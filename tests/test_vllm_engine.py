@@ -231,6 +231,7 @@ class TestEngineInProcess:
 # ---- the graph over HTTP, with the official OpenAI client -------------------------------------------
 
 LONG_CONTEXT = 1024  # the disconnect test needs a generation far longer than the test itself
+STAGE_DEPLOYMENT = "ingress"  # graphs/single_stage_llm.yaml runs its engine in the ingress (engine_in_ingress)
 
 
 def _long_context(config: dict[str, Any]) -> None:
@@ -256,6 +257,20 @@ class TestSingleStageGraph:
         import openai
 
         return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def test_the_engine_runs_in_the_ingress(self, client, server) -> None:
+        """engine_in_ingress: no stage deployment; the ingress replica's own engine served the call."""
+        import httpx
+        from ray import serve
+
+        assert set(serve.status().applications["omni"].deployments) == {"ingress"}
+        stats = server.handle(STAGE_DEPLOYMENT).options(method_name="stats")
+        before = stats.remote().result()
+        assert before["stage"] == "llm"
+        client.chat.completions.create(model="tiny-qwen3", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+        assert stats.remote().result()["calls"] == before["calls"] + 1
+        health = httpx.get(f"{server.base_url}/health", timeout=30).json()
+        assert health == {"status": "ok", "stages": {"llm": "ready"}}
 
     def test_non_streaming_and_max_tokens(self, client) -> None:
         reply = client.chat.completions.create(
@@ -335,7 +350,7 @@ class TestSingleStageGraph:
         """Coalesced stream items carry exactly the tokens of the non-streamed reply, in order."""
         from concurrent.futures import ThreadPoolExecutor
 
-        stats = server.handle("llm").options(method_name="stats")
+        stats = server.handle(STAGE_DEPLOYMENT).options(method_name="stats")
         kwargs: dict[str, Any] = {"model": "tiny-qwen3", "temperature": 0, "max_tokens": 48}
         prompts = [[{"role": "user", "content": f"Story number {i}"}] for i in range(8)]
         expected = [client.chat.completions.create(**kwargs, messages=m).choices[0].message.content for m in prompts]
@@ -363,7 +378,7 @@ class TestSingleStageGraph:
     def test_client_disconnect_aborts_the_engine_request(self, server) -> None:
         import httpx
 
-        stats = server.handle("llm").options(method_name="stats")
+        stats = server.handle(STAGE_DEPLOYMENT).options(method_name="stats")
         before = stats.remote().result()
         assert before["in_flight"] == 0
         body = {

@@ -1,6 +1,6 @@
 """omni_serve's single-stage graph against native ``vllm serve``: same checkpoint, same engine settings, one run.
 
-    python benchmarks/vs_native.py                       # 3 interleaved rounds, c=1 and c=8
+    python benchmarks/vs_native.py                       # 5 interleaved rounds, c=1 and c=8
     python benchmarks/vs_native.py --rounds 5 --port 19210
     python benchmarks/vs_native.py --ingress proxy        # Serve's Python proxy in front instead of HAProxy
 
@@ -322,9 +322,9 @@ def median_of(rounds: list[dict[str, Any]], key: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, default=19210, help="native on PORT, omni_serve on PORT+1")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--prompts-per-client", type=int, default=24, help="prompts per round = this x concurrency")
+    parser.add_argument("--prompts-per-client", type=int, default=64, help="prompts per round = this x concurrency")
     parser.add_argument("--input-len", type=int, default=24)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)

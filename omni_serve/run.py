@@ -7,7 +7,9 @@ Serve with the file's HTTP options; deploy the file's applications) and three th
 
 - Quiet unless ``--verbose``: Serve's controller and proxy log errors only, the application's
   replicas warnings and errors (no access-log line per request or health probe), transformers
-  errors only, no progress bars. Failures still show, and a failed deployment ends the run.
+  errors and vLLM warnings only, no progress bars. Failures still show, and a failed deployment
+  ends the run. With ``RAY_SERVE_ENABLE_HA_PROXY=1`` in its environment the cluster it starts runs
+  Serve's HAProxy ingress (README, "Where the time goes").
 - One ready line once ``/health`` answers 200 (see :mod:`omni_serve.ready`).
 - SIGTERM stops it like Ctrl-C: the applications are deleted (replicas stop gracefully), then Ray
   shuts down; exit status 0. Without this, Ray's C++ failure-signal handler (installed on the
@@ -35,7 +37,12 @@ from omni_serve.launch import load_graph_file
 from omni_serve.ready import base_url, ready_line
 
 # Inherited by every Ray process this launcher starts (the replicas included).
-QUIET_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
+QUIET_ENV = {
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TQDM_DISABLE": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",  # vLLM logs through its own logger, not Serve's logging_config
+}
 QUIET_APP_LOGGING = {"log_level": "WARNING", "enable_access_log": False}
 QUIET_SERVE_LOGGING = {"log_level": "ERROR"}  # controller + proxy; their warnings include Ray's spurious
 # "Cannot deregister autoscaling state" for every deployment without autoscaling in an app with a policy.
@@ -146,7 +153,15 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("ray.serve").setLevel(logging.WARNING)  # this process's Serve client
         for key, value in QUIET_ENV.items():
             os.environ.setdefault(key, value)
-        config.setdefault("logging_config", QUIET_APP_LOGGING)
+        # Quiet unless the file says otherwise, key by key (a file may set only enable_access_log).
+        config["logging_config"] = {**QUIET_APP_LOGGING, **config.get("logging_config", {})}
+        for app in config["applications"]:
+            if "logging_config" in app:
+                app["logging_config"] = {**QUIET_APP_LOGGING, **app["logging_config"]}
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        # Serve's HAProxy ingress keeps a stopping ingress replica draining 30 s so that load balancers
+        # in front notice; this launcher stops the whole local cluster, so nobody is left to notice.
+        os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
     schema = ServeDeploySchema.model_validate(config)
     host, port = schema.http_options.host, schema.http_options.port
     urls = {app.name: base_url(host, port, app.route_prefix) for app in schema.applications}

@@ -38,10 +38,13 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import psutil
+
+if TYPE_CHECKING:
+    from omni_serve.config import GraphConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAPH = "single_stage_llm.yaml"
@@ -67,20 +70,18 @@ main()
 """
 
 
-def graph_stage() -> tuple[dict[str, Any], dict[str, Any]]:
-    """(engine_args, default_sampling) of the single-stage graph's stage."""
-    from omni_serve.launch import load_graph_file
-
-    (stage,) = load_graph_file(GRAPH)["applications"][0]["args"]["stages"]
-    return stage["engine_args"], stage.get("default_sampling", {})
-
-
-def stage_deployment() -> str:
-    """The deployment that runs the stage: the ingress when the graph says ``engine_in_ingress``."""
+def graph() -> GraphConfig:
+    """The single-stage graph file's application, validated as omni_serve loads it."""
     from omni_serve.config import load_graph
     from omni_serve.launch import load_graph_file
 
-    return load_graph(load_graph_file(GRAPH)["applications"][0]["args"]).deployment(STAGE)
+    return load_graph(load_graph_file(GRAPH)["applications"][0]["args"])
+
+
+def graph_stage() -> tuple[dict[str, Any], dict[str, Any]]:
+    """(engine_args, default_sampling as the file sets it) of the single-stage graph's stage."""
+    stage = graph().stage(STAGE)
+    return stage.engine_args, stage.default_sampling.model_dump(exclude_unset=True)
 
 
 def native_argv(model_path: str, engine_args: dict[str, Any], port: int) -> list[str]:
@@ -156,7 +157,7 @@ def serve_omni(port: int, ingress: str) -> None:
     try:
         deploy_graph_file(GRAPH, ray.get_runtime_context().gcs_address, port, fixed)
         wait_healthy(f"http://127.0.0.1:{port}", timeout_s=600)  # the stage's deployment exists once it is healthy
-        stage = serve.get_deployment_handle(stage_deployment(), app_name="omni").options(method_name="stats")
+        stage = serve.get_deployment_handle(graph().deployment(STAGE), app_name="omni").options(method_name="stats")
         while not stopping:
             if asked.exists():  # the parent wants the stage's counters (items and calls so far)
                 answer.write_text(json.dumps(stage.remote().result()))

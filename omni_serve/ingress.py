@@ -89,9 +89,9 @@ class ServeStreamingResponse(StreamingResponse):
     Behind an ASGI < 2.4 server Starlette runs the body in an anyio task group next to a task that
     waits for ``http.disconnect``, and cancels the group at the end; anyio builds the current task's
     repr for that cancel, reading source files (~9% of the ingress's CPU at 8 concurrent streams,
-    py-spy). Under Serve the listener is redundant: when the client leaves, Serve's proxy cancels the
-    ingress's call, which cancels this response and the orchestrator's stage calls
-    (``tests/test_cancellation.py``).
+    py-spy). Under Serve the listener is redundant: when the client leaves, Serve cancels the ingress's
+    call (its proxy, or the replica's own HTTP server behind HAProxy), which cancels this response and
+    the orchestrator's stage calls (``tests/test_cancellation.py``, ``tests/test_haproxy_ingress.py``).
     """
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -111,6 +111,8 @@ def open_playground(page, base_url: str, stages: list[str]) -> None:
     for stage in stages:  # the stage report shows each stage with a running replica
         page.wait_for_selector(f'#stages tr[data-stage="{stage}"]:not([data-running="0"])', timeout=TIMEOUT_MS)
     page.wait_for_selector("#health.ok", timeout=TIMEOUT_MS)
+    # The card comes from /v1/models, which asks the stages for voices: it can land after /health.
+    page.wait_for_selector("body[data-card]", timeout=TIMEOUT_MS)
 
 
 def report(page, selector: str) -> dict[str, str]:

@@ -442,6 +442,7 @@ async function loadCard() {
   $("#attach").hidden = accept.length === 0;
   $("#attach-file").accept = accept.map((m) => `${m}/*`).join(",");
   $("#record").hidden = !inputs.has("audio") || !navigator.mediaDevices;
+  document.body.dataset.card = card.id; // the forms now match the graph
 }
 
 async function pollStatus() {
@@ -471,12 +472,18 @@ async function pollStatus() {
   }
 }
 
+let connectRetry = null;
+
+// The card can fail while the graph starts (routes not propagated, stages not up): keep asking until
+// it loads, so a page opened early still ends up with the graph's forms.
 async function connect() {
+  clearTimeout(connectRetry);
   try {
     await loadCard();
     showError(null);
   } catch (error) {
     showError(error);
+    connectRetry = setTimeout(connect, POLL_MS);
   }
 }
 

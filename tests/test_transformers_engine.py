@@ -170,6 +170,19 @@ def test_thinker_same_seed_same_tokens(engines: dict[str, StageEngine]) -> None:
     assert a != c
 
 
+def test_top_k_1_decodes_greedily_without_sampling(engines: dict[str, StageEngine]) -> None:
+    # top_k 1 leaves one candidate whatever the temperature / top_p / seed: the greedy tokens (with the
+    # repetition penalty still applied), and HF's sampling path (a sort and a draw over the vocabulary)
+    # is not run for it.
+    assert te._sampling_kwargs(SamplingParams(temperature=0.9, top_k=1, top_p=0.5))["do_sample"] is False
+    assert te._sampling_kwargs(SamplingParams(temperature=0.9, top_k=2))["do_sample"] is True
+    thinker = engines["thinker"]
+    greedy = ids_of(run(thinker, thinker_request(temperature=0, repetition_penalty=1.3, max_tokens=12)))
+    for seed in (1, 2):
+        top1 = thinker_request(temperature=0.9, top_k=1, top_p=0.5, repetition_penalty=1.3, max_tokens=12, seed=seed)
+        assert ids_of(run(thinker, top1)) == greedy
+
+
 def test_concurrent_thinker_requests_match_solo_runs(engines: dict[str, StageEngine]) -> None:
     thinker = engines["thinker"]
     solo = [ids_of(run(thinker, thinker_request(f"s{s}", temperature=1.0, max_tokens=12, seed=s))) for s in (3, 4)]

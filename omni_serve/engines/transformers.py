@@ -306,10 +306,18 @@ def _seed(sampling: SamplingParams) -> int:
 
 
 def _sampling_kwargs(s: SamplingParams) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"do_sample": s.temperature > 0}
+    """HF ``generate`` keyword arguments for ``s``.
+
+    ``top_k`` 1 keeps only the most likely token whatever the temperature, top-p or min-p, so it
+    decodes greedily: the same tokens without HF's sampling path, which sorts (top-p) and draws
+    (multinomial) over the whole vocabulary at every step (half the tiny thinker's CPU with its
+    152k-token vocabulary, measured with py-spy).
+    """
+    sample = s.temperature > 0 and s.top_k != 1
+    kwargs: dict[str, Any] = {"do_sample": sample}
     if s.repetition_penalty != 1.0:  # 1.0 is HF's no-op; passing it only draws a warning with inputs_embeds
         kwargs["repetition_penalty"] = s.repetition_penalty
-    if s.temperature > 0:
+    if sample:
         kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)  # top_k 0: HF adds no filter
         if s.min_p > 0:
             kwargs["min_p"] = s.min_p

@@ -39,19 +39,8 @@ from typing import Any
 
 import yaml
 
+from omni_serve.engines.vllm_omni_handoffs import PIPELINES
 from omni_serve.types import SAMPLING_EXTENSIONS, SamplingParams
-
-# Pipelines with handoffs in omni_serve.engines.vllm_omni_handoffs: model_type -> (pipeline object, default model).
-PIPELINES: dict[str, tuple[str, str]] = {
-    "qwen3_omni_moe": (
-        "vllm_omni.model_executor.models.qwen3_omni.pipeline:QWEN3_OMNI_PIPELINE",
-        "Qwen/Qwen3-Omni-30B-A3B-Instruct",
-    ),
-    "qwen2_5_omni": (
-        "vllm_omni.model_executor.models.qwen2_5_omni.pipeline:QWEN2_5_OMNI_PIPELINE",
-        "Qwen/Qwen2.5-Omni-7B",
-    ),
-}
 
 # Engine args that only make sense with vLLM-Omni's in-process connectors.
 STANDALONE_ENGINE_ARGS: dict[str, Any] = {"async_chunk": False, "requires_full_payload_input": False}
@@ -120,7 +109,7 @@ def resolve_source(source: str, pipeline: str | None) -> tuple[str, Path]:
         declared = (yaml.safe_load(path.read_text()) or {}).get("pipeline")
         pipeline = pipeline or declared or path.stem
     else:
-        by_model = {model.lower(): name for name, (_, model) in PIPELINES.items()}
+        by_model = {p.default_model.lower(): name for name, p in PIPELINES.items()}
         pipeline = pipeline or by_model.get(source.lower(), source)
         path = None  # type: ignore[assignment]
     if pipeline not in PIPELINES:
@@ -129,7 +118,7 @@ def resolve_source(source: str, pipeline: str | None) -> tuple[str, Path]:
             "(pass --pipeline for a deploy YAML whose file name is not the pipeline name)"
         )
     if path is None:
-        path = deploy_dir() / _import(PIPELINES[pipeline][0]).default_deploy_config_name
+        path = deploy_dir() / _import(PIPELINES[pipeline].topology).default_deploy_config_name
     return pipeline, path
 
 
@@ -149,7 +138,7 @@ def merged_stages(pipeline: str, deploy_path: Path, platform: str) -> tuple[list
     # connector's codec chunk sizes for the talker's own streaming.
     standalone = copy.deepcopy(deploy)
     standalone.async_chunk = False
-    return sc.merge_pipeline_deploy(_import(PIPELINES[pipeline][0]), standalone), deploy
+    return sc.merge_pipeline_deploy(_import(PIPELINES[pipeline].topology), standalone), deploy
 
 
 def _plain(value: Any) -> Any:
@@ -242,7 +231,7 @@ def generate(
 ) -> dict[str, Any]:
     """The Serve config (as a dict) for one vLLM-Omni pipeline + deploy config."""
     pipeline, deploy_path = resolve_source(source, pipeline)
-    model = model or PIPELINES[pipeline][1]
+    model = model or PIPELINES[pipeline].default_model
     stages, deploy = merged_stages(pipeline, deploy_path, platform)
     names = {s.stage_id: s.model_stage for s in stages}
     device_users: dict[str, int] = {}

@@ -111,7 +111,7 @@ def test_qwen3_talker_to_code2wav_full_payload():
 def test_qwen3_codec_chunks_carry_left_context_and_cover_every_frame_once():
     frames = 83
     codes = torch.randint(0, 2048, (frames, GROUPS))
-    chunker = handoffs.CodecChunker(
+    chunker = handoffs.AsyncChunkTransfer(
         "qwen3_omni_moe",
         "r1",
         chunk_frames=25,

@@ -695,7 +695,7 @@ class VllmOmniEngine(StageEngine):
         # runner builds from extra_args["tts_local_seed"], which only Qwen3-TTS uses). No upstream issue found.
         chunker = None
         if self.args.codec_chunk is not None:
-            chunker = handoffs.CodecChunker(
+            chunker = handoffs.AsyncChunkTransfer(
                 pipeline,
                 request.request_id,
                 chunk_frames=self.args.codec_chunk.chunk_frames,

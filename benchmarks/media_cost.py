@@ -7,8 +7,8 @@ For each item (a 1280x720 JPEG, 10 s of WAV at 16 kHz, 10 s of stereo MP3 at 44.
 ``--repeat`` runs:
 
 - ingress: what the ingress does per part: strict base64 decoding of the data URL and the
-  magic-byte sniff (``omni_serve.media_input.data_url_bytes`` + ``check_format``);
-- decode: what the entry stage does before its model: ``omni_serve.media_input.decode`` (Pillow /
+  magic-byte sniff (``omni_serve.media.inputs.data_url_bytes`` + ``check_format``);
+- decode: what the entry stage does before its model: ``omni_serve.media.inputs.decode`` (Pillow /
   FFmpeg through PyAV, resampling to 16 kHz mono, video frames sampled at 2 fps, the track too);
 - processor: the tiny checkpoint's ``Qwen3OmniMoeProcessor`` (Whisper features, Qwen2-VL image and
   video processors) on the decoded item, with the tiny graphs' pixel budget (64x64 px), and with a
@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from omni_serve import media_input
-from omni_serve.engines import qwen3_omni
-from omni_serve.tiny import ensure_tiny_omni
+from omni_serve.checkpoints.tiny_omni import ensure_tiny_omni
+from omni_serve.media import inputs as media_input
+from omni_serve.models import qwen3_omni
 from omni_serve.types import ChatMessage, MediaPart, TextPart
 
 TINY_SIZE = {"shortest_edge": 64, "longest_edge": 4096}  # the tiny graphs' mm_processor_kwargs

@@ -37,7 +37,7 @@ import numpy as np
 import psutil
 import soundfile as sf
 
-from omni_serve.object_store import StoreWatch, object_store_bytes, settled, wait_at_most
+from omni_serve.graph.object_store import StoreWatch, object_store_bytes, settled, wait_at_most
 
 KINDS = ("text", "text-stream", "audio", "audio-stream")
 MESSAGES = ["Say hello.", "What is two plus two?", "Tell me about the sea.", "Name a colour."]
@@ -250,7 +250,7 @@ def start_private_graph(graph: str, port: int, padding: int) -> tuple[str, int, 
     import ray
     from ray import serve
 
-    from omni_serve.launch import deploy_graph_file, pad_handoffs, wait_healthy
+    from omni_serve.cli.launch import deploy_graph_file, pad_handoffs, wait_healthy
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="serve", log_to_driver=False)
 

@@ -44,7 +44,7 @@ import httpx
 import psutil
 
 if TYPE_CHECKING:
-    from omni_serve.config import GraphConfig
+    from omni_serve.graph.config import GraphConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAPH = "single_stage_llm.yaml"
@@ -72,8 +72,8 @@ main()
 
 def graph() -> GraphConfig:
     """The single-stage graph file's application, validated as omni_serve loads it."""
-    from omni_serve.config import load_graph
-    from omni_serve.launch import load_graph_file
+    from omni_serve.cli.launch import load_graph_file
+    from omni_serve.graph.config import load_graph
 
     return load_graph(load_graph_file(GRAPH)["applications"][0]["args"])
 
@@ -133,7 +133,7 @@ def serve_omni(port: int, ingress: str) -> None:
     import ray
     from ray import serve
 
-    from omni_serve.launch import deploy_graph_file, wait_healthy
+    from omni_serve.cli.launch import deploy_graph_file, wait_healthy
 
     def fixed(config: dict[str, Any]) -> None:
         app = config["applications"][0]
@@ -343,7 +343,7 @@ def main() -> None:
         serve_omni(args.serve_omni, args.ingress)
         return
 
-    from omni_serve.tiny_llm import ensure_tiny_qwen3
+    from omni_serve.checkpoints.tiny_llm import ensure_tiny_qwen3
 
     args.model_path = str(ensure_tiny_qwen3())
     _, sampling = graph_stage()

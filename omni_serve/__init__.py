@@ -1,6 +1,6 @@
 """omni_serve: multi-stage omni-modal models as Ray Serve deployment graphs."""
 
-from omni_serve.config import GraphConfig, GraphConfigError, StageConfig, load_graph
+from omni_serve.graph.config import GraphConfig, GraphConfigError, StageConfig, load_graph
 from omni_serve.types import Modality, SamplingParams
 
 __all__ = ["GraphConfig", "GraphConfigError", "Modality", "SamplingParams", "StageConfig", "build_app", "load_graph"]

@@ -12,9 +12,9 @@ from typing import Any
 
 from ray.serve import Application
 
-from omni_serve.config import INGRESS_NAME, GraphConfig, load_graph
-from omni_serve.ingress import Ingress
-from omni_serve.stage import StageDeployment
+from omni_serve.api.ingress import Ingress
+from omni_serve.graph.config import INGRESS_NAME, GraphConfig, load_graph
+from omni_serve.graph.stage import StageDeployment
 
 
 def build_app(args: dict[str, Any] | GraphConfig) -> Application:

@@ -79,6 +79,27 @@ SAMPLING_EXTENSIONS: tuple[str, ...] = (
 )
 
 
+# --- errors a stage raises that cross to the ingress (pickled by Ray with their fields) -------------
+
+
+class EngineError(RuntimeError):
+    """The engine failed on a request for a reason that is not the client's fault."""
+
+
+class InvalidStageInput(ValueError):
+    """The request is invalid for this engine (e.g. prompt longer than the context); maps to 400.
+
+    ``param`` names the request field at fault as the client sent it (``messages``,
+    ``input``, ``size``, ``messages.1.content.2``, ...); ``status`` is 400, or 413 for input over
+    a size limit. Both survive Ray's pickling with the exception.
+    """
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param = param
+        self.status = status
+
+
 class TextPart(BaseModel):
     type: Literal["text"] = "text"
     text: str
@@ -124,26 +145,6 @@ class ImageParams(BaseModel):
 
 
 @dataclass
-class HandoffPayload:
-    """Heavy data one stage hands to the next (hidden states, codec codes, latents).
-
-    Arrays are numpy (zero-copy through the object store on one node). ``kind`` names
-    the format, e.g. ``"qwen3_omni.thinker2talker"``; ``meta`` holds small scalars.
-    Unpickling is counted per process by :mod:`omni_serve.handoff` so tests can prove
-    the ingress never loads one.
-    """
-
-    kind: str
-    tensors: dict[str, np.ndarray]
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    def __reduce__(self):  # noqa: D105 - see class docstring
-        from omni_serve.handoff import load_payload
-
-        return (load_payload, (self.kind, self.tensors, self.meta))
-
-
-@dataclass
 class StageRequest:
     """One call of one stage for one client request.
 
@@ -169,7 +170,7 @@ class StageRequest:
     sent_at: float = 0.0  # wall-clock time the orchestrator dispatched this call (queue-wait metric)
     client_request_id: str | None = None  # the client's X-Request-ID: for logs only, never a key
     return_prompt_text: bool = False  # the entry stage adds the templated prompt to its first output
-    # The messages' media, fetched and decoded (omni_serve.media_input) inside the entry stage replica
+    # The messages' media, fetched and decoded (omni_serve.media.inputs) inside the entry stage replica
     # before its engine runs, in message order. Never sent across deployments.
     media: list[Any] | None = None
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from omni_serve.launch import deploy_graph_file, wait_healthy
+from omni_serve.cli.launch import deploy_graph_file, wait_healthy
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

@@ -13,8 +13,8 @@ import numpy as np
 import openai
 import pytest
 
-from omni_serve.engines.qwen3_omni import SAMPLE_RATE
-from omni_serve.media import AudioEncoder, encode_audio
+from omni_serve.media.encode import AudioEncoder, encode_audio
+from omni_serve.models.qwen3_omni import SAMPLE_RATE
 from tests.audio import CHAT_FORMATS, SPEECH_FORMATS, decode
 
 LOSSLESS = {"wav", "flac", "pcm", "pcm16"}

@@ -13,7 +13,7 @@ from ray.serve.autoscaling_policy import _apply_app_level_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext, AutoscalingPolicy
 from ray.serve.schema import ServeDeploySchema
 
-from omni_serve.autoscaling import (
+from omni_serve.graph.autoscaling import (
     ALL_STAGES,
     PolicyConfig,
     StageLoad,
@@ -22,7 +22,7 @@ from omni_serve.autoscaling import (
     decide,
     wanted_replicas,
 )
-from omni_serve.config import load_graph
+from omni_serve.graph.config import load_graph
 
 GRAPHS = Path(__file__).resolve().parent.parent / "graphs"
 APP = "omni"
@@ -207,7 +207,7 @@ def test_every_shipped_graph_autoscales_every_stage_with_the_policy(path):
     ServeDeploySchema.model_validate(config)  # a valid Serve config, autoscaling_policy included
     for app in config["applications"]:
         policy = AutoscalingPolicy(**app["autoscaling_policy"])
-        assert policy.policy_function == "omni_serve.autoscaling:StagePolicy"
+        assert policy.policy_function == "omni_serve.graph.autoscaling:StagePolicy"
         instance = policy.get_policy()(**policy.policy_kwargs)  # what the controller does
         # The policy sees deployments: a stage's own, or the ingress where the engine runs in it.
         graph = load_graph(app["args"])

@@ -1,4 +1,4 @@
-"""Coalescing a stage call's text deltas (omni_serve.coalesce): same content, fewer items as the interval grows.
+"""Coalescing a stage call's text deltas (omni_serve.graph.coalesce): same content, fewer items as the interval grows.
 
 A fake clock stands in for time: each engine output arrives one "millisecond" after the last.
 """
@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 
-from omni_serve.coalesce import coalesced
+from omni_serve.graph.coalesce import coalesced
 from omni_serve.types import FinishReason, StageOutput, Usage
 
 

@@ -19,7 +19,7 @@ import openai
 import pytest
 import soundfile as sf
 
-from omni_serve.engines.qwen3_omni import SAMPLE_RATE
+from omni_serve.models.qwen3_omni import SAMPLE_RATE
 
 pytestmark = pytest.mark.integration
 

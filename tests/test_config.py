@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from omni_serve.config import DEADLINE_MARGIN_S, GraphConfigError, check_timeouts, load_graph
+from omni_serve.graph.config import DEADLINE_MARGIN_S, GraphConfigError, check_timeouts, load_graph
 from omni_serve.types import Modality
 
 GRAPHS = Path(__file__).resolve().parent.parent / "graphs"
@@ -170,8 +170,8 @@ def test_input_modalities_are_the_entry_stages(name: str, takes: list[str]) -> N
 
 
 def test_a_graph_refuses_media_its_entry_stage_cannot_take_naming_the_part() -> None:
-    from omni_serve.errors import APIError
-    from omni_serve.openai.protocol import ChatCompletionRequest, MediaRules
+    from omni_serve.api.errors import APIError
+    from omni_serve.api.openai.protocol import ChatCompletionRequest, MediaRules
 
     graph = load_graph(graph_args("single_stage_llm.yaml"))
     rules = MediaRules(frozenset(m.value for m in graph.input_modalities), graph.media_policy, graph.media_input)

@@ -13,9 +13,17 @@ import numpy as np
 import pytest
 
 from omni_serve.engines import validate_engine_args
-from omni_serve.engines.base import EngineError, InvalidStageInput
 from omni_serve.engines.diffusers import LATENTS_KIND, PROMPT_KIND, DiffusersEngine, create
-from omni_serve.types import ChatMessage, HandoffPayload, ImageParams, SamplingParams, StageOutput, StageRequest
+from omni_serve.payload import HandoffPayload
+from omni_serve.types import (
+    ChatMessage,
+    EngineError,
+    ImageParams,
+    InvalidStageInput,
+    SamplingParams,
+    StageOutput,
+    StageRequest,
+)
 
 STAGES = ("full", "encode", "denoise", "decode")
 
@@ -63,7 +71,7 @@ def test_one_stage_equals_three_stages_and_diffusers(engines: dict[str, Diffuser
     import torch
     from diffusers import QwenImagePipeline
 
-    from omni_serve.tiny_image import ensure_tiny_qwen_image
+    from omni_serve.checkpoints.tiny_image import ensure_tiny_qwen_image
 
     req = request(negative_prompt=negative_prompt, n=2)
     full = run(engines["full"], req).images

@@ -25,11 +25,11 @@ import pytest
 import soundfile as sf
 from ray.exceptions import ActorDiedError, ActorUnavailableError, OwnerDiedError, RayTaskError
 
-from omni_serve.engines.base import InvalidStageInput
-from omni_serve.engines.qwen3_omni import SAMPLE_RATE
-from omni_serve.errors import from_failure
-from omni_serve.orchestrator import IncompleteStageStream, OmniRequest, Orchestrator, StageFailed, replica_gone
-from omni_serve.types import ChatMessage, FinishReason, HandoffPayload, Modality, SamplingParams, StageOutput
+from omni_serve.api.errors import from_failure
+from omni_serve.graph.orchestrator import IncompleteStageStream, OmniRequest, Orchestrator, StageFailed, replica_gone
+from omni_serve.models.qwen3_omni import SAMPLE_RATE
+from omni_serve.payload import HandoffPayload
+from omni_serve.types import ChatMessage, FinishReason, InvalidStageInput, Modality, SamplingParams, StageOutput
 from tests.test_orchestrator import GRAPH  # the same three-stage fake graph
 
 # ---- unit: what is retried, and what a failure maps to (no Ray cluster) ------------------------

@@ -1,6 +1,6 @@
 """The front door: `make serve` installs once, prints one ready line, stays quiet, and stops cleanly on SIGTERM.
 
-`make serve` here runs the real Makefile and launcher (omni_serve.run) on its own local Ray cluster
+`make serve` here runs the real Makefile and launcher (omni_serve.cli.run) on its own local Ray cluster
 (the session cluster keeps its graph); the install stamp is pre-made, as `make test` leaves it.
 """
 
@@ -46,7 +46,7 @@ def test_second_make_serve_starts_without_pip(tmp_path: Path) -> None:
     stamps.mkdir()
     (stamps / "install").touch()  # what the first install leaves
     plan = dry_run(tmp_path, stamps)
-    assert "pip" not in plan and "-m omni_serve.run graphs/tiny_omni.yaml" in plan
+    assert "pip" not in plan and "-m omni_serve.cli.run graphs/tiny_omni.yaml" in plan
     later = time.time() + 60
     os.utime(tmp_path / "pyproject.toml", (later, later))  # a dependency changed: install again
     assert re.search(r"-m pip .*install -e \.", dry_run(tmp_path, stamps))

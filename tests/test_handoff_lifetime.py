@@ -6,7 +6,7 @@ consumer call, the consumer resolves it a little later, as a queued stage call d
 - The way omni_serve used to do it (``ray.put`` in the producer, the reference nested in the
   streamed output) loses objects under concurrency in Ray 2.60: ray-project/ray#58080. The first
   test documents that Ray behaviour; when it fails, the Ray in use no longer frees them early.
-- The handoff protocol of :mod:`omni_serve.handoff` (the payload is its own stream item, owned by
+- The handoff protocol of :mod:`omni_serve.graph.transport` (the payload is its own stream item, owned by
   the relay) delivers every payload under the same load, frees them all afterwards, and the relay
   never deserializes one.
 """
@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from omni_serve.handoff import payload_loads, stage_outputs, stream_items
-from omni_serve.object_store import new_object_bytes, objects_of_at_least, wait_at_most
-from omni_serve.types import HandoffPayload, SamplingParams, StageOutput, StageRequest
+from omni_serve.graph.object_store import new_object_bytes, objects_of_at_least, wait_at_most
+from omni_serve.graph.transport import stage_outputs, stream_items
+from omni_serve.payload import HandoffPayload, payload_loads
+from omni_serve.types import SamplingParams, StageOutput, StageRequest
 
 HTTP_PORT = int(os.environ.get("OMNI_SERVE_TEST_PORT", "18765"))
 CALLS = 32  # concurrent producer calls per round
@@ -118,7 +119,7 @@ def test_handoffs_owned_by_the_caller_reach_every_consumer_and_are_freed(relay: 
 
 
 def test_ray_frees_a_put_reference_nested_in_a_streamed_item_too_early(relay: Any) -> None:
-    """Documents ray-project/ray#58080 in the Ray we run (see :mod:`omni_serve.handoff`).
+    """Documents ray-project/ray#58080 in the Ray we run (see :mod:`omni_serve.graph.transport`).
 
     If this fails, Ray delivered every nested reference: the upstream bug may be fixed, and the
     handoff protocol could be reconsidered (it would still give the caller the ownership).

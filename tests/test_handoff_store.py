@@ -22,8 +22,8 @@ from typing import Any, NamedTuple
 import httpx
 import pytest
 
-from omni_serve.launch import pad_handoffs
-from omni_serve.object_store import (
+from omni_serve.cli.launch import pad_handoffs
+from omni_serve.graph.object_store import (
     StoreWatch,
     new_object_bytes,
     object_store_bytes,

@@ -11,8 +11,8 @@ import numpy as np
 import soundfile as sf
 from PIL import Image as PILImage
 
-from omni_serve import media_input as mi
-from omni_serve.media_policy import MediaPolicy
+from omni_serve.media import inputs as mi
+from omni_serve.media.policy import MediaPolicy
 from omni_serve.types import MediaPart
 from tests import media
 from tests.media import flac, mp4, png, png_bomb, tone, wav, wav_claiming

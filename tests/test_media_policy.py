@@ -1,7 +1,7 @@
 """The media fetch policy in process: static URL checks, and real fetches from local HTTP servers.
 
 Servers listen on 127.0.0.1 only; names resolve through the system resolver (``localhost``) or an
-in-process override of :func:`omni_serve.media_policy.resolve`. Each server's request log shows what
+in-process override of :func:`omni_serve.media.policy.resolve`. Each server's request log shows what
 was fetched: a refused target must never see a request.
 """
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from omni_serve import media_policy
-from omni_serve.media_policy import MediaPolicy, address_allowed, check_url, fetch
+from omni_serve.media import policy as media_policy
+from omni_serve.media.policy import MediaPolicy, address_allowed, check_url, fetch
 from tests import media
 from tests.conftest import HTTP_PORT
 from tests.media import MediaServer, png

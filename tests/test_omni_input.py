@@ -23,9 +23,9 @@ import pytest
 import soundfile as sf
 from PIL import Image
 
-from omni_serve.engines import qwen3_omni as q
-from omni_serve.media import b64, data_url
-from omni_serve.tiny import ensure_tiny_omni
+from omni_serve.checkpoints.tiny_omni import ensure_tiny_omni
+from omni_serve.media.encode import b64, data_url
+from omni_serve.models import qwen3_omni as q
 from tests.conftest import HTTP_PORT
 from tests.deps import require
 from tests.media import MediaServer, flac, mp4, png, png_bomb, wav
@@ -203,7 +203,8 @@ def test_media_equal_hf_processor_and_generate(client: openai.OpenAI, parts: lis
 @pytest.mark.parametrize("use_audio_in_video", [False, True], ids=["all-three", "all-three-video-track"])
 def test_prompt_ids_equal_hf_processor_id_for_id(tiny_omni, use_audio_in_video: bool) -> None:
     """The thinker's prompt token ids, read from its handoff to the talker, equal HF's processor's."""
-    from omni_serve.types import ChatMessage, HandoffPayload, MediaPart, SamplingParams, StageRequest, TextPart
+    from omni_serve.payload import HandoffPayload
+    from omni_serve.types import ChatMessage, MediaPart, SamplingParams, StageRequest, TextPart
 
     made = [image(png()), audio(wav(1.0)), video(mp4())]
     content: list[TextPart | MediaPart] = [TextPart(text=QUESTION["text"])]

@@ -10,19 +10,12 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 
-from omni_serve.config import GraphConfig
-from omni_serve.engines.qwen3_omni import SAMPLE_RATE
-from omni_serve.errors import from_failure
-from omni_serve.orchestrator import AbortedStageCall, OmniRequest, Orchestrator, StageFailed, StageTimeout
-from omni_serve.types import (
-    ChatMessage,
-    FinishReason,
-    HandoffPayload,
-    Modality,
-    SamplingParams,
-    StageOutput,
-    StageRequest,
-)
+from omni_serve.api.errors import from_failure
+from omni_serve.graph.config import GraphConfig
+from omni_serve.graph.orchestrator import AbortedStageCall, OmniRequest, Orchestrator, StageFailed, StageTimeout
+from omni_serve.models.qwen3_omni import SAMPLE_RATE
+from omni_serve.payload import HandoffPayload
+from omni_serve.types import ChatMessage, FinishReason, Modality, SamplingParams, StageOutput, StageRequest
 
 GRAPH = GraphConfig.model_validate(
     {

@@ -29,8 +29,8 @@ import pytest
 import soundfile as sf
 import yaml
 
-from omni_serve.engines.qwen3_omni import SAMPLE_RATE
-from omni_serve.launch import GRAPHS, deploy_graph_file, wait_healthy
+from omni_serve.cli.launch import GRAPHS, deploy_graph_file, wait_healthy
+from omni_serve.models.qwen3_omni import SAMPLE_RATE
 
 HTTP_PORT = int(os.environ.get("OMNI_SERVE_TEST_PORT", "18765"))
 BIG, SHARED, HEAD = "omni_gpu_big", "omni_gpu_shared", "omni_head"

@@ -24,10 +24,10 @@ from PIL import Image
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.testclient import TestClient
 
-from omni_serve import playground
-from omni_serve.config import load_graph
-from omni_serve.errors import http_exception_handler
-from omni_serve.launch import load_graph_file
+from omni_serve.api import playground
+from omni_serve.api.errors import http_exception_handler
+from omni_serve.cli.launch import load_graph_file
+from omni_serve.graph.config import load_graph
 from tests import deps
 
 TOOLS = "make test installs it (.ci/install-debian-tools.sh)"

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from omni_serve.engines import qwen3_omni as q
-from omni_serve.tiny import ensure_tiny_omni
-from omni_serve.types import HandoffPayload
+from omni_serve.checkpoints.tiny_omni import ensure_tiny_omni
+from omni_serve.models import qwen3_omni as q
+from omni_serve.payload import HandoffPayload
 
 # Measured on the tiny checkpoint, random codes (4 seeds x 75/100 frames), chunks of 25 (or a
 # first chunk of 4) with 25 frames of left context, against one decode of all frames: max |diff|

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from omni_serve import tiny
+from omni_serve.checkpoints import tiny_omni as tiny
 from tests.deps import require
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -158,7 +158,7 @@ def test_processor_loads_and_expands_media_placeholders(cached: pathlib.Path) ->
 
 def test_concurrent_ensure_builds_once(tmp_path: pathlib.Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "omni_serve.tiny", "--cache-dir", str(tmp_path)]
+    cmd = [sys.executable, "-m", "omni_serve.checkpoints.tiny_omni", "--cache-dir", str(tmp_path)]
     procs = [
         subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)
     ]

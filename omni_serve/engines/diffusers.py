@@ -13,7 +13,7 @@ One engine runs one ``pipeline_stage`` of ``QwenImagePipeline``:
 ``full`` runs exactly the encode, denoise and decode functions of the split stages one
 after the other, payloads included, so a one-stage and a three-stage graph give the same
 pixels for the same seed. Handoff tensors keep the pipeline's dtype (bf16 on GPUs travels
-as 16-bit words, :mod:`omni_serve.handoff`): nothing is widened, nothing is lost.
+as 16-bit words, :mod:`omni_serve.graph.transport`): nothing is widened, nothing is lost.
 
 Requests: the prompt is the last user message; :class:`~omni_serve.types.ImageParams`
 carries size, steps, true-CFG scale, negative prompt, seed and ``n`` (requests without
@@ -42,10 +42,11 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from omni_serve import handoff as handoffs
-from omni_serve.engines.base import EngineError, InvalidStageInput, StageEngine
-from omni_serve.engines.image_params import SEED_MOD, resolve_image_params
-from omni_serve.types import FinishReason, HandoffPayload, ImageParams, StageOutput, StageRequest
+from omni_serve import payload as handoffs
+from omni_serve.engines.base import StageEngine
+from omni_serve.models.image_params import SEED_MOD, resolve_image_params
+from omni_serve.payload import HandoffPayload
+from omni_serve.types import EngineError, FinishReason, ImageParams, InvalidStageInput, StageOutput, StageRequest
 
 PipelineStage = Literal["full", "encode", "denoise", "decode"]
 PROMPT_KIND = "qwen_image.prompt_embeds"
@@ -114,7 +115,7 @@ class DiffusersEngine(StageEngine):
         from diffusers import AutoencoderKLQwenImage, QwenImagePipeline
         from diffusers.image_processor import VaeImageProcessor
 
-        from omni_serve.tiny_image import resolve_model
+        from omni_serve.checkpoints.tiny_image import resolve_model
 
         args = self.args
         if args.torch_threads:

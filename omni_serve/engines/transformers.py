@@ -1,7 +1,7 @@
 """The ``transformers`` engine family: Qwen3-Omni stages run by Hugging Face transformers.
 
 One engine serves one stage (thinker, talker or code2wav) of a Qwen3-Omni checkpoint;
-``model: tiny`` is the random-weight checkpoint of :mod:`omni_serve.tiny`. It runs
+``model: tiny`` is the random-weight checkpoint of :mod:`omni_serve.checkpoints.tiny_omni`. It runs
 anywhere (CPU included) and is the reference the faster engine families are compared with.
 
 Concurrency: each engine runs its model work on one dedicated worker thread, one request
@@ -29,12 +29,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from omni_serve import handoff as handoffs
-from omni_serve.engines import qwen3_omni
-from omni_serve.engines.base import EngineError, InvalidStageInput, StageEngine
+from omni_serve import payload as handoffs
+from omni_serve.engines.base import StageEngine
+from omni_serve.models import qwen3_omni
+from omni_serve.payload import HandoffPayload
 from omni_serve.types import (
+    EngineError,
     FinishReason,
-    HandoffPayload,
+    InvalidStageInput,
     Modality,
     RequestId,
     SamplingParams,
@@ -186,7 +188,7 @@ class _HFEngine(StageEngine):
         import torch
         from transformers import Qwen3OmniMoeForConditionalGeneration
 
-        from omni_serve.tiny import resolve_model
+        from omni_serve.checkpoints.tiny_omni import resolve_model
 
         torch.set_num_threads(self.args.num_threads)
         self.model_path = resolve_model(self.args.model)

@@ -23,12 +23,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from omni_serve.engines.base import EngineError, InvalidStageInput, StageEngine
+from omni_serve.engines.base import StageEngine
+from omni_serve.payload import HandoffPayload
 from omni_serve.types import (
     SAMPLING_EXTENSIONS,
     ChatMessage,
+    EngineError,
     FinishReason,
-    HandoffPayload,
+    InvalidStageInput,
     SamplingParams,
     StageOutput,
     StageRequest,
@@ -55,7 +57,7 @@ class EngineArgs(BaseModel):
 
     model: str = Field(
         description=f"HF model id or local checkpoint path; '{TINY_MODEL}' is omni_serve's built-in tiny random "
-        "Qwen3 (omni_serve.tiny_llm), built on first use."
+        "Qwen3 (omni_serve.checkpoints.tiny_llm), built on first use."
     )
     tokenizer: str | None = Field(None, description="Tokenizer id or path when it differs from the model's.")
     chat_template: str | None = Field(
@@ -220,7 +222,7 @@ class VLLMEngine(StageEngine):
 
         model = self.args.model
         if model == TINY_MODEL:
-            from omni_serve.tiny_llm import ensure_tiny_qwen3
+            from omni_serve.checkpoints.tiny_llm import ensure_tiny_qwen3
 
             model = str(await asyncio.to_thread(ensure_tiny_qwen3))
         kwargs = self.args.vllm_kwargs(model)

@@ -18,7 +18,7 @@ builds each of its stages (``_build_logical_stage_init_plans`` +
    codes, audio) attached; one background task pumps them, as vLLM's ``AsyncLLM``.
 
 Handoffs reuse vLLM-Omni's stage input processors (see
-:mod:`omni_serve.engines.vllm_omni_handoffs`). GPUs come from Ray (never
+:mod:`omni_serve.models.vllm_omni_handoffs`). GPUs come from Ray (never
 ``devices``); tensor parallel runs inside the replica with the ``mp`` executor.
 Only the pydantic ``EngineArgs`` is imported at graph validation time; vLLM and
 vLLM-Omni are imported in :meth:`VllmOmniEngine.start`, ``vllm_omni`` first.
@@ -37,13 +37,15 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from omni_serve.engines import qwen3_omni
-from omni_serve.engines import vllm_omni_handoffs as handoffs
-from omni_serve.engines.base import EngineError, InvalidStageInput, StageEngine
-from omni_serve.media_input import Audio, Decoded, Video
+from omni_serve.engines.base import StageEngine
+from omni_serve.media.inputs import Audio, Decoded, Video
+from omni_serve.models import qwen3_omni
+from omni_serve.models import vllm_omni_handoffs as handoffs
+from omni_serve.payload import HandoffPayload
 from omni_serve.types import (
+    EngineError,
     FinishReason,
-    HandoffPayload,
+    InvalidStageInput,
     Modality,
     SamplingParams,
     StageOutput,
@@ -410,7 +412,7 @@ class VllmOmniEngine(StageEngine):
             extract_legacy_stage_metadata,
         )
 
-        from omni_serve.tiny import resolve_model
+        from omni_serve.checkpoints.tiny_omni import resolve_model
 
         model = resolve_model(self.args.model)  # "tiny": the local tiny Qwen3-Omni, built on first use
         cfg = create_config(stage_config(self.args))

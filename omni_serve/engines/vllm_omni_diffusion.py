@@ -39,7 +39,7 @@ cooperative in-forward cancellation (``supports_request_cancellation``).
 
 ``stats()`` reports ``waiting`` (submitted, not yet admitted by the diffusion scheduler)
 and ``running`` (admitted), from the engine's request-started events
-(``emit_request_lifecycle``), which ``omni_serve.autoscaling`` reads.
+(``emit_request_lifecycle``), which ``omni_serve.graph.autoscaling`` reads.
 
 ``load_format: dummy`` has no image path in 0.30's diffusion engine (it skips building the
 pipeline), so random-weight tests point ``model`` at a small diffusers-layout checkpoint.
@@ -58,10 +58,11 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from omni_serve.engines import image_params
-from omni_serve.engines.base import EngineError, InvalidStageInput, StageEngine
+from omni_serve.engines.base import StageEngine
 from omni_serve.engines.diffusers import prompt_of
-from omni_serve.types import FinishReason, HandoffPayload, ImageParams, StageOutput, StageRequest
+from omni_serve.models import image_params
+from omni_serve.payload import HandoffPayload
+from omni_serve.types import EngineError, FinishReason, ImageParams, InvalidStageInput, StageOutput, StageRequest
 
 logger = logging.getLogger("ray.serve")
 

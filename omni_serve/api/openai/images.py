@@ -1,0 +1,84 @@
+"""Image generation: the ``/v1/images/generations`` request model and the image parts of replies.
+
+Pure functions and models; the ingress route only wires them to the orchestrator.
+The body follows OpenAI's images API plus the diffusion fields vLLM-Omni accepts
+(``negative_prompt``, ``num_inference_steps``, ``guidance_scale``, ``seed``). Limits
+that depend on the model (size multiples, most pixels) are checked by the diffusion
+stage, which answers 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from omni_serve.media.encode import b64, data_url, encode_png
+from omni_serve.types import ChatMessage, ImageParams
+
+_SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+MAX_SIDE = 4096
+
+
+class ImageGenerationRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1, description="What to draw.")
+    model: str | None = None
+    n: int = Field(1, ge=1, le=4, description="Number of images; each uses seed + i.")
+    size: str = Field("1024x1024", description="'WIDTHxHEIGHT' in pixels.")
+    response_format: Literal["b64_json"] = Field("b64_json", description="Only b64_json: images are not stored.")
+    output_format: Literal["png"] = Field("png", description="Image file format; PNG only.")
+    negative_prompt: str | None = Field(None, description="Used with guidance_scale > 1 (true CFG).")
+    num_inference_steps: int = Field(50, ge=1, le=200, description="Denoising steps.")
+    guidance_scale: float = Field(4.0, ge=0.0, le=20.0, description="True-CFG scale (Qwen-Image's true_cfg_scale).")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Same seed, same image.")
+    user: str | None = None  # accepted for client compatibility; ignored
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _no_urls(cls, value: Any) -> Any:
+        if value == "url":
+            raise ValueError("'url' is not supported (images are not stored); use 'b64_json'")
+        return value
+
+    @field_validator("size")
+    @classmethod
+    def _size(cls, size: str) -> str:
+        match = _SIZE.match(size)
+        if not match:
+            raise ValueError("must be 'WIDTHxHEIGHT', e.g. '1024x1024'")
+        if not all(1 <= int(side) <= MAX_SIDE for side in match.groups()):
+            raise ValueError(f"width and height must be in [1, {MAX_SIDE}]")
+        return size
+
+    def width_height(self) -> tuple[int, int]:
+        width, height = self.size.split("x")
+        return int(width), int(height)
+
+    def messages(self) -> list[ChatMessage]:
+        return [ChatMessage(role="user", content=self.prompt)]
+
+    def image_params(self) -> ImageParams:
+        width, height = self.width_height()
+        return ImageParams(
+            width=width,
+            height=height,
+            num_inference_steps=self.num_inference_steps,
+            guidance_scale=self.guidance_scale,
+            negative_prompt=self.negative_prompt,
+            seed=self.seed,
+            n=self.n,
+        )
+
+
+def generation_response(created: int, images: list[np.ndarray]) -> dict[str, Any]:
+    """The OpenAI ``ImagesResponse`` body: PNGs as base64."""
+    return {"created": created, "data": [{"b64_json": b64(encode_png(image))} for image in images]}
+
+
+def content_parts(images: list[np.ndarray]) -> list[dict[str, Any]]:
+    """Chat ``message.content`` parts carrying each image as a PNG data URL."""
+    return [{"type": "image_url", "image_url": {"url": data_url(encode_png(image), "image/png")}} for image in images]

@@ -1,0 +1,205 @@
+"""The graph config: stages, edges, engines and default sampling, validated once at build time.
+
+This is the application ``args`` of a graph file. Replica counts, resources and
+autoscaling are not here: they live in the Serve config's ``deployments:`` list,
+matched by deployment name = stage name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from omni_serve.media.inputs import MediaInputConfig
+from omni_serve.media.policy import MediaPolicy
+from omni_serve.types import Modality, SamplingParams
+
+EngineFamily = Literal["transformers", "vllm", "vllm_omni", "diffusers", "vllm_omni_diffusion"]
+
+INGRESS_NAME = "ingress"
+
+# The ingress ends a request this long before Serve's request_timeout_s, so the client gets the
+# API's 504 error object instead of Serve's plain-text 408 (or a stream cut short).
+DEADLINE_MARGIN_S = 2.0
+
+
+class GraphConfigError(ValueError):
+    """A graph file is invalid; the message names the offending field."""
+
+
+class StageConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="Stage name; also the Serve deployment name.", pattern=r"^[A-Za-z][A-Za-z0-9_-]*$")
+    engine: EngineFamily = Field(description="Engine family that runs this stage.")
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="Arguments of the engine family, validated by the engine at start."
+    )
+    input: str | None = Field(None, description="Upstream stage whose handoffs this stage consumes; None = entry.")
+    final_output: Modality | None = Field(None, description="What this stage contributes to the client's reply.")
+    default_sampling: SamplingParams = Field(
+        default_factory=SamplingParams, description="Sampling defaults; requests override them."
+    )
+    max_coalesce_ms: float = Field(
+        50.0,
+        ge=0.0,
+        description="Longest a stage call merges its text deltas into one stream item. The interval in force is "
+        "10 ms x the calls in flight in the replica, up to this; 0 sends every delta as its own item "
+        "(omni_serve.graph.coalesce).",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _not_ingress(cls, name: str) -> str:
+        if name == INGRESS_NAME:
+            raise ValueError(f"'{INGRESS_NAME}' is reserved for the ingress deployment")
+        return name
+
+
+class GraphConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    served_model_name: str = Field(description="Model id reported by /v1/models and accepted in requests.")
+    stages: list[StageConfig] = Field(min_length=1, description="The stages; order is only cosmetic.")
+    api_key: str | None = Field(
+        None, description="If set (or OMNI_SERVE_API_KEY is), requests need 'Authorization: Bearer <key>'."
+    )
+    max_request_bytes: int = Field(1 << 20, ge=1024, description="Request bodies above this size get 413.")
+    stage_timeout_s: float = Field(
+        100.0,
+        gt=0,
+        description="Seconds one stage call may stay silent before the request fails with 504; must stay below "
+        f"Serve's http_options.request_timeout_s minus {DEADLINE_MARGIN_S:.0f} s (checked when the ingress starts).",
+    )
+    playground: bool = Field(True, description="Serve the browser playground at / (false: / and /playground/ are 404).")
+    voice_aliases: dict[str, str] = Field(
+        default_factory=dict,
+        description="Other voice names clients may send (e.g. OpenAI's 'alloy') -> one of the graph's voices.",
+    )
+    media_policy: MediaPolicy = Field(
+        default_factory=MediaPolicy,
+        description="Where media URLs in requests may point (data URLs always work; remote and local URLs only "
+        "as allowed here).",
+    )
+    media_input: MediaInputConfig = Field(
+        default_factory=MediaInputConfig, description="Per-request limits on media parts; video sampling."
+    )
+    engine_in_ingress: bool = Field(
+        False,
+        description="Graphs of one stage: run the stage's engine inside the ingress replicas instead of a deployment "
+        "of its own, one Python hop less per request (Ray Serve LLM's direct streaming does the same). The stage then "
+        "scales, and takes its resources, as the `ingress` deployment.",
+    )
+
+    @field_validator("voice_aliases")
+    @classmethod
+    def _lower_aliases(cls, aliases: dict[str, str]) -> dict[str, str]:
+        return {alias.lower(): voice.lower() for alias, voice in aliases.items()}
+
+    @model_validator(mode="after")
+    def _check_graph(self) -> GraphConfig:
+        names = [s.name for s in self.stages]
+        for i, stage in enumerate(self.stages):
+            if names.count(stage.name) > 1:
+                raise ValueError(f"stages[{i}].name: duplicate stage name '{stage.name}'")
+            if stage.input is not None and stage.input not in names:
+                raise ValueError(f"stages[{i}].input: unknown upstream stage '{stage.input}' (stages: {names})")
+        by_name = {s.name: s for s in self.stages}
+        for i, stage in enumerate(self.stages):
+            seen = [stage.name]
+            node = stage
+            while node.input is not None:
+                if node.input in seen:
+                    raise ValueError(f"stages[{i}].input: cycle {' -> '.join(reversed([*seen, node.input]))}")
+                seen.append(node.input)
+                node = by_name[node.input]
+        entries = [s.name for s in self.stages if s.input is None]
+        if len(entries) != 1:
+            raise ValueError(f"stages: a graph needs exactly one entry stage (with no input), found {entries}")
+        if not any(s.final_output for s in self.stages):
+            raise ValueError("stages: no stage has a final_output, the graph would return nothing")
+        if self.engine_in_ingress and len(self.stages) > 1:
+            raise ValueError(
+                f"engine_in_ingress: only a graph of one stage can run its engine in the ingress (this one has "
+                f"{len(self.stages)}: each stage of a graph scales on its own deployment)"
+            )
+        return self
+
+    @property
+    def entry(self) -> StageConfig:
+        return next(s for s in self.stages if s.input is None)
+
+    def deployment(self, stage: str) -> str:
+        """The Serve deployment that runs ``stage``'s engine."""
+        return INGRESS_NAME if self.engine_in_ingress else stage
+
+    def stage(self, name: str) -> StageConfig:
+        return next(s for s in self.stages if s.name == name)
+
+    def children(self, name: str) -> list[StageConfig]:
+        return [s for s in self.stages if s.input == name]
+
+    @property
+    def modalities(self) -> set[Modality]:
+        return {s.final_output for s in self.stages if s.final_output}
+
+    @property
+    def input_modalities(self) -> list[Modality]:
+        """What a chat message may carry: what the entry stage's engine takes (text at least)."""
+        from omni_serve.engines import input_modalities
+
+        entry = self.entry
+        return input_modalities(entry.engine, entry.engine_args)
+
+    def stages_for(self, modalities: set[Modality]) -> set[str]:
+        """Stages a request must run: producers of the wanted outputs and their upstreams."""
+        needed: set[str] = set()
+        for stage in self.stages:
+            if stage.final_output in modalities:
+                node: StageConfig | None = stage
+                while node is not None and node.name not in needed:
+                    needed.add(node.name)
+                    node = self.stage(node.input) if node.input else None
+        return needed
+
+
+def check_timeouts(stage_timeout_s: float, request_timeout_s: float | None) -> None:
+    """``stage_timeout_s`` must fire before Serve's own request timeout can (a 504 in the API's shape
+    instead of Serve's plain-text 408). Raises :class:`GraphConfigError` naming both settings."""
+    if request_timeout_s is not None and stage_timeout_s > request_timeout_s - DEADLINE_MARGIN_S:
+        raise GraphConfigError(
+            f"invalid omni_serve graph: stage_timeout_s ({stage_timeout_s:g} s) must be at most "
+            f"http_options.request_timeout_s ({request_timeout_s:g} s) minus {DEADLINE_MARGIN_S:g} s"
+        )
+
+
+def _format(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in e["loc"]).replace(".[", "[")
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"{loc}: {msg}" if loc and not msg.startswith(("stages", loc)) else msg)
+    return "; ".join(lines)
+
+
+def load_graph(args: dict[str, Any] | GraphConfig) -> GraphConfig:
+    """Validate application args; raise :class:`GraphConfigError` with one readable message."""
+    if isinstance(args, GraphConfig):
+        return args
+    try:
+        graph = GraphConfig.model_validate(args)
+    except ValidationError as err:
+        raise GraphConfigError(f"invalid omni_serve graph: {_format(err)}") from None
+    from omni_serve.engines import honoured_sampling, unhonoured_sampling, validate_engine_args
+
+    for i, stage in enumerate(graph.stages):
+        problem = validate_engine_args(stage.engine, stage.engine_args)
+        if problem:
+            raise GraphConfigError(f"invalid omni_serve graph: stages[{i}].engine_args: {problem}")
+        for name in unhonoured_sampling(stage.default_sampling, honoured_sampling(stage.engine, stage.engine_args)):
+            raise GraphConfigError(
+                f"invalid omni_serve graph: stages[{i}].default_sampling.{name}: the {stage.engine} engine of "
+                f"stage '{stage.name}' cannot honour it"
+            )
+    return graph

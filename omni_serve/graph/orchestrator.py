@@ -1,0 +1,342 @@
+"""The DAG walk for one request: model-agnostic, routes references, never payloads.
+
+Given the wanted modalities, only the stages that produce them (and their upstream
+stages) run. Every output of a stage that carries a handoff starts one call of each
+needed downstream stage with that handoff reference; downstream calls run
+concurrently and their outputs are relayed in handoff order, so a talker's codec
+chunks can be decoded by several code2wav replicas at once yet reach the client in
+order. The final outputs of every stage that ran and has a ``final_output`` are relayed,
+wanted or not (an audio-only reply still needs the text stage's transcript, usage and
+finish reason); the ingress decides what the client sees. Cancellation (client gone)
+cancels every stage call this request started.
+
+Every stage call gets its own engine request id, minted here from the server's request
+id, the stage's path in the graph and the chunk index (and a suffix for a retry): two
+clients can never share one, whatever ``X-Request-ID`` they send.
+
+Failure rules (what a client can rely on):
+
+- A stage call that ends without its ``finished`` output is a failure, never a short
+  result: a replica that dies midway cannot turn into a truncated reply sent as success.
+- A stage call that fails *before it yielded anything* because the replica serving it
+  died or became unreachable is retried once (Serve routes the retry to another
+  replica; the dead one is out of rotation). Nothing reached the client or a downstream
+  stage yet, so the retry is invisible. Errors raised *by* the stage (bad input, engine
+  errors, a lost upstream handoff, backpressure) are never retried.
+- A stage call that finishes with ``finish_reason`` ABORT although nobody cancelled it
+  (its engine gave up on it) is a failure too: an aborted call is never a completion.
+- ``stage_timeout_s`` bounds how long one stage call may stay silent; the request's
+  ``deadline`` (the ingress sets it just below Serve's ``request_timeout_s``) bounds the
+  whole walk, so the client gets a 504 in the API's error shape before Serve's 408.
+- Each request keeps at most ``max_fanout`` calls of one downstream stage in flight, so
+  the calls one request queues at a stage are bounded (the talker's codec chunks wait
+  for a code2wav slot here instead of piling up in the stage's queue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from omni_serve.graph.config import GraphConfig, StageConfig
+from omni_serve.types import (
+    ChatMessage,
+    FinishReason,
+    ImageParams,
+    Modality,
+    SamplingParams,
+    StageOutput,
+    StageRequest,
+)
+
+logger = logging.getLogger("ray.serve")
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _timeout
+else:  # pragma: no cover - Python 3.10
+    from async_timeout import timeout as _timeout
+
+
+class StageTimeout(TimeoutError):
+    def __init__(self, stage: str, seconds: float, *, deadline: bool = False):
+        super().__init__(
+            f"the request reached its time limit while waiting for stage '{stage}'"
+            if deadline
+            else f"stage '{stage}' produced nothing for {seconds:.0f} s"
+        )
+        self.stage = stage
+
+
+class StageFailed(RuntimeError):
+    """A stage call failed; ``cause`` is the original error (Ray wraps engine errors)."""
+
+    def __init__(self, stage: str, cause: BaseException):
+        super().__init__(f"stage '{stage}' failed: {type(cause).__name__}")
+        self.stage = stage
+        self.cause = cause
+
+
+class IncompleteStageStream(RuntimeError):
+    """The stage's stream ended before its ``finished`` output (e.g. its replica went away)."""
+
+
+class AbortedStageCall(RuntimeError):
+    """The stage's engine finished the call with ABORT although nobody cancelled it."""
+
+
+def replica_gone(err: BaseException) -> bool:
+    """True when the call failed because the replica serving it died or is unreachable.
+
+    Ray raises these (``ActorDiedError``, ``ActorUnavailableError``) directly for the
+    called actor. The same classes wrapped in a ``RayTaskError`` come from *inside* the
+    stage (something it called died), so retrying elsewhere would not help.
+    """
+    from ray.exceptions import RayActorError, RayTaskError
+
+    return isinstance(err, RayActorError) and not isinstance(err, RayTaskError)
+
+
+async def _close(stream: Any) -> None:
+    """Stop a stage call; a no-op once it finished, a cancel in its replica while it runs.
+
+    Never raises: Serve's ``DeploymentResponseGenerator.cancel()`` re-raises the error of a
+    call that failed to start (e.g. BackPressureError), which the caller already handled.
+    """
+    close = getattr(stream, "aclose", None) or getattr(stream, "cancel", None)
+    if close is None:
+        return
+    try:
+        result = close()
+        if isinstance(result, Awaitable):
+            await result
+    except Exception as err:
+        logger.debug("closing a stage call raised %s (already handled)", type(err).__name__)
+
+
+class StageCaller(Protocol):
+    """Starts one streaming call of a stage; a Serve handle in production, anything async in tests."""
+
+    def __call__(self, stage: str, request: StageRequest) -> AsyncIterator[StageOutput]: ...
+
+
+@dataclass
+class OmniRequest:
+    """What the ingress hands the orchestrator: one client request, already validated."""
+
+    request_id: str  # minted by the server; stage call ids derive from it
+    modalities: set[Modality]
+    sampling: dict[str, SamplingParams]  # resolved per stage
+    messages: list[ChatMessage] | None = None
+    voice: str | None = None  # already validated against the graph's voices
+    image: ImageParams | None = None
+    reply: str | None = None  # text-to-speech: the entry stage speaks this instead of generating
+    client_request_id: str | None = None  # the client's X-Request-ID: a label for logs, never a key
+    deadline: float | None = None  # time.monotonic() by which the whole walk must be done
+    return_prompt_text: bool = False
+
+
+@dataclass
+class _Walk:
+    request: OmniRequest
+    stages: set[str]
+    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+
+
+_END = object()
+
+
+@dataclass
+class _Failure:
+    error: BaseException
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        graph: GraphConfig,
+        call: StageCaller,
+        stage_timeout_s: float | None = None,
+        *,
+        retryable: Callable[[BaseException], bool] = replica_gone,
+        max_fanout: int = 4,
+    ):
+        self.graph = graph
+        self.call = call
+        self.stage_timeout_s = stage_timeout_s or graph.stage_timeout_s
+        self.retryable = retryable
+        self.max_fanout = max_fanout
+
+    def plan(self, modalities: set[Modality]) -> set[str]:
+        return self.graph.stages_for(modalities)
+
+    async def run(self, request: OmniRequest) -> AsyncIterator[StageOutput]:
+        """Yield the final outputs the request asked for, in order per modality."""
+        walk = _Walk(request, self.plan(request.modalities))
+        entry = self.graph.entry
+        first = StageRequest(
+            request_id=f"{request.request_id}/{entry.name}",
+            sampling=request.sampling[entry.name],
+            wants_handoff=self._feeds_downstream(entry, walk),
+            messages=request.messages,
+            voice=request.voice,
+            image=request.image,
+            reply=request.reply,
+            client_request_id=request.client_request_id,
+            return_prompt_text=request.return_prompt_text,
+        )
+        try:
+            async for output in self._walk(entry, first, walk):
+                yield output
+        finally:
+            for task in walk.tasks:
+                task.cancel()
+            if walk.tasks:
+                await asyncio.gather(*walk.tasks, return_exceptions=True)
+
+    def _feeds_downstream(self, stage: StageConfig, walk: _Walk) -> bool:
+        return any(c.name in walk.stages for c in self.graph.children(stage.name))
+
+    def _time_limit(self, deadline: float | None) -> tuple[float, bool]:
+        """Seconds the next wait may take, and whether the request's deadline (not the stage's) sets it."""
+        if deadline is None:
+            return self.stage_timeout_s, False
+        left = max(0.0, deadline - time.monotonic())
+        return (left, True) if left < self.stage_timeout_s else (self.stage_timeout_s, False)
+
+    async def _stage_stream(
+        self, stage: StageConfig, request: StageRequest, deadline: float | None
+    ) -> AsyncIterator[StageOutput]:
+        """One stage call; retried once (under a new id) if its replica died before it yielded anything."""
+        for attempt in (1, 2):
+            if attempt == 2:
+                request = dataclasses.replace(request, request_id=f"{request.request_id}~retry")
+            request.sent_at = time.time()
+            stream: AsyncIterator[StageOutput] | None = None
+            produced = False
+            try:
+                while True:
+                    limit, by_deadline = self._time_limit(deadline)
+                    try:
+                        if stream is None:  # starting the call may raise too (e.g. the queue is full)
+                            stream = aiter(self.call(stage.name, request))
+                        async with _timeout(limit):
+                            output = await anext(stream)
+                    except StopAsyncIteration:
+                        raise StageFailed(stage.name, IncompleteStageStream("ended before its final output")) from None
+                    except TimeoutError:
+                        raise StageTimeout(stage.name, limit, deadline=by_deadline) from None
+                    except (asyncio.CancelledError, StageFailed, StageTimeout):
+                        raise
+                    except Exception as err:  # Ray wraps the stage's exception; keep it as the cause
+                        if attempt == 1 and not produced and self.retryable(err):
+                            logger.warning(
+                                "request %s: stage %s replica lost before any output (%s); retrying once",
+                                request.request_id,
+                                stage.name,
+                                type(err).__name__,
+                            )
+                            break
+                        raise StageFailed(stage.name, err) from err
+                    if output.finished and output.finish_reason is FinishReason.ABORT:
+                        raise StageFailed(stage.name, AbortedStageCall(f"call {request.request_id} was aborted"))
+                    produced = True
+                    yield output
+                    if output.finished:
+                        return
+            finally:
+                if stream is not None:
+                    await _close(stream)
+
+    async def _walk(self, stage: StageConfig, request: StageRequest, walk: _Walk) -> AsyncIterator[StageOutput]:
+        emit = stage.final_output is not None
+        deadline = walk.request.deadline
+        children = [c for c in self.graph.children(stage.name) if c.name in walk.stages]
+        if not children:
+            async for output in self._stage_stream(stage, request, deadline):
+                if emit:
+                    yield dataclasses.replace(output, handoff=None)
+            return
+
+        merged: asyncio.Queue[Any] = asyncio.Queue()
+        # One queue per downstream call, in handoff order; None closes the sequence.
+        downstream: asyncio.Queue[asyncio.Queue[Any] | None] = asyncio.Queue()
+
+        async def pump(source: AsyncIterator[StageOutput], sink: asyncio.Queue[Any]) -> None:
+            try:
+                async for item in source:
+                    await sink.put(item)
+                await sink.put(_END)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as err:
+                await sink.put(_Failure(err))
+
+        # At most max_fanout calls of each child stage in flight for this request.
+        slots = {child.name: asyncio.Semaphore(self.max_fanout) for child in children}
+
+        async def child_walk(child: StageConfig, child_request: StageRequest, sink: asyncio.Queue[Any]) -> None:
+            try:
+                await pump(self._walk(child, child_request, walk), sink)
+            finally:
+                slots[child.name].release()
+
+        async def produce() -> None:
+            index = 0
+            async for output in self._stage_stream(stage, request, deadline):
+                if emit:
+                    await merged.put(dataclasses.replace(output, handoff=None))
+                if output.handoff is None:
+                    continue
+                for child in children:
+                    # Wait for the slot before the request exists: a request cancelled while waiting
+                    # leaves no handoff reference behind in this frame.
+                    await slots[child.name].acquire()
+                    child_request = StageRequest(
+                        request_id=f"{request.request_id}/{child.name}.{index}",
+                        sampling=walk.request.sampling[child.name],
+                        handoff=output.handoff,
+                        chunk_index=index,
+                        wants_handoff=self._feeds_downstream(child, walk),
+                        voice=walk.request.voice,
+                        image=walk.request.image,
+                        client_request_id=walk.request.client_request_id,
+                    )
+                    sink: asyncio.Queue[Any] = asyncio.Queue()
+                    walk.tasks.append(asyncio.create_task(child_walk(child, child_request, sink)))
+                    await downstream.put(sink)
+                index += 1
+            await downstream.put(None)
+
+        async def sequence() -> None:
+            while (sink := await downstream.get()) is not None:
+                while (item := await sink.get()) is not _END:
+                    if isinstance(item, _Failure):
+                        raise item.error
+                    await merged.put(item)
+
+        async def guarded(work: Any) -> None:
+            try:
+                await work
+                await merged.put(_END)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as err:
+                await merged.put(_Failure(err))
+
+        workers = [asyncio.create_task(guarded(produce())), asyncio.create_task(guarded(sequence()))]
+        walk.tasks.extend(workers)
+        finished = 0
+        while finished < len(workers):
+            item = await merged.get()
+            if item is _END:
+                finished += 1
+            elif isinstance(item, _Failure):
+                raise item.error
+            else:
+                yield item

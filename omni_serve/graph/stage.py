@@ -1,0 +1,200 @@
+"""The stage deployment: one engine, its inputs resolved from the object store.
+
+A stage knows nothing about HTTP. It resolves the upstream handoff reference
+itself (so the payload moves object store -> this replica, never through the
+ingress), runs its engine, and yields any handoff the engine produces as its own
+stream item, owned by the caller (:mod:`omni_serve.graph.transport` says why).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from ray import serve
+
+from omni_serve.engines import create_engine
+from omni_serve.graph.coalesce import coalesced
+from omni_serve.graph.config import StageConfig
+from omni_serve.graph.metrics import StageMetrics
+from omni_serve.graph.transport import stream_items
+from omni_serve.media.inputs import MediaInputConfig, load_media
+from omni_serve.media.inputs import decodes as media_decodes
+from omni_serve.media.policy import MediaPolicy
+from omni_serve.payload import HandoffPayload, detached, payload_loads
+from omni_serve.types import FinishReason, StageOutput, StageRequest
+
+logger = logging.getLogger("ray.serve")
+
+# How long one stage call may hold text deltas per call in flight in the replica (omni_serve.graph.coalesce):
+# the replica then sends on the order of 1 / COALESCE_S_PER_CALL text items per second in all.
+COALESCE_S_PER_CALL = 0.01
+
+
+def _outcome(final: StageOutput | None) -> str:
+    return "ok" if final is not None and final.finish_reason is not FinishReason.ABORT else "error"
+
+
+class Stage:
+    """One stage's engine and its calls; a Serve deployment of its own (:class:`StageDeployment`), or
+    inside the ingress replica when the graph says ``engine_in_ingress`` (one Python hop less)."""
+
+    def __init__(self, stage: dict[str, Any], media: dict[str, Any] | None = None):
+        self.config = StageConfig.model_validate(stage)
+        self.name = self.config.name
+        # Entry stage only: the requests' media policy and limits (it fetches and decodes their media).
+        self.media = (
+            (MediaPolicy.model_validate(media["policy"]), MediaInputConfig.model_validate(media["input"]))
+            if media
+            else None
+        )
+        self.calls = 0
+        self.in_flight = 0
+        self.items = 0  # stream items yielded since start (tests and the README's per-request counts)
+        self.max_coalesce_s = self.config.max_coalesce_ms / 1000
+        self.metrics = StageMetrics()
+        self.engine = create_engine(self.config.engine, self.name, self.config.engine_args)
+
+    async def start(self) -> None:
+        started = time.perf_counter()
+        await self.engine.start()
+        logger.info(
+            "stage %s ready: engine=%s args=%s load=%.1fs",
+            self.name,
+            self.config.engine,
+            self.config.engine_args,
+            time.perf_counter() - started,
+        )
+
+    async def generate(self, request: StageRequest) -> AsyncIterator[StageOutput | HandoffPayload]:
+        """Run one stage call. Outcomes are counted as they happened:
+
+        ``ok`` the engine yielded its finished output (also when the caller then closed the
+        call before this generator returned: nothing is left to abort), ``cancelled`` the
+        caller left before it, ``error`` anything else, including an engine that finished
+        with ABORT although nobody cancelled the call (the orchestrator fails the request).
+        """
+        self.calls += 1
+        started = time.time()
+        if request.sent_at:
+            self.metrics.queue_wait.observe(max(0.0, started - request.sent_at))
+        self.in_flight += 1
+        self.metrics.in_flight.set(self.in_flight)
+        outcome = "error"
+        finished: StageOutput | None = None
+        stream: AsyncIterator[StageOutput] | None = None
+        outputs: AsyncIterator[StageOutput] | None = None
+        try:
+            handoff = request.handoff
+            if isinstance(handoff, ray.ObjectRef):
+                # Kept as a copy, the reference dropped: the stored payload lives only as long as its owner wants.
+                handoff = detached(await handoff)
+                request.handoff = None
+            if handoff is not None and not isinstance(handoff, HandoffPayload):
+                raise TypeError(f"stage {self.name}: expected a HandoffPayload, got {type(handoff).__name__}")
+            if self.media is not None:
+                await self._load_media(request)
+            stream = self.engine.stream(request, handoff)
+            outputs = coalesced(stream, self._coalesce_interval)
+            async for output in outputs:
+                self.metrics.output(output)
+                finished = output if output.finished else finished
+                for item in stream_items(output, request.wants_handoff):
+                    self.items += 1
+                    yield item
+            outcome = _outcome(finished)
+        except (asyncio.CancelledError, GeneratorExit):
+            if finished is not None:  # closed after its final output: a completed call, nothing to abort
+                outcome = _outcome(finished)
+            else:  # client gone or orchestrator gave up: free the engine's slot now
+                outcome = "cancelled"
+                logger.info(
+                    "stage %s: call %s (X-Request-ID %s) cancelled",
+                    self.name,
+                    request.request_id,
+                    request.client_request_id,
+                )
+                await self.engine.abort(request.request_id)
+            raise
+        finally:
+            if outputs is not None:
+                await outputs.aclose()
+            if stream is not None:
+                await stream.aclose()
+            self.in_flight -= 1
+            self.metrics.in_flight.set(self.in_flight)
+            self.metrics.processing.observe(time.time() - started)
+            self.metrics.calls.inc(tags={"outcome": outcome})
+
+    async def _load_media(self, request: StageRequest) -> None:
+        """Fetch and decode the request's media (omni_serve.media.inputs) into ``request.media``; the
+        references to the bytes are dropped once read, like a handoff's."""
+        parts = [part for message in request.messages or [] for part in message.media()]
+        if parts:
+            policy, config = self.media
+            request.media = await load_media(parts, policy, config, self.engine.audio_input_rate)
+            for part in parts:
+                part.data = None
+
+    def _coalesce_interval(self) -> float:
+        return min(COALESCE_S_PER_CALL * self.in_flight, self.max_coalesce_s)
+
+    def shutdown(self) -> None:
+        """Stop the engine (once): engines with child processes stop them here."""
+        engine = self.__dict__.pop("engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    def __del__(self) -> None:
+        self.shutdown()  # Serve calls __del__ when the replica stops
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    def voices(self) -> list[str]:
+        """The engine's voice names; the ingress asks once and validates requests against them."""
+        return self.engine.voices()
+
+    def stats(self) -> dict[str, Any]:
+        """Calls served by this replica plus engine stats (tests and autoscaling read these)."""
+        return {
+            "stage": self.name,
+            "calls": self.calls,
+            "items": self.items,
+            "payload_loads": payload_loads(),
+            "media_decodes": media_decodes(),
+            **self.engine.stats(),
+        }
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom-metrics hook: the engine queue (``engine_waiting``/``_running``) for the stage policy.
+
+        Only numbers the engine reports are sent (vllm_omni reports neither; then this is empty).
+        """
+        stats = self.engine.stats()
+        return {
+            f"engine_{key}": float(value)
+            for key in ("waiting", "running")
+            if isinstance(value := stats.get(key), (int, float)) and not isinstance(value, bool)
+        }
+
+
+@serve.deployment(
+    # Engines batch internally, so a replica takes several requests at once; the
+    # graph file's `deployments:` entry overrides these defaults.
+    max_ongoing_requests=16,
+    # Bounded queue per caller: overload answers 503 + Retry-After instead of growing memory.
+    max_queued_requests=64,
+    ray_actor_options={"num_cpus": 0.25},
+    health_check_period_s=5,
+)
+class StageDeployment(Stage):
+    """The stage as its own Serve deployment: its replicas, resources and autoscaling are its own."""
+
+    async def __init__(self, stage: dict[str, Any], media: dict[str, Any] | None = None):
+        super().__init__(stage, media)
+        await self.start()

@@ -1,0 +1,486 @@
+"""Qwen3-Omni handoffs between thinker, talker and code2wav, as pure functions.
+
+These turn one stage's outputs into the next stage's inputs with no I/O, so they can be
+tested on CPU with real (tiny) tensors. The talker inputs follow, step by step, what
+``Qwen3OmniMoeForConditionalGeneration.generate`` in transformers does between its
+thinker and talker calls; the composition here is ours, the modules are transformers'.
+
+Payloads:
+
+- ``qwen3_omni.thinker2talker``: ``token_ids`` int64 [T] (prompt + generated),
+  ``embeds`` [R, D] (thinker layer-0 embeddings), ``hidden`` [R, D] (the talker's
+  ``accept_hidden_layer``), ``tts_embeds`` [3, D] (thinker embeddings of tts bos/eos/pad);
+  R <= T is the number of positions the thinker ran (HF never runs the last sampled token).
+  The float tensors keep the thinker's dtype (bf16 as 16-bit words, :mod:`omni_serve.graph.transport`).
+  A prompt with media adds what the talker's 3D RoPE needs to place the media positions, as HF's
+  ``generate`` hands it over: ``rope.image_grid_thw`` / ``rope.video_grid_thw`` int64 [n, 3],
+  ``rope.video_second_per_grid`` float [n], ``rope.audio_feature_lengths`` int64 [n] (HF does not
+  hand the talker ``use_audio_in_video``, so neither does this: the talker places the positions as
+  in HF's ``generate``).
+- ``qwen3_omni.codec_chunk``: ``codes`` int64 [groups, left_context + frames]; meta
+  ``left_context``, ``index``, ``start_frame``, ``num_frames``. Every chunk carries its own
+  left context, so any code2wav replica decodes any chunk without state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from omni_serve import payload as handoff
+from omni_serve.media.inputs import Audio, Decoded, Image, Video
+from omni_serve.payload import HandoffPayload
+from omni_serve.types import ChatMessage, TextPart
+
+if TYPE_CHECKING:
+    import torch
+
+THINKER2TALKER = "qwen3_omni.thinker2talker"
+CODEC_CHUNK = "qwen3_omni.codec_chunk"
+SAMPLE_RATE = 24000  # code2wav's output rate (1920 samples per codec frame)
+
+
+# --- (0) the thinker's prompt with media ----------------------------------------------------
+
+# Processor outputs the talker's RoPE needs too (HF's generate passes them to both models).
+ROPE_INPUTS = ("image_grid_thw", "video_grid_thw", "video_second_per_grid")
+
+
+def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Chat turns as the chat template takes them: text, and one ``{"type": kind}`` per media part."""
+    turns: list[dict[str, Any]] = []
+    for m in messages:
+        if isinstance(m.content, str):
+            turns.append({"role": m.role, "content": m.content})
+        else:
+            parts = [
+                {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": p.type} for p in m.content
+            ]
+            turns.append({"role": m.role, "content": parts})
+    return turns
+
+
+def processor_media(media: Sequence[Decoded]) -> dict[str, Any]:
+    """``Qwen3OmniMoeProcessor`` keyword arguments for decoded media in prompt order.
+
+    Audio is listed where the prompt consumes it: audio parts, and a video's own track where the
+    video is when it is input too (``use_audio_in_video``); all videos were sampled at one fps.
+    """
+    audio = [
+        m.samples if isinstance(m, Audio) else m.audio
+        for m in media
+        if isinstance(m, Audio) or (isinstance(m, Video) and m.audio is not None)
+    ]
+    videos = [m for m in media if isinstance(m, Video)]
+    kwargs: dict[str, Any] = {
+        "images": [m.pixels for m in media if isinstance(m, Image)] or None,
+        "videos": [v.frames for v in videos] or None,
+        "audio": audio or None,
+    }
+    if videos:
+        kwargs.update(fps=videos[0].fps, use_audio_in_video=any(v.audio is not None for v in videos))
+    return kwargs
+
+
+def rope_inputs(inputs: Any) -> dict[str, Any]:
+    """From the processor's output: what the talker's RoPE needs of the media positions (HF's names)."""
+    rope: dict[str, Any] = {k: inputs[k] for k in ROPE_INPUTS if inputs.get(k) is not None}
+    if inputs.get("feature_attention_mask") is not None:
+        rope["audio_feature_lengths"] = inputs["feature_attention_mask"].sum(-1)
+    return rope
+
+
+# --- (a) thinker -> talker -----------------------------------------------------------------
+
+
+def thinker_states(hidden_states: Sequence[Sequence[torch.Tensor]], layer: int) -> torch.Tensor:
+    """Concatenate one layer over the steps of ``generate(output_hidden_states=True)``: [R, D] (batch 0)."""
+    import torch
+
+    return torch.cat([step[layer][0] for step in hidden_states], dim=0)
+
+
+def build_thinker2talker(
+    token_ids: Sequence[int] | np.ndarray,
+    prompt_len: int,
+    embeds: torch.Tensor | np.ndarray,
+    hidden: torch.Tensor | np.ndarray,
+    tts_embeds: torch.Tensor | np.ndarray,
+    accept_hidden_layer: int,
+    rope: dict[str, Any] | None = None,
+) -> HandoffPayload:
+    """The thinker's handoff for one request.
+
+    ``token_ids``: prompt + generated ids; ``embeds``/``hidden``: [R, D] layer-0 and
+    ``accept_hidden_layer`` states of the first R positions; ``tts_embeds``: [3, D] thinker
+    input embeddings of (tts_bos, tts_eos, tts_pad); ``rope``: :func:`rope_inputs` of a prompt with media.
+    """
+    arrays, dtypes = handoff.arrays(
+        {
+            "token_ids": np.asarray(token_ids, dtype=np.int64).reshape(-1),
+            "embeds": embeds,
+            "hidden": hidden,
+            "tts_embeds": tts_embeds,
+            **{f"rope.{k}": v for k, v in (rope or {}).items()},
+        }
+    )
+    rows = arrays["embeds"].shape[0]
+    if arrays["hidden"].shape[0] != rows or rows > arrays["token_ids"].shape[0]:
+        raise ValueError("embeds and hidden must cover the same leading positions of token_ids")
+    if arrays["tts_embeds"].shape[0] != 3:
+        raise ValueError("tts_embeds must hold (bos, eos, pad)")
+    meta = {
+        "prompt_len": int(prompt_len),
+        "num_generated": int(arrays["token_ids"].shape[0] - prompt_len),
+        "accept_hidden_layer": int(accept_hidden_layer),
+        "dtypes": dtypes,
+    }
+    return HandoffPayload(kind=THINKER2TALKER, tensors=arrays, meta=meta)
+
+
+# --- (b) talker inputs ---------------------------------------------------------------------
+
+
+@dataclass
+class TalkerInputs:
+    """Keyword arguments for ``Qwen3OmniMoeTalkerForConditionalGeneration.generate`` (batch 1)."""
+
+    inputs_embeds: torch.Tensor  # [1, L, D_talker]
+    trailing_text_hidden: torch.Tensor  # [1, N, D_talker]: one per step, then tts_pad
+    tts_pad_embed: torch.Tensor  # [1, 1, D_talker]
+    talker_input_ids: torch.Tensor  # [1, L]: for the talker's 3D RoPE index
+    rope: dict[str, Any] = field(default_factory=dict)  # media positions for that index (HF's argument names)
+
+    def as_kwargs(self) -> dict[str, Any]:
+        return {
+            "inputs_embeds": self.inputs_embeds,
+            "trailing_text_hidden": self.trailing_text_hidden,
+            "tts_pad_embed": self.tts_pad_embed,
+            "talker_input_ids": self.talker_input_ids,
+            **self.rope,
+        }
+
+
+def speakers(config: Any) -> list[str]:
+    """The talker's voice names (its config's ``speaker_id`` table), lower-cased and sorted."""
+    return sorted(k.lower() for k in (config.talker_config.speaker_id or {}))
+
+
+def speaker_id(config: Any, voice: str | None, default: str = "ethan") -> int:
+    """Codec id of ``voice`` (case-insensitive); raises ``KeyError`` listing the valid voices."""
+    speakers = {k.lower(): v for k, v in (config.talker_config.speaker_id or {}).items()}
+    name = (voice or default).lower()
+    if name not in speakers:
+        raise KeyError(f"unknown voice {voice!r}; valid voices: {sorted(speakers)}")
+    return int(speakers[name])
+
+
+def build_talker_inputs(payload: HandoffPayload, talker: Any, config: Any, speaker: int) -> TalkerInputs | None:
+    """Talker inputs from a thinker2talker payload, as HF's ``generate`` builds them.
+
+    ``talker`` is the ``Qwen3OmniMoeTalkerForConditionalGeneration`` and ``config`` the
+    top-level ``Qwen3OmniMoeConfig``. Per ChatML segment (split at ``<|im_start|>`` in the
+    prompt): system segments and earlier assistant turns are skipped; user segments become
+    text-projected embeddings (hidden-projected accept-layer states at multimodal
+    positions); the last assistant segment becomes 3 role tokens, 4 tts_pad, tts_bos and
+    the first text token, plus codec (nothink, think_bos, think_eos, speaker, pad, bos)
+    embeddings; the rest of its text feeds the talker one position per step
+    (``trailing_text_hidden``, closed by tts_eos). Segments with any other role are skipped
+    (HF raises). Returns ``None`` when the assistant turn has no text to speak (HF fails there).
+    """
+    import torch
+
+    if payload.kind != THINKER2TALKER:
+        raise ValueError(f"expected a {THINKER2TALKER} payload, got {payload.kind}")
+    tcfg = config.talker_config
+    dev, dtype = talker.device, talker.dtype
+    ids = handoff.tensor(payload, "token_ids", dev)[None]  # [1, T] int64
+    embed = handoff.tensor(payload, "embeds", dev)[None].to(dtype)  # [1, R, D]
+    hidden = handoff.tensor(payload, "hidden", dev)[None].to(dtype)
+    prompt = ids[0, : payload.meta["prompt_len"]]
+
+    mm_ids = (
+        config.thinker_config.audio_token_id,
+        config.thinker_config.image_token_id,
+        config.thinker_config.video_token_id,
+    )
+    mm_mask = torch.zeros_like(ids, dtype=torch.bool)
+    for mm in mm_ids:
+        mm_mask |= ids == mm
+
+    tts = talker.text_projection(handoff.tensor(payload, "tts_embeds", dev)[None].to(dtype))
+    tts_bos, tts_eos, tts_pad = tts.chunk(3, dim=1)  # 3 x [1, 1, D_talker]
+
+    # Segment bounds: every <|im_start|> of the prompt, then the end of the whole sequence.
+    starts = torch.nonzero(prompt == config.im_start_token_id).flatten().tolist() + [ids.shape[1]]
+    parts: list[torch.Tensor] = []
+    part_ids: list[torch.Tensor] = []
+    trailing = None
+    for i in range(len(starts) - 1):
+        a, b = starts[i], starts[i + 1]
+        role = int(prompt[a + 1]) if a + 1 < prompt.shape[0] else -1
+        if role == config.user_token_id:
+            parts.append(_user_part(talker, embed, hidden, mm_mask, a, b))
+            part_ids.append(ids[:, a:b])
+        elif role == config.assistant_token_id and i == len(starts) - 2:
+            assistant = talker.text_projection(embed[:, a:b])  # [1, t, D]; t may be short by the last token
+            if assistant.shape[1] < 4:
+                return None
+            text_part = torch.cat((assistant[:, :3], tts_pad.expand(-1, 4, -1), tts_bos, assistant[:, 3:4]), dim=1)
+            codec_ids = torch.tensor(
+                [
+                    [
+                        tcfg.codec_nothink_id,
+                        tcfg.codec_think_bos_id,
+                        tcfg.codec_think_eos_id,
+                        speaker,
+                        tcfg.codec_pad_id,
+                        tcfg.codec_bos_id,
+                    ]
+                ],
+                device=dev,
+                dtype=torch.long,
+            )
+            codec_part = torch.cat(
+                (
+                    torch.zeros((1, 3, tcfg.text_config.hidden_size), device=dev, dtype=dtype),
+                    talker.get_input_embeddings()(codec_ids),
+                ),
+                dim=1,
+            )
+            parts.append(text_part + codec_part)
+            part_ids.append(torch.full((1, text_part.shape[1]), config.tts_pad_token_id, dtype=torch.long, device=dev))
+            trailing = torch.cat((assistant[:, 4:], tts_eos), dim=1)
+        # system turns, earlier assistant turns and unknown roles carry nothing for the talker
+    if trailing is None:
+        raise ValueError("the thinker2talker payload has no final assistant turn")
+    rope = {k.removeprefix("rope."): handoff.tensor(payload, k, dev) for k in payload.tensors if k.startswith("rope.")}
+    return TalkerInputs(
+        inputs_embeds=torch.cat(parts, dim=1),
+        trailing_text_hidden=trailing,
+        tts_pad_embed=tts_pad,
+        talker_input_ids=torch.cat(part_ids, dim=1),
+        rope=rope,
+    )
+
+
+def _user_part(talker: Any, embed: torch.Tensor, hidden: torch.Tensor, mm_mask: torch.Tensor, a: int, b: int):
+    import torch
+
+    # Project the same row subsets HF projects, so the numbers match bit for bit.
+    seg_mm = mm_mask[:, a:b]
+    out = torch.empty((1, b - a, talker.config.text_config.hidden_size), device=embed.device, dtype=talker.dtype)
+    if seg_mm.any():
+        out[seg_mm] = talker.hidden_projection(hidden[:, a:b][seg_mm])
+    out[~seg_mm] = talker.text_projection(embed[:, a:b][~seg_mm])
+    return out
+
+
+def give_talker_the_audio_config(model: Any) -> None:
+    """Let the talker place audio positions in its 3D RoPE (prompts with audio and an image or video).
+
+    transformers 5.14's talker ``get_rope_index`` reads ``config.audio_config.n_window``, which
+    ``Qwen3OmniMoeTalkerConfig`` does not have: HF's own ``generate(return_audio=True)`` raises
+    AttributeError for such prompts (no upstream issue found). The audio tokens are the thinker's
+    audio encoder's, so the talker is given the thinker's audio config, as the call expects.
+    """
+    talker_config = model.talker.config
+    if not hasattr(talker_config, "audio_config"):
+        talker_config.audio_config = model.config.thinker_config.audio_config
+
+
+def talker_suppress_tokens(config: Any) -> list[int]:
+    """The codec ids HF never lets the talker sample: the top 1024 of its vocab except codec EOS."""
+    tcfg = config.talker_config
+    vocab = tcfg.text_config.vocab_size
+    return [i for i in range(vocab - 1024, vocab) if i != tcfg.codec_eos_token_id]
+
+
+# --- (c) codec chunks ----------------------------------------------------------------------
+
+
+class CodecChunker:
+    """Cuts a growing stream of codec frames into self-contained chunks.
+
+    Chunk 0 has ``first_chunk_frames`` frames, later ones ``chunk_frames``; each carries up
+    to ``left_context_frames`` frames before it. ``push`` returns the chunks completed so
+    far, ``flush`` the remainder. No I/O; the talker engine feeds it frame by frame.
+    """
+
+    def __init__(self, first_chunk_frames: int, chunk_frames: int, left_context_frames: int):
+        if first_chunk_frames < 1 or chunk_frames < 1 or left_context_frames < 0:
+            raise ValueError("chunk sizes must be >= 1 and the left context >= 0")
+        self.first_chunk_frames = first_chunk_frames
+        self.chunk_frames = chunk_frames
+        self.left_context_frames = left_context_frames
+        self._frames: list[np.ndarray] = []  # each [groups]
+        self._start = 0  # first frame not yet in a chunk
+        self._index = 0
+
+    @property
+    def num_frames(self) -> int:
+        return len(self._frames)
+
+    def _next_size(self) -> int:
+        return self.first_chunk_frames if self._index == 0 else self.chunk_frames
+
+    def _cut(self, end: int) -> HandoffPayload:
+        ctx = min(self.left_context_frames, self._start)
+        codes = np.stack(self._frames[self._start - ctx : end], axis=1).astype(np.int64)  # [groups, ctx + n]
+        payload = HandoffPayload(
+            kind=CODEC_CHUNK,
+            tensors={"codes": codes},
+            meta={
+                "left_context": ctx,
+                "index": self._index,
+                "start_frame": self._start,
+                "num_frames": end - self._start,
+            },
+        )
+        self._start = end
+        self._index += 1
+        return payload
+
+    def push(self, frames: np.ndarray) -> list[HandoffPayload]:
+        """Add frames ([groups] or [groups, n]); return the chunks that became complete."""
+        frames = np.asarray(frames)
+        self._frames.extend(frames.T if frames.ndim == 2 else [frames])
+        out = []
+        while len(self._frames) - self._start >= self._next_size():
+            out.append(self._cut(self._start + self._next_size()))
+        return out
+
+    def flush(self) -> list[HandoffPayload]:
+        """The last, possibly short, chunk (nothing if every frame is already in a chunk)."""
+        return [self._cut(len(self._frames))] if len(self._frames) > self._start else []
+
+
+def chunk_codec_codes(
+    codes: np.ndarray, first_chunk_frames: int = 25, chunk_frames: int = 25, left_context_frames: int = 25
+) -> list[HandoffPayload]:
+    """All chunks of ``codes`` [groups, frames] at once (what the streaming chunker yields in total)."""
+    chunker = CodecChunker(first_chunk_frames, chunk_frames, left_context_frames)
+    return chunker.push(np.asarray(codes)) + chunker.flush()
+
+
+# --- (d) code2wav --------------------------------------------------------------------------
+
+
+def decode_codec_chunk(code2wav: Any, payload: HandoffPayload) -> np.ndarray:
+    """float32 mono waveform of one chunk, its left context trimmed.
+
+    Code2wav is causal but its transposed convolutions hold back the last ``lag`` samples
+    (555 for upsampling 8*5*4*3 * 2*2) until the next frame arrives: a decode of n frames
+    yields ``n * upsample - lag`` samples. A chunk with left context therefore also emits
+    the ``lag`` samples its predecessor could not, so the concatenated chunks line up
+    sample for sample with one decode of all frames. (HF's ``chunked_decode`` drops them.)
+    """
+    import torch
+
+    if payload.kind != CODEC_CHUNK:
+        raise ValueError(f"expected a {CODEC_CHUNK} payload, got {payload.kind}")
+    codes = torch.tensor(payload.tensors["codes"], dtype=torch.long, device=code2wav.device)[
+        None
+    ]  # copy: may be read-only
+    ctx = int(payload.meta["left_context"])
+    with torch.inference_mode():
+        wav = code2wav(codes)[0, 0]
+    return trim_left_context(wav, codes.shape[-1], ctx, int(code2wav.total_upsample)).float().cpu().numpy()
+
+
+def trim_left_context(wav: Any, num_frames: int, left_context: int, samples_per_frame: int) -> Any:
+    """The samples of a decode of ``num_frames`` codec frames that belong after its left context.
+
+    A decode yields ``num_frames * samples_per_frame - lag`` samples (the transposed convolutions
+    hold back ``lag``); the first ``left_context`` frames' samples minus that lag were already
+    emitted by the previous chunk (see :func:`decode_codec_chunk`). Works on any 1-D sequence.
+    """
+    if left_context <= 0:
+        return wav
+    lag = num_frames * samples_per_frame - len(wav)
+    return wav[max(left_context * samples_per_frame - lag, 0) :]
+
+
+# --- HF in-process baseline ----------------------------------------------------------------
+
+_REFERENCE_MODELS: dict[str, Any] = {}
+
+
+def hf_reference_generate(
+    model_path: str,
+    messages: Sequence[ChatMessage | dict],
+    max_new_tokens: int = 16,
+    max_frames: int = 32,
+    voice: str = "ethan",
+    seed: int = 0,
+    talker_temperature: float = 0.0,
+    talker_top_k: int = 50,
+    talker_top_p: float = 1.0,
+    talker_repetition_penalty: float = 1.0,
+    processor_inputs: Any = None,
+    use_audio_in_video: bool = False,
+    return_audio: bool = True,
+    talker_ignore_eos: bool = False,
+) -> tuple[str, np.ndarray]:
+    """Text and 24 kHz waveform from transformers' own ``generate(return_audio=True)``: the in-process baseline.
+
+    ``model_path`` is a checkpoint path or ``"tiny"``; the loaded model is cached per path.
+    ``processor_inputs``: the output of the checkpoint's ``Qwen3OmniMoeProcessor`` for a prompt with
+    media (used instead of templating ``messages``). ``return_audio=False``: the text only (the
+    waveform is empty).
+
+    The thinker decodes greedily (EOS ``<|im_end|>``/``<|endoftext|>``); ``talker_temperature``
+    0 makes the talker's first code group greedy. HF's code predictor always samples the
+    residual groups (top_k 50, top_p 0.8), so ``seed`` seeds torch before the call; a
+    stage engine seeded the same way consumes the RNG identically (the greedy thinker draws
+    nothing). ``max_frames`` maps to ``talker_max_new_tokens = max_frames + 1`` because HF
+    gives the last sampled codec token no residual codes. ``talker_ignore_eos`` makes the talker
+    run to ``max_frames`` (as a stage's ``ignore_eos`` does), so benchmarks compare equal work.
+    """
+    import torch
+    from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
+
+    from omni_serve.checkpoints.tiny_omni import resolve_model
+
+    model_path = resolve_model(model_path)
+    if model_path not in _REFERENCE_MODELS:
+        model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32).eval()
+        give_talker_the_audio_config(model)  # else HF's generate fails on audio + image/video prompts
+        _REFERENCE_MODELS[model_path] = (model, AutoTokenizer.from_pretrained(model_path))
+    model, tokenizer = _REFERENCE_MODELS[model_path]
+    if processor_inputs is None:
+        chat = [m.model_dump() if isinstance(m, ChatMessage) else dict(m) for m in messages]
+        inputs = dict(
+            tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        )
+    else:
+        inputs = dict(processor_inputs)
+    input_ids = inputs.pop("input_ids")
+    inputs.pop("attention_mask", None)
+    eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    codec_eos = model.config.talker_config.codec_eos_token_id
+    torch.manual_seed(seed)
+    result = model.generate(
+        input_ids,
+        **inputs,
+        use_audio_in_video=use_audio_in_video,
+        speaker=voice,
+        return_audio=return_audio,
+        thinker_max_new_tokens=max_new_tokens,
+        thinker_eos_token_id=eos,
+        thinker_do_sample=False,
+        talker_max_new_tokens=max_frames + 1,
+        talker_do_sample=talker_temperature > 0,
+        talker_temperature=talker_temperature if talker_temperature > 0 else 1.0,
+        talker_top_k=talker_top_k,
+        talker_top_p=talker_top_p,
+        talker_repetition_penalty=talker_repetition_penalty,
+        # No EOS; the pad id HF would otherwise take from the EOS list (a batch of one is never padded).
+        **({"talker_eos_token_id": [], "talker_pad_token_id": codec_eos} if talker_ignore_eos else {}),
+    )
+    sequences, wav = result if return_audio else (result, torch.zeros(0))
+    text = tokenizer.decode(sequences[0, input_ids.shape[1] :], skip_special_tokens=True)
+    return text, wav.reshape(-1).float().numpy()

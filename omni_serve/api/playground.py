@@ -99,7 +99,7 @@ async def _file(name: str) -> Response:
     _enabled()
     if name not in FILES:
         raise StarletteHTTPException(404, f"no playground file '{name}'")
-    body = resources.files("omni_serve").joinpath("static", name).read_bytes()
+    body = resources.files("omni_serve.api").joinpath("static", name).read_bytes()
     return Response(body, media_type=FILES[name], headers=NO_CACHE)
 
 

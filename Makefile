@@ -49,6 +49,10 @@ serve: install
 test: install-test
 	$(call say,ruff)
 	$(PYTHON) -m ruff check omni_serve tests benchmarks
+	$(call say,import layers and cycles (import-linter; the contracts are in pyproject.toml))
+	$(PYTHON) -m importlinter.cli --config pyproject.toml
+	$(call say,types (mypy omni_serve; its settings are in pyproject.toml))
+	$(PYTHON) -m mypy omni_serve
 	$(call say,tests: 10 to 13 min measured on a 2-core machine)
 	$(PYTHON) -m pytest -q -m "not gpu and not multinode and not haproxy" -p no:cacheprovider
 	$(call say,multinode tests (their own multi-raylet cluster: a process where Ray was never initialized))
@@ -58,3 +62,5 @@ test: install-test
 
 lint:
 	$(PYTHON) -m ruff check omni_serve tests benchmarks
+	$(PYTHON) -m importlinter.cli --config pyproject.toml
+	$(PYTHON) -m mypy omni_serve

@@ -108,9 +108,9 @@ class TextPart(BaseModel):
 class MediaPart(BaseModel):
     """A media item of a chat turn on its way to the entry stage: by reference, never decoded before it.
 
-    The ingress puts the bytes of a data URL (or ``input_audio``) into the object store (``data`` is
-    that ObjectRef; plain bytes in local tests); a remote or local URL travels as ``url`` and the entry
-    stage fetches it under the graph's media policy.
+    ``data`` holds the bytes of a data URL (or ``input_audio``): the stage transport puts them into
+    the object store and sends the ObjectRef (:mod:`omni_serve.graph.transport`); a remote or local
+    URL travels as ``url`` and the entry stage fetches it under the graph's media policy.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)

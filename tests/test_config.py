@@ -170,8 +170,9 @@ def test_input_modalities_are_the_entry_stages(name: str, takes: list[str]) -> N
 
 
 def test_a_graph_refuses_media_its_entry_stage_cannot_take_naming_the_part() -> None:
-    from omni_serve.api.errors import APIError
-    from omni_serve.api.openai.protocol import ChatCompletionRequest, MediaRules
+    from omni_serve.api.openai.chat import ChatCompletionRequest
+    from omni_serve.api.openai.errors import APIError
+    from omni_serve.api.openai.messages import MediaRules
 
     graph = load_graph(graph_args("single_stage_llm.yaml"))
     rules = MediaRules(frozenset(m.value for m in graph.input_modalities), graph.media_policy, graph.media_input)

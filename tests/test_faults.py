@@ -26,7 +26,8 @@ import soundfile as sf
 from ray.exceptions import ActorDiedError, ActorUnavailableError, OwnerDiedError, RayTaskError
 
 from omni_serve.api.errors import from_failure
-from omni_serve.graph.orchestrator import IncompleteStageStream, OmniRequest, Orchestrator, StageFailed, replica_gone
+from omni_serve.graph.orchestrator import IncompleteStageStream, OmniRequest, Orchestrator, StageFailed
+from omni_serve.graph.transport import StageTransport, replica_gone
 from omni_serve.models.qwen3_omni import SAMPLE_RATE
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import ChatMessage, FinishReason, InvalidStageInput, Modality, SamplingParams, StageOutput
@@ -44,15 +45,18 @@ def wrapped(cause: BaseException) -> BaseException:
     return RayTaskError("generate", "Traceback ...", cause).as_instanceof_cause()
 
 
-class FlakyStages:
+class FlakyStages(StageTransport):
     """Fake stage callers; ``faults[stage]`` is a list of (error, after_n_outputs) per successive call."""
+
+    async def voices(self, stage: str) -> list[str]:
+        return []
 
     def __init__(self, faults: dict[str, list[tuple[BaseException, int] | None]], chunks: int = 3):
         self.faults = faults
         self.chunks = chunks
         self.calls: Counter[str] = Counter()
 
-    async def __call__(self, stage: str, request: Any) -> AsyncIterator[StageOutput]:
+    async def _attempt(self, stage: str, request: Any) -> AsyncIterator[StageOutput]:
         attempt = self.calls[stage]
         self.calls[stage] += 1
         plan = self.faults.get(stage, [])
@@ -168,24 +172,15 @@ def test_stream_that_ends_without_its_final_output_is_a_failure() -> None:
 
 
 def test_a_call_refused_when_it_starts_names_the_stage() -> None:
-    """Serve refuses the call when a full queue is reached; closing the call re-raises that error."""
+    """Serve refuses the call when the stage's queue is full: the error names the stage, 503 overloaded."""
     from ray.serve.exceptions import BackPressureError
 
-    class Refused:
-        """Like Serve's generator: iterating raises the error, and so does cancel() afterwards."""
-
-        def __aiter__(self) -> Refused:
-            return self
-
-        async def __anext__(self) -> StageOutput:
-            raise BackPressureError(1, 1)
-
-        def cancel(self) -> None:
-            raise BackPressureError(1, 1)
-
     class FullTalker(FlakyStages):
-        def __call__(self, stage: str, request: Any) -> Any:
-            return Refused() if stage == "talker" else super().__call__(stage, request)
+        async def _attempt(self, stage: str, request: Any) -> AsyncIterator[StageOutput]:
+            if stage == "talker":
+                raise BackPressureError(1, 1)
+            async for output in super()._attempt(stage, request):
+                yield output
 
     with pytest.raises(StageFailed) as info:
         run(FullTalker({}))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from omni_serve import payload as handoff
-from omni_serve.graph.transport import stream_items
+from omni_serve.graph.transport import PAYLOAD_FOLLOWS, stream_items
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import StageOutput
 
@@ -49,7 +49,7 @@ def test_a_wanted_payload_follows_its_output_as_its_own_stream_item() -> None:
     payload = HandoffPayload("test", {"x": np.zeros(3)})
     output, item = stream_items(StageOutput(stage="s", handoff=payload, finished=True), wanted=True)
     assert item is payload and output.finished
-    assert pickle.loads(pickle.dumps(output)).handoff is handoff.PAYLOAD_FOLLOWS  # the marker survives the wire
+    assert pickle.loads(pickle.dumps(output)).handoff is PAYLOAD_FOLLOWS  # the marker survives the wire
 
 
 def test_an_unwanted_payload_is_never_sent() -> None:
@@ -64,3 +64,9 @@ def test_padding_is_a_tensor_no_engine_reads() -> None:
     payload = handoff.padded(HandoffPayload("test", {"codes": np.zeros((2, 3), np.int64)}), 1 << 20)
     assert payload.tensors["padding"].nbytes == 1 << 20 and payload.tensors["codes"].shape == (2, 3)
     assert "padding" not in handoff.padded(HandoffPayload("test", {}), 0).tensors
+
+
+def test_a_stage_pads_the_payloads_it_yields_when_its_graph_says_so() -> None:
+    payload = HandoffPayload("test", {"codes": np.zeros((2, 3), np.int64)})
+    _, item = stream_items(StageOutput(stage="s", handoff=payload), wanted=True, padding_bytes=4096)
+    assert item.tensors["padding"].nbytes == 4096 and item.tensors["codes"].shape == (2, 3)

@@ -14,6 +14,7 @@ consumer call, the consumer resolves it a little later, as a queued stage call d
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 
 from omni_serve.graph.object_store import new_object_bytes, objects_of_at_least, wait_at_most
-from omni_serve.graph.transport import stage_outputs, stream_items
+from omni_serve.graph.transport import RemoteStages, receive, stream_items
 from omni_serve.payload import HandoffPayload, payload_loads
 from omni_serve.types import SamplingParams, StageOutput, StageRequest
 
@@ -43,9 +44,10 @@ def _build_app() -> Any:
 
     @serve.deployment(max_ongoing_requests=64, ray_actor_options={"num_cpus": 0.05})
     class Producer:
-        async def generate(self, call: int, nested_put: bool) -> Any:
+        async def generate(self, request: StageRequest) -> Any:
             import ray
 
+            call, nested_put = request.chunk_index, request.return_prompt_text  # this test's two knobs
             for i in range(HANDOFFS):
                 payload = HandoffPayload("test.filler", {"x": np.full(PAYLOAD_BYTES, _value(call, i), np.uint8)})
                 output = StageOutput(stage="producer", handoff=payload, finished=i == HANDOFFS - 1)
@@ -58,34 +60,47 @@ def _build_app() -> Any:
 
     @serve.deployment(max_ongoing_requests=CALLS * HANDOFFS, ray_actor_options={"num_cpus": 0.05})
     class Consumer:
-        async def consume(self, request: StageRequest) -> int:
-            await asyncio.sleep(0.05)  # like a stage call waiting for its engine before it resolves the input
-            payload = await request.handoff
-            return int(payload.tensors["x"][0])
+        async def generate(self, request: StageRequest) -> Any:
+            """A stage call: waits (as a queued call waits for its engine), then takes its input."""
+            await asyncio.sleep(0.05)
+            if request.return_prompt_text:  # the nested reference, resolved as omni_serve used to
+                payload = await request.handoff
+            else:
+                payload = (await receive(request)).handoff
+            yield StageOutput(stage="consumer", text=str(int(payload.tensors["x"][0])), finished=True)
 
     @serve.deployment(max_ongoing_requests=CALLS, ray_actor_options={"num_cpus": 0.05})
     class Relay:
         def __init__(self, producer: Any, consumer: Any):
+            self.transport = RemoteStages({"producer": producer, "consumer": consumer})
             self.producer = producer.options(stream=True, _by_reference=True)
-            self.consumer = consumer
+            self.consumer = consumer.options(stream=True)
 
         async def run(self, call: int, nested_put: bool) -> list[int | str]:
             """What each consumer resolved: the payload's value, or the name of the error it got."""
+            request = StageRequest("r", SamplingParams(), chunk_index=call, return_prompt_text=nested_put)
+            if nested_put:
+                consumers = [
+                    self._value(self.consumer.generate.remote(dataclasses.replace(request, handoff=output.handoff)))
+                    async for output in self.producer.generate.remote(request)
+                ]
+            else:  # omni_serve's transport: each consumer call claims its handoff when it starts
+                consumers = [
+                    self._value(self.transport.call("consumer", request, output.handoff))
+                    async for output in self.transport.call("producer", request)
+                ]
+            return list(await asyncio.gather(*consumers))
+
+        @staticmethod
+        async def _value(outputs: Any) -> int | str:
             from ray.exceptions import RayTaskError
 
-            response = self.producer.generate.remote(call, nested_put)
-            outputs = response if nested_put else stage_outputs(response, StageRequest("r", SamplingParams()))
-            consumers = [
-                self.consumer.consume.remote(StageRequest("r", SamplingParams(), handoff=output.handoff))
-                async for output in outputs
-            ]
-            results: list[int | str] = []
-            for consumer in consumers:
-                try:
-                    results.append(await consumer)
-                except RayTaskError as err:
-                    results.append(type(err.cause).__name__)
-            return results
+            try:
+                async for output in outputs:
+                    return int(output.text)
+            except RayTaskError as err:
+                return type(err.cause).__name__
+            return "no output"
 
         def payload_loads(self) -> dict[str, int]:
             return payload_loads()

@@ -13,6 +13,7 @@ import pytest
 from omni_serve.api.errors import from_failure
 from omni_serve.graph.config import GraphConfig
 from omni_serve.graph.orchestrator import AbortedStageCall, OmniRequest, Orchestrator, StageFailed, StageTimeout
+from omni_serve.graph.transport import StageTransport
 from omni_serve.models.qwen3_omni import SAMPLE_RATE
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import ChatMessage, FinishReason, Modality, SamplingParams, StageOutput, StageRequest
@@ -29,8 +30,11 @@ GRAPH = GraphConfig.model_validate(
 )
 
 
-class FakeStages:
+class FakeStages(StageTransport):
     """Stage callers that record every call; code2wav finishes chunks in reverse order on purpose."""
+
+    async def voices(self, stage: str) -> list[str]:
+        return []
 
     def __init__(
         self,
@@ -45,7 +49,7 @@ class FakeStages:
         self.hang_after_first = hang_after_first
         self.cancelled: list[str] = []
 
-    async def __call__(self, stage: str, request: StageRequest) -> AsyncIterator[StageOutput]:
+    async def _attempt(self, stage: str, request: StageRequest) -> AsyncIterator[StageOutput]:
         self.calls[stage].append(request)
         try:
             if stage == self.fail:

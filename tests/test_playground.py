@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.testclient import TestClient
 
 from omni_serve.api import playground
-from omni_serve.api.errors import http_exception_handler
+from omni_serve.api.openai.errors import http_exception_handler
 from omni_serve.cli.launch import load_graph_file
 from omni_serve.graph.config import load_graph
 from tests import deps

@@ -29,8 +29,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, RedirectResponse, Response
 
-from omni_serve.api.errors import http_exception_handler
-from omni_serve.api.openai.protocol import AudioOptions
+from omni_serve.api.openai.chat import AudioOptions
+from omni_serve.api.openai.errors import http_exception_handler
 from omni_serve.api.openai.speech import SpeechRequest
 from omni_serve.api.ready_line import announce_when_running
 from omni_serve.graph.config import GraphConfig

@@ -236,8 +236,8 @@ def generate(
     names = {s.stage_id: s.model_stage for s in stages}
     device_users: dict[str, int] = {}
     for s in stages:
-        if _devices(s) is not None:
-            device_users[_devices(s)] = device_users.get(_devices(s), 0) + 1
+        if (devices := _devices(s)) is not None:
+            device_users[devices] = device_users.get(devices, 0) + 1
 
     graph_stages: list[dict[str, Any]] = []
     deployments: list[dict[str, Any]] = [INGRESS]

@@ -50,15 +50,14 @@ def deploy_graph_file(
 
 
 def pad_handoffs(config: dict[str, Any], nbytes: int) -> None:
-    """Edit a graph config so every ``transformers`` stage pads its handoffs by ``nbytes`` (test-only engine arg).
+    """Edit a graph config so every stage pads its handoffs by ``nbytes`` (the stages' ``handoff_padding_bytes``).
 
     The tiny checkpoint's handoffs are a few KiB; production ones are MiBs (Qwen3-Omni's thinker:
     ~8 KiB a token). Tests and soaks use this to load the object store as production would.
     """
     for app in config["applications"]:
         for stage in app["args"]["stages"]:
-            if stage["engine"] == "transformers":
-                stage["engine_args"]["handoff_padding_bytes"] = nbytes
+            stage["handoff_padding_bytes"] = nbytes
 
 
 def wait_healthy(base_url: str, timeout_s: float = 300) -> None:

@@ -187,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
             grpc_options=schema.grpc_options.model_dump(),
             logging_config=None if args.verbose else QUIET_SERVE_LOGGING,
         )
-        _get_global_client().deploy_apps(schema)  # what `serve run FILE` calls
+        client = _get_global_client()
+        assert client is not None, "serve.start() connected a controller client"
+        client.deploy_apps(schema)  # what `serve run FILE` calls
         _wait_ready(urls)
         dashboard = f" | Ray dashboard http://{context.dashboard_url}" if context.dashboard_url else ""
         for name, url in urls.items():

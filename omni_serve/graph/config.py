@@ -49,6 +49,14 @@ class StageConfig(BaseModel):
         "(omni_serve.graph.coalesce).",
     )
 
+    handoff_padding_bytes: int = Field(
+        0,
+        ge=0,
+        description="Debug option for tests and benchmarks: add this many bytes to every handoff the stage yields "
+        "(a tensor no engine reads), so the tiny model moves production-sized handoffs (1-15 MB for Qwen3-Omni's "
+        "thinker). 0 in every shipped graph.",
+    )
+
     @field_validator("name")
     @classmethod
     def _not_ingress(cls, name: str) -> str:

@@ -78,7 +78,9 @@ class RequestMetrics:
             tag_keys=("route",),
         )
         self.requests = Counter(
-            "omni_requests_total", description="Client requests by route and HTTP status.", tag_keys=("route", "status")
+            "omni_requests_total",
+            description="Client requests by route and HTTP status.",
+            tag_keys=("route", "status"),  # type: ignore[arg-type]  # Ray annotates tuple[str], takes any tuple
         )
 
     def timer(self, route: str) -> RequestTimer:

@@ -18,11 +18,9 @@ Failure rules (what a client can rely on):
 
 - A stage call that ends without its ``finished`` output is a failure, never a short
   result: a replica that dies midway cannot turn into a truncated reply sent as success.
-- A stage call that fails *before it yielded anything* because the replica serving it
-  died or became unreachable is retried once (Serve routes the retry to another
-  replica; the dead one is out of rotation). Nothing reached the client or a downstream
-  stage yet, so the retry is invisible. Errors raised *by* the stage (bad input, engine
-  errors, a lost upstream handoff, backpressure) are never retried.
+- A stage call whose replica died before it yielded anything is retried once by the
+  transport (:mod:`omni_serve.graph.transport` owns that rule); errors raised *by* the
+  stage (bad input, engine errors, a lost upstream handoff, backpressure) are never retried.
 - A stage call that finishes with ``finish_reason`` ABORT although nobody cancelled it
   (its engine gave up on it) is a failure too: an aborted call is never a completion.
 - ``stage_timeout_s`` bounds how long one stage call may stay silent; the request's
@@ -40,11 +38,12 @@ import dataclasses
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from omni_serve.graph.config import GraphConfig, StageConfig
+from omni_serve.graph.transport import Handoff, StageTransport
 from omni_serve.types import (
     ChatMessage,
     FinishReason,
@@ -90,41 +89,6 @@ class AbortedStageCall(RuntimeError):
     """The stage's engine finished the call with ABORT although nobody cancelled it."""
 
 
-def replica_gone(err: BaseException) -> bool:
-    """True when the call failed because the replica serving it died or is unreachable.
-
-    Ray raises these (``ActorDiedError``, ``ActorUnavailableError``) directly for the
-    called actor. The same classes wrapped in a ``RayTaskError`` come from *inside* the
-    stage (something it called died), so retrying elsewhere would not help.
-    """
-    from ray.exceptions import RayActorError, RayTaskError
-
-    return isinstance(err, RayActorError) and not isinstance(err, RayTaskError)
-
-
-async def _close(stream: Any) -> None:
-    """Stop a stage call; a no-op once it finished, a cancel in its replica while it runs.
-
-    Never raises: Serve's ``DeploymentResponseGenerator.cancel()`` re-raises the error of a
-    call that failed to start (e.g. BackPressureError), which the caller already handled.
-    """
-    close = getattr(stream, "aclose", None) or getattr(stream, "cancel", None)
-    if close is None:
-        return
-    try:
-        result = close()
-        if isinstance(result, Awaitable):
-            await result
-    except Exception as err:
-        logger.debug("closing a stage call raised %s (already handled)", type(err).__name__)
-
-
-class StageCaller(Protocol):
-    """Starts one streaming call of a stage; a Serve handle in production, anything async in tests."""
-
-    def __call__(self, stage: str, request: StageRequest) -> AsyncIterator[StageOutput]: ...
-
-
 @dataclass
 class OmniRequest:
     """What the ingress hands the orchestrator: one client request, already validated."""
@@ -160,16 +124,14 @@ class Orchestrator:
     def __init__(
         self,
         graph: GraphConfig,
-        call: StageCaller,
+        transport: StageTransport,
         stage_timeout_s: float | None = None,
         *,
-        retryable: Callable[[BaseException], bool] = replica_gone,
         max_fanout: int = 4,
     ):
         self.graph = graph
-        self.call = call
+        self.transport = transport
         self.stage_timeout_s = stage_timeout_s or graph.stage_timeout_s
-        self.retryable = retryable
         self.max_fanout = max_fanout
 
     def plan(self, modalities: set[Modality]) -> set[str]:
@@ -191,7 +153,7 @@ class Orchestrator:
             return_prompt_text=request.return_prompt_text,
         )
         try:
-            async for output in self._walk(entry, first, walk):
+            async for output in self._walk(entry, first.request_id, self._stage_stream(entry, first, None, walk), walk):
                 yield output
         finally:
             for task in walk.tasks:
@@ -209,56 +171,46 @@ class Orchestrator:
         left = max(0.0, deadline - time.monotonic())
         return (left, True) if left < self.stage_timeout_s else (self.stage_timeout_s, False)
 
-    async def _stage_stream(
-        self, stage: StageConfig, request: StageRequest, deadline: float | None
+    def _stage_stream(
+        self, stage: StageConfig, request: StageRequest, handoff: Handoff | None, walk: _Walk
     ) -> AsyncIterator[StageOutput]:
-        """One stage call; retried once (under a new id) if its replica died before it yielded anything."""
-        for attempt in (1, 2):
-            if attempt == 2:
-                request = dataclasses.replace(request, request_id=f"{request.request_id}~retry")
-            request.sent_at = time.time()
-            stream: AsyncIterator[StageOutput] | None = None
-            produced = False
-            try:
-                while True:
-                    limit, by_deadline = self._time_limit(deadline)
-                    try:
-                        if stream is None:  # starting the call may raise too (e.g. the queue is full)
-                            stream = aiter(self.call(stage.name, request))
-                        async with _timeout(limit):
-                            output = await anext(stream)
-                    except StopAsyncIteration:
-                        raise StageFailed(stage.name, IncompleteStageStream("ended before its final output")) from None
-                    except TimeoutError:
-                        raise StageTimeout(stage.name, limit, deadline=by_deadline) from None
-                    except (asyncio.CancelledError, StageFailed, StageTimeout):
-                        raise
-                    except Exception as err:  # Ray wraps the stage's exception; keep it as the cause
-                        if attempt == 1 and not produced and self.retryable(err):
-                            logger.warning(
-                                "request %s: stage %s replica lost before any output (%s); retrying once",
-                                request.request_id,
-                                stage.name,
-                                type(err).__name__,
-                            )
-                            break
-                        raise StageFailed(stage.name, err) from err
-                    if output.finished and output.finish_reason is FinishReason.ABORT:
-                        raise StageFailed(stage.name, AbortedStageCall(f"call {request.request_id} was aborted"))
-                    produced = True
-                    yield output
-                    if output.finished:
-                        return
-            finally:
-                if stream is not None:
-                    await _close(stream)
+        """One stage call, started now (so it claims ``handoff`` before the producer moves on)."""
+        return self._checked(stage, self.transport.call(stage.name, request, handoff), walk.request.deadline)
 
-    async def _walk(self, stage: StageConfig, request: StageRequest, walk: _Walk) -> AsyncIterator[StageOutput]:
+    async def _checked(
+        self, stage: StageConfig, stream: AsyncGenerator[StageOutput, None], deadline: float | None
+    ) -> AsyncIterator[StageOutput]:
+        """The call's outputs under its time limits; every way it can fail becomes one StageFailed/StageTimeout."""
+        try:
+            while True:
+                limit, by_deadline = self._time_limit(deadline)
+                try:
+                    async with _timeout(limit):
+                        output = await anext(stream)
+                except StopAsyncIteration:
+                    raise StageFailed(stage.name, IncompleteStageStream("ended before its final output")) from None
+                except TimeoutError:
+                    raise StageTimeout(stage.name, limit, deadline=by_deadline) from None
+                except asyncio.CancelledError:
+                    raise
+                except Exception as err:  # Ray wraps the stage's exception; keep it as the cause
+                    raise StageFailed(stage.name, err) from err
+                if output.finished and output.finish_reason is FinishReason.ABORT:
+                    raise StageFailed(stage.name, AbortedStageCall(f"stage {stage.name} aborted the call"))
+                yield output
+                if output.finished:
+                    return
+        finally:
+            await stream.aclose()  # a no-op once it finished; cancels the call while it runs
+
+    async def _walk(
+        self, stage: StageConfig, request_id: str, stream: AsyncIterator[StageOutput], walk: _Walk
+    ) -> AsyncIterator[StageOutput]:
+        """The final outputs of ``stream`` (a call of ``stage`` with engine id ``request_id``) and of its subtree."""
         emit = stage.final_output is not None
-        deadline = walk.request.deadline
         children = [c for c in self.graph.children(stage.name) if c.name in walk.stages]
         if not children:
-            async for output in self._stage_stream(stage, request, deadline):
+            async for output in stream:
                 if emit:
                     yield dataclasses.replace(output, handoff=None)
             return
@@ -280,35 +232,36 @@ class Orchestrator:
         # At most max_fanout calls of each child stage in flight for this request.
         slots = {child.name: asyncio.Semaphore(self.max_fanout) for child in children}
 
-        async def child_walk(child: StageConfig, child_request: StageRequest, sink: asyncio.Queue[Any]) -> None:
+        async def child_walk(child: StageConfig, child_id: str, calls: AsyncIterator[StageOutput], sink: Any) -> None:
             try:
-                await pump(self._walk(child, child_request, walk), sink)
+                await pump(self._walk(child, child_id, calls, walk), sink)
             finally:
                 slots[child.name].release()
 
         async def produce() -> None:
             index = 0
-            async for output in self._stage_stream(stage, request, deadline):
+            async for output in stream:
                 if emit:
                     await merged.put(dataclasses.replace(output, handoff=None))
                 if output.handoff is None:
                     continue
                 for child in children:
-                    # Wait for the slot before the request exists: a request cancelled while waiting
-                    # leaves no handoff reference behind in this frame.
                     await slots[child.name].acquire()
                     child_request = StageRequest(
-                        request_id=f"{request.request_id}/{child.name}.{index}",
+                        request_id=f"{request_id}/{child.name}.{index}",
                         sampling=walk.request.sampling[child.name],
-                        handoff=output.handoff,
                         chunk_index=index,
                         wants_handoff=self._feeds_downstream(child, walk),
                         voice=walk.request.voice,
                         image=walk.request.image,
                         client_request_id=walk.request.client_request_id,
                     )
+                    # Started here, before the next output: the call claims this output's handoff now.
+                    child_stream = self._stage_stream(child, child_request, output.handoff, walk)
                     sink: asyncio.Queue[Any] = asyncio.Queue()
-                    walk.tasks.append(asyncio.create_task(child_walk(child, child_request, sink)))
+                    walk.tasks.append(
+                        asyncio.create_task(child_walk(child, child_request.request_id, child_stream, sink))
+                    )
                     await downstream.put(sink)
                 index += 1
             await downstream.put(None)

@@ -1,9 +1,9 @@
 """The stage deployment: one engine, its inputs resolved from the object store.
 
-A stage knows nothing about HTTP. It resolves the upstream handoff reference
-itself (so the payload moves object store -> this replica, never through the
-ingress), runs its engine, and yields any handoff the engine produces as its own
-stream item, owned by the caller (:mod:`omni_serve.graph.transport` says why).
+A stage knows nothing about HTTP. It takes its inputs out of the object store itself
+(so a payload moves object store -> this replica, never through the ingress), runs its
+engine, and yields any handoff the engine produces as its own stream item, owned by the
+caller: both sides of that are :mod:`omni_serve.graph.transport`'s.
 """
 
 from __future__ import annotations
@@ -11,22 +11,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
-import ray
 from ray import serve
 
 from omni_serve.engines import create_engine
 from omni_serve.graph.coalesce import coalesced
 from omni_serve.graph.config import StageConfig
 from omni_serve.graph.metrics import StageMetrics
-from omni_serve.graph.transport import stream_items
+from omni_serve.graph.transport import receive, stream_items
 from omni_serve.media.inputs import MediaInputConfig, load_media
 from omni_serve.media.inputs import decodes as media_decodes
 from omni_serve.media.policy import MediaPolicy
-from omni_serve.payload import HandoffPayload, detached, payload_loads
-from omni_serve.types import FinishReason, StageOutput, StageRequest
+from omni_serve.payload import HandoffPayload, payload_loads
+from omni_serve.types import FinishReason, MediaPart, StageOutput, StageRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -70,7 +69,7 @@ class Stage:
             time.perf_counter() - started,
         )
 
-    async def generate(self, request: StageRequest) -> AsyncIterator[StageOutput | HandoffPayload]:
+    async def generate(self, request: StageRequest) -> AsyncGenerator[StageOutput | HandoffPayload, None]:
         """Run one stage call. Outcomes are counted as they happened:
 
         ``ok`` the engine yielded its finished output (also when the caller then closed the
@@ -86,24 +85,18 @@ class Stage:
         self.metrics.in_flight.set(self.in_flight)
         outcome = "error"
         finished: StageOutput | None = None
-        stream: AsyncIterator[StageOutput] | None = None
-        outputs: AsyncIterator[StageOutput] | None = None
+        stream: AsyncGenerator[StageOutput, None] | None = None
+        outputs: AsyncGenerator[StageOutput, None] | None = None
         try:
-            handoff = request.handoff
-            if isinstance(handoff, ray.ObjectRef):
-                # Kept as a copy, the reference dropped: the stored payload lives only as long as its owner wants.
-                handoff = detached(await handoff)
-                request.handoff = None
-            if handoff is not None and not isinstance(handoff, HandoffPayload):
-                raise TypeError(f"stage {self.name}: expected a HandoffPayload, got {type(handoff).__name__}")
-            if self.media is not None:
-                await self._load_media(request)
-            stream = self.engine.stream(request, handoff)
+            inputs = await receive(request)
+            if inputs.media:
+                request.media = await self._decoded(inputs.media)
+            stream = self.engine.stream(request, inputs.handoff)
             outputs = coalesced(stream, self._coalesce_interval)
             async for output in outputs:
                 self.metrics.output(output)
                 finished = output if output.finished else finished
-                for item in stream_items(output, request.wants_handoff):
+                for item in stream_items(output, request.wants_handoff, self.config.handoff_padding_bytes):
                     self.items += 1
                     yield item
             outcome = _outcome(finished)
@@ -130,15 +123,12 @@ class Stage:
             self.metrics.processing.observe(time.time() - started)
             self.metrics.calls.inc(tags={"outcome": outcome})
 
-    async def _load_media(self, request: StageRequest) -> None:
-        """Fetch and decode the request's media (omni_serve.media.inputs) into ``request.media``; the
-        references to the bytes are dropped once read, like a handoff's."""
-        parts = [part for message in request.messages or [] for part in message.media()]
-        if parts:
-            policy, config = self.media
-            request.media = await load_media(parts, policy, config, self.engine.audio_input_rate)
-            for part in parts:
-                part.data = None
+    async def _decoded(self, parts: list[MediaPart]) -> list[Any]:
+        """The request's media fetched (URLs, under the media policy) and decoded, in message order."""
+        if self.media is None:
+            raise TypeError(f"stage {self.name} is not the entry stage: it takes no media")
+        policy, config = self.media
+        return await load_media(parts, policy, config, self.engine.audio_input_rate)
 
     def _coalesce_interval(self) -> float:
         return min(COALESCE_S_PER_CALL * self.in_flight, self.max_coalesce_s)
@@ -195,6 +185,8 @@ class Stage:
 class StageDeployment(Stage):
     """The stage as its own Serve deployment: its replicas, resources and autoscaling are its own."""
 
-    async def __init__(self, stage: dict[str, Any], media: dict[str, Any] | None = None):
+    async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
+        self, stage: dict[str, Any], media: dict[str, Any] | None = None
+    ):
         super().__init__(stage, media)
         await self.start()

@@ -1,51 +1,65 @@
-"""Handoff payloads: how one crosses from a stage to the next, how long it lives, what it looks like on the wire.
+"""The stage transport: how the orchestrator calls a stage, and how long what travels between stages lives.
 
-**Lifetime.** A stage yields a handoff as two consecutive items of its Serve stream: the
-:class:`StageOutput` with ``handoff=PAYLOAD_FOLLOWS``, then the :class:`HandoffPayload` itself
-(:func:`stream_items`). Ray makes every item of a streaming call an object *owned by the caller*:
-the ingress replica whose orchestrator runs the request. :func:`stage_outputs` (the caller side)
-resolves the small output, takes the next item's ``ObjectRef`` without resolving it, and attaches
-it as ``output.handoff``. From there Ray's ordinary reference counting decides: the payload is
-freed when the last downstream call that received it has ended (Ray pins a call's arguments until
-it returns), or when its request ended (finished, failed, cancelled, client gone). No timer: never
-before the last consumer, never much after. Both sides release explicitly what they are done with,
-so that frames an exception's traceback keeps alive (until Python's cycle collector runs, which can
-take minutes) keep no payload: :func:`stage_outputs` drops the ingress's references when a call
-ends, and a stage keeps its input as a :func:`detached` copy and drops the reference.
+The orchestrator owns one :class:`StageTransport` and calls ``transport.call(stage, request, handoff)``
+for every stage call; it never sees a Serve handle, an ``ObjectRef`` or a payload. Everything about
+moving inputs and outputs between deployments is here, on both sides of a call:
 
-Why not ``ray.put`` in the stage and a reference nested in the yielded output: Ray 2.60 frees an
-object that a replica put and nested in a streamed item while the caller still holds the reference
-(ray-project/ray#58080; fix proposed in PR #58082): the downstream replica then fails with
-``ReferenceCountingAssertionError``. ``tests/test_handoff_lifetime.py`` reproduces it with plain
-Serve deployments. ``ray.put(..., _owner=...)`` could have moved ownership, but Ray 2.56 removed it.
-Ownership by the caller also means a stage replica that dies takes no other request's handoff
-with it: the bytes sit in its node's object store, owned by the ingress.
+- **By reference.** :class:`RemoteStages` calls stage deployments through Serve handles with
+  ``_by_reference=True``: a handoff ``ObjectRef`` passed on to the next stage is never materialized
+  in the ingress. The bytes of media in a request (data URLs, ``input_audio``) go into the object
+  store here once per call and travel by reference too; the entry stage fetches and decodes them.
+- **A handoff's lifetime.** A stage yields a handoff as two consecutive items of its Serve stream:
+  the :class:`StageOutput` with ``handoff=PAYLOAD_FOLLOWS``, then the :class:`HandoffPayload`
+  itself (:func:`stream_items`). Ray makes every item of a streaming call an object *owned by the
+  caller*: the ingress replica whose orchestrator runs the request. The caller side resolves the
+  small output, takes the next item's ``ObjectRef`` without resolving it, and hands the orchestrator
+  a :class:`Handoff` holding it. Each downstream call claims its own reference at the moment it is
+  started (:meth:`StageTransport.call`), and every holder drops its reference as soon as it is done:
+  the producer's when the orchestrator asks for the producer's next output, a consumer's when its
+  call (and any retry of it) has ended, the stage's once it copied the payload (:func:`receive`).
+  From there Ray's reference counting decides: the payload is freed when the last consumer ended,
+  or when its request ended (finished, failed, cancelled, client gone). No timer. The explicit
+  releases matter because frames an exception's traceback keeps alive (until Python's cycle
+  collector runs, which can take minutes) must keep no payload alive.
+- **The retry rule.** A call that fails *before it yielded anything* because the replica serving it
+  died or became unreachable (:func:`replica_gone`) is retried once under a new id: Serve routes the
+  retry to another replica, and nothing reached the client or a downstream stage yet. Errors raised
+  *by* the stage are never retried.
+- **The in-process stage.** A graph of one stage with ``engine_in_ingress`` runs its engine in the
+  ingress replica: :class:`LocalStage` calls it directly (no handle, no object store, no handoff).
 
-**Wire format.** Tensors travel as numpy arrays (zero-copy out of the object store on one node).
-numpy has no bfloat16 or float8, so those travel as integer words of the same width with their
-dtype named in ``meta["dtypes"]``: bf16 stays 2 bytes a value end to end, where widening to
-float32 would double every handoff. :func:`arrays` packs, :func:`tensor` unpacks.
-
-**Evidence the ingress never loads a payload.** Every unpickle of a :class:`HandoffPayload` goes
-through :func:`load_payload`, which bumps a counter local to the process.
+Why the payload is its own stream item, not ``ray.put`` in the stage with the reference nested in the
+yielded output: Ray 2.60 frees an object that a replica put and nested in a streamed item while the
+caller still holds the reference (ray-project/ray#58080; fix proposed in PR #58082): the downstream
+replica then fails with ``ReferenceCountingAssertionError``. ``tests/test_handoff_lifetime.py``
+reproduces it. ``ray.put(..., _owner=...)`` could have moved ownership, but Ray 2.56 removed it.
+Ownership by the caller also means a stage replica that dies takes no other request's handoff with
+it: the bytes sit in its node's object store, owned by the ingress.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
+import dataclasses
 import enum
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+import logging
+import time
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, Any, Protocol
 
-from omni_serve.payload import HandoffPayload
-from omni_serve.types import StageOutput, StageRequest
+from omni_serve.payload import HandoffPayload, detached, padded
+from omni_serve.types import ChatMessage, MediaPart, StageOutput, StageRequest
 
 if TYPE_CHECKING:
     from ray import ObjectRef, ObjectRefGenerator
-    from ray.serve.handle import DeploymentResponseGenerator
+    from ray.serve.handle import DeploymentHandle
 
-# --- lifetime: the payload is its own stream item, owned by the caller -------------------------
+logger = logging.getLogger("ray.serve")
+
+
+# --- the stage side: what a stage yields, and how it takes its inputs ---------------------------
 
 
 class _Marker(enum.Enum):
@@ -55,65 +69,210 @@ class _Marker(enum.Enum):
 PAYLOAD_FOLLOWS = _Marker.PAYLOAD_FOLLOWS  # an enum member: stays itself through pickling
 
 
-def stream_items(output: StageOutput, wanted: bool) -> list[Any]:
+def stream_items(output: StageOutput, wanted: bool, padding_bytes: int = 0) -> list[Any]:
     """What a stage yields for one engine output: the output, then its payload when one is wanted.
 
     A payload no downstream stage will read (``wanted`` is the request's ``wants_handoff``) is
     dropped here, whatever the engine family, so it is never serialized or stored.
+    ``padding_bytes`` adds a tensor no engine reads (the stage's ``handoff_padding_bytes``: tests and
+    benchmarks model production-sized handoffs with the tiny model).
     """
     payload = output.handoff
     if not isinstance(payload, HandoffPayload) or not wanted:
         output.handoff = None
         return [output]
     output.handoff = PAYLOAD_FOLLOWS
-    return [output, payload]
+    return [output, padded(payload, padding_bytes)]
 
 
-async def stage_outputs(response: DeploymentResponseGenerator, request: StageRequest) -> AsyncIterator[StageOutput]:
-    """The outputs of the streaming stage call ``response`` made with ``request``, handoffs as refs owned here.
+@dataclasses.dataclass
+class Inputs:
+    """A stage call's inputs, in this process: the upstream payload and the request's media items."""
 
-    ``response`` is a by-reference streaming handle call. Each output's ``handoff`` is an
-    ``ObjectRef`` this process owns, never resolved here. It is valid until the caller asks for the
-    next output or closes the stream: hand it on (into a downstream request) before that. When the
-    call is over, ``request.handoff`` is released too, unless the orchestrator may retry the call
-    with the same request: its replica died before the call yielded anything. Errors surface as they
-    do when iterating ``response`` itself; leaving early (``aclose``) cancels the call.
+    handoff: HandoffPayload | None
+    media: list[MediaPart]  # each with ``data`` as bytes (or ``url`` to fetch under the media policy)
 
-    Why the releasing: a request that fails or is cancelled leaves exception tracebacks that keep
-    this frame and the orchestrator's alive until Python's cycle collector runs, which in a large
-    heap can take minutes. Those frames must not keep payloads alive in the meantime.
+
+async def receive(request: StageRequest) -> Inputs:
+    """The call's inputs out of the object store into this process; ``request`` keeps no reference to them.
+
+    The payload is kept as a :func:`detached` copy: a zero-copy view would pin the stored object as
+    long as anything in this replica (a traceback, an engine's batch) holds it.
     """
-    from ray.exceptions import TaskCancelledError
+    import ray
 
-    from omni_serve.graph.orchestrator import replica_gone
+    handoff, request.handoff = request.handoff, None
+    if isinstance(handoff, ray.ObjectRef):
+        handoff = detached(await handoff)
+    if handoff is not None and not isinstance(handoff, HandoffPayload):
+        raise TypeError(f"expected a HandoffPayload, got {type(handoff).__name__}")
+    media: list[MediaPart] = []
+    for part in (p for message in request.messages or [] for p in message.media()):
+        data, part.data = part.data, None
+        if isinstance(data, ray.ObjectRef):
+            data = await data
+        media.append(part.model_copy(update={"data": data}))
+    return Inputs(handoff, media)
 
-    output: StageOutput | None = None
-    done = False
-    retry_may_follow = False
-    try:
-        items = await response._to_object_ref_gen()
-        async for ref in items:
-            try:
-                output = await ref
-            except TaskCancelledError:  # what Serve's own iteration turns a cancelled call into
-                raise asyncio.CancelledError() from None
-            if output.handoff is PAYLOAD_FOLLOWS:
-                output.handoff = await _next_unresolved(items)
-            yield output
-        done = True
-    except Exception as err:
-        retry_may_follow = output is None and replica_gone(err)  # the orchestrator's retry rule
-        raise
-    finally:
-        if not done:
-            # A call that never started re-raises its start error from cancel(); it was raised above already.
-            with contextlib.suppress(Exception):
-                response.cancel()
-        if output is not None:
-            output.handoff = None
-        if not retry_may_follow:
-            request.handoff = None
-        items = response = None  # unconsumed stream items are released with the stream
+
+# --- the caller side: the orchestrator's stage client --------------------------------------------
+
+
+class Handoff:
+    """One reference to an upstream output's handoff, held by the process that runs the request.
+
+    The orchestrator passes it on without looking inside; :meth:`release` drops the reference, so
+    that whatever still holds this object (an exception's frames) keeps no payload alive.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value  # an ObjectRef (stage deployments), or whatever a test transport yields
+
+    def claim(self) -> Handoff:
+        if self.value is None:
+            raise RuntimeError("a handoff was passed on after it was released")
+        return Handoff(self.value)
+
+    def release(self) -> None:
+        self.value = None
+
+
+def replica_gone(err: BaseException) -> bool:
+    """True when the call failed because the replica serving it died or is unreachable.
+
+    Ray raises these (``ActorDiedError``, ``ActorUnavailableError``) directly for the called
+    actor. The same classes wrapped in a ``RayTaskError`` come from *inside* the stage (something
+    it called died), so retrying elsewhere would not help.
+    """
+    from ray.exceptions import RayActorError, RayTaskError
+
+    return isinstance(err, RayActorError) and not isinstance(err, RayTaskError)
+
+
+class StageTransport(abc.ABC):
+    """Starts stage calls for the orchestrator; owns their handoffs and the retry rule."""
+
+    def call(
+        self, stage: str, request: StageRequest, handoff: Handoff | None = None
+    ) -> AsyncGenerator[StageOutput, None]:
+        """One streaming call of ``stage``. ``handoff`` is claimed now, before the producer moves on.
+
+        The outputs' ``handoff`` are :class:`Handoff` objects, valid until the caller asks for the
+        next output or closes the stream: pass them on (:meth:`call`) before that. Leaving early
+        (``aclose``) cancels the call.
+        """
+        return self._call(stage, request, handoff.claim() if handoff is not None else None)
+
+    async def _call(
+        self, stage: str, request: StageRequest, claim: Handoff | None
+    ) -> AsyncGenerator[StageOutput, None]:
+        output: StageOutput | None = None
+        try:
+            messages = self._media_by_reference(request.messages)
+            for attempt in (1, 2):
+                wire: StageRequest | None = dataclasses.replace(
+                    request,
+                    request_id=request.request_id if attempt == 1 else f"{request.request_id}~retry",
+                    handoff=claim.value if claim is not None else None,
+                    messages=messages,
+                    sent_at=time.time(),
+                )
+                produced = False
+                try:
+                    # aclosing: a caller that leaves closes this try at once, which cancels the call.
+                    async with contextlib.aclosing(self._attempt(stage, wire)) as outputs:  # type: ignore[arg-type]
+                        async for output in outputs:
+                            produced = True
+                            if output.handoff is not None:
+                                output.handoff = Handoff(output.handoff)
+                            yield output
+                            if output.handoff is not None:  # asked for the next one: the caller is done with it
+                                output.handoff.release()
+                    return
+                except Exception as err:
+                    if attempt == 1 and not produced and replica_gone(err):
+                        logger.warning(
+                            "request %s: stage %s replica lost before any output (%s); retrying once",
+                            request.request_id,
+                            stage,
+                            type(err).__name__,
+                        )
+                        continue
+                    raise
+                finally:
+                    wire = None
+        finally:
+            if output is not None and isinstance(output.handoff, Handoff):
+                output.handoff.release()
+            if claim is not None:
+                claim.release()
+
+    def _media_by_reference(self, messages: list[ChatMessage] | None) -> list[ChatMessage] | None:
+        """The messages as they travel to the entry stage (media bytes by reference where that applies)."""
+        return messages
+
+    @abc.abstractmethod
+    def _attempt(self, stage: str, request: StageRequest) -> AsyncGenerator[StageOutput, None]:
+        """One try of the call; outputs carry their handoff as the transport's raw value (e.g. an ObjectRef)."""
+
+    @abc.abstractmethod
+    async def voices(self, stage: str) -> list[str]:
+        """The voices the stage's engine declares."""
+
+
+class RemoteStages(StageTransport):
+    """Stages that are Serve deployments of their own, called through handles by reference."""
+
+    def __init__(self, handles: dict[str, DeploymentHandle]):
+        # By reference: a handoff ObjectRef passed on to the next stage is never materialized
+        # here, even if RAY_SERVE_THROUGHPUT_OPTIMIZED flips the default.
+        self.handles = {name: h.options(stream=True, _by_reference=True) for name, h in handles.items()}
+        self.voice_handles = {name: h.options(method_name="voices") for name, h in handles.items()}
+
+    async def voices(self, stage: str) -> list[str]:
+        return await self.voice_handles[stage].remote()
+
+    def _media_by_reference(self, messages: list[ChatMessage] | None) -> list[ChatMessage] | None:
+        import ray
+
+        if not any(part.data is not None for m in messages or [] for part in m.media()):
+            return messages
+        by_reference = []
+        for message in messages or []:
+            if isinstance(message.content, list):
+                parts = [
+                    p.model_copy(update={"data": ray.put(p.data)}) if isinstance(p, MediaPart) and p.data else p
+                    for p in message.content
+                ]
+                message = message.model_copy(update={"content": parts})
+            by_reference.append(message)
+        return by_reference
+
+    async def _attempt(self, stage: str, request: StageRequest) -> AsyncGenerator[StageOutput, None]:
+        from ray.exceptions import TaskCancelledError
+
+        response: Any = self.handles[stage].generate.remote(request)  # a DeploymentResponseGenerator (stream=True)
+        done = False
+        try:
+            items = await response._to_object_ref_gen()
+            async for ref in items:
+                try:
+                    output = await ref
+                except TaskCancelledError:  # what Serve's own iteration turns a cancelled call into
+                    raise asyncio.CancelledError() from None
+                if output.handoff is PAYLOAD_FOLLOWS:
+                    output.handoff = await _next_unresolved(items)
+                yield output
+                output = None
+            done = True
+        finally:
+            if not done:
+                # A call that never started re-raises its start error from cancel(); it was raised already.
+                with contextlib.suppress(Exception):
+                    response.cancel()
+            items = response = None  # unconsumed stream items are released with the stream
 
 
 async def _next_unresolved(items: ObjectRefGenerator) -> ObjectRef:
@@ -150,3 +309,24 @@ async def _next_unresolved(items: ObjectRefGenerator) -> ObjectRef:
         stop_waiting()
     items._consume_next_ref_n(1)
     return ref
+
+
+class InProcessStage(Protocol):
+    """What :class:`LocalStage` calls: :class:`omni_serve.graph.stage.Stage`."""
+
+    def generate(self, request: StageRequest) -> AsyncGenerator[Any, None]: ...
+
+    def voices(self) -> list[str]: ...
+
+
+class LocalStage(StageTransport):
+    """The graph's one stage, running in this process (``engine_in_ingress``): no handle, no Ray objects."""
+
+    def __init__(self, stage: InProcessStage):
+        self.stage = stage
+
+    async def voices(self, stage: str) -> list[str]:
+        return self.stage.voices()
+
+    def _attempt(self, stage: str, request: StageRequest) -> AsyncGenerator[StageOutput, None]:
+        return self.stage.generate(request)  # one stage: it yields no handoff

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 
@@ -82,7 +82,8 @@ class AudioEncoder:
         rate = (
             sample_rate if not rates or sample_rate in rates else next((r for r in rates if r > sample_rate), rates[-1])
         )
-        self._stream = self._container.add_stream(codec_name, rate=rate, layout="mono")
+        # PyAV types add_stream by codec name as any kind of stream; an audio codec makes an audio stream.
+        self._stream = cast("av.AudioStream", self._container.add_stream(codec_name, rate=rate, layout="mono"))
         offered = [f.name for f in codec.audio_formats or []]
         self._format = next(f for f in ("flt", "fltp", "s16", "s16p") if f in offered)
         self._stream.codec_context.format = self._format

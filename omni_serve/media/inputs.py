@@ -337,17 +337,17 @@ def decode(
 async def load_media(
     parts: Sequence[Any], policy: MediaPolicy, config: MediaInputConfig, audio_rate: int
 ) -> list[Decoded]:
-    """Fetch (by reference, or a URL under the policy) and decode every media part, concurrently, in order.
+    """Fetch (a URL, under the policy) and decode every media part, concurrently, in order.
 
-    ``parts`` are :class:`omni_serve.types.MediaPart`: ``data`` an ObjectRef (or bytes) of the encoded
-    item, or ``url`` to fetch.
+    ``parts`` are :class:`omni_serve.types.MediaPart`: ``data`` the encoded item's bytes (already out
+    of the object store: :func:`omni_serve.graph.transport.receive`), or ``url`` to fetch.
     """
 
     async def one(part: Any) -> Decoded:
         if part.url is not None:
             data = await fetch(part.url, part.param, policy, config.max_bytes)
         else:
-            data = part.data if isinstance(part.data, bytes) else await part.data
+            data = part.data
         return await asyncio.to_thread(decode, part.type, data, part.param, config, audio_rate, part.audio_in_video)
 
     return list(await asyncio.gather(*(one(part) for part in parts)))

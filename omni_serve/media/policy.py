@@ -61,7 +61,8 @@ class MediaPolicy(BaseModel):
         "subdomains. Empty: no remote media (data URLs only).",
     )
     allowed_schemes: list[Literal["http", "https"]] = Field(
-        default_factory=lambda: ["https"], description="Remote URL schemes accepted (plain http only if listed)."
+        default_factory=lambda: ["https"],  # type: ignore[arg-type]  # a list of the literal; mypy infers list[str]
+        description="Remote URL schemes accepted (plain http only if listed)."
     )
     allowed_addresses: list[str] = Field(
         default_factory=list,
@@ -207,7 +208,7 @@ async def resolve(host: str, port: int, policy: MediaPolicy, param: str) -> list
         infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), policy.connect_timeout_s)
     except (OSError, TimeoutError):
         raise _refused(param, f"host '{host}' does not resolve") from None
-    return list(dict.fromkeys(ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos))
+    return list(dict.fromkeys(ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos))
 
 
 def _backend(policy: MediaPolicy, param: str) -> Any:

@@ -218,7 +218,7 @@ def _keep_computed_rows(payload: Any, flat: Mapping[str, Any], hf_config: Any, n
     if accept is None or not isinstance(payload, dict):
         return
     embed, hidden = flat.get("hidden_states.layer_0"), flat.get(f"hidden_states.layer_{accept}")
-    if not all(hasattr(t, "shape") and t.shape[0] == num_tokens - 1 for t in (embed, hidden)):
+    if embed is None or hidden is None or not all(t.shape[0] == num_tokens - 1 for t in (embed, hidden)):
         return
     payload["embed"]["prefill"] = embed.detach().cpu()
     payload["hidden_states"]["output"] = hidden.detach().cpu()

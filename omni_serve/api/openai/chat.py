@@ -1,4 +1,4 @@
-"""Chat-completion responses and stream chunks built from stage outputs (pure functions).
+"""`POST /v1/chat/completions`: the request model, and the response and stream chunks built from stage outputs.
 
 Audio in a stream: every audio chunk is its own SSE chunk with ``modality: "audio"``
 (vLLM-Omni's tag) and ``delta.audio = {id, data}`` (OpenAI's field), where ``data`` is a
@@ -11,13 +11,174 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
+from pydantic import Field, field_validator, model_validator
 
+from omni_serve.api.openai.errors import APIError, bad_request
+from omni_serve.api.openai.messages import MediaRules, Message, MMProcessorKwargs, _Strict
 from omni_serve.media.encode import EMPTY_AUDIO_SAMPLE_RATE, AudioFormat, b64, encode_audio
-from omni_serve.types import FinishReason, Modality, StageOutput, Usage
+from omni_serve.types import SAMPLING_EXTENSIONS, ChatMessage, FinishReason, Modality, StageOutput, Usage
+
+# Generation lengths above this are refused outright (stages also cap at their context).
+MAX_TOKENS_LIMIT = 1 << 20
+
+
+ChatAudioFormat = Literal["wav", "mp3", "flac", "opus", "aac", "pcm16", "pcm"]
+
+
+class AudioOptions(_Strict):
+    voice: str | None = Field(None, description="Voice name or OpenAI alias; None uses the model's default voice.")
+    format: ChatAudioFormat = Field("wav", description="Container of message.audio.data; pcm16 = raw 16-bit PCM.")
+
+    @property
+    def container(self) -> AudioFormat:
+        return "pcm" if self.format == "pcm16" else self.format
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Strict):
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    modalities: list[Modality] | None = Field(None, description="Default ['text'].")
+    audio: AudioOptions | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, description="vLLM's -1, like 0, means no top-k filtering.")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    n: Literal[1] = 1
+    # vLLM's extra sampling parameters (its OpenAI server accepts them at the top level; `vllm bench
+    # serve` sends ignore_eos). They apply to the entry stage; types.SamplingParams has their meaning.
+    # A stage whose engine cannot honour one that is sent refuses it with a 400 naming it.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None
+    stage_sampling: dict[str, dict[str, Any]] | None = Field(
+        None, description="Per-stage sampling overrides keyed by stage name, e.g. {'talker': {'temperature': 0.9}}."
+    )
+    # vLLM-Omni's extensions, with its meaning (its example clients send them).
+    sampling_params_list: list[dict[str, Any]] | None = Field(
+        None, description="Per-stage vLLM SamplingParams by stage position (the graph's stage order)."
+    )
+    voice: str | None = Field(None, description="The voice, as vLLM-Omni accepts it at the top level.")
+    speaker: str | None = Field(None, description="vLLM-Omni's name for voice.")
+    return_prompt_text: bool | None = Field(None, description="Add the templated prompt as 'prompt_text'.")
+    mm_processor_kwargs: MMProcessorKwargs | None = None
+    # Accepted for vLLM-Omni clients; they do not change this graph's output: vLLM-Omni's Qwen3-Omni
+    # path drops language and instructions too (they are read by its TTS-model paths).
+    language: str | None = None
+    instructions: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        values = [stop] if isinstance(stop, str) else stop or []
+        if len(values) > 4 or any(not s for s in values):
+            raise ValueError("at most 4 non-empty stop strings")
+        return stop
+
+    @field_validator("stage_sampling")
+    @classmethod
+    def _stage_max_tokens(cls, per_stage: dict[str, dict[str, Any]] | None) -> dict[str, dict[str, Any]] | None:
+        for stage, values in (per_stage or {}).items():
+            limit = values.get("max_tokens")
+            if isinstance(limit, int | float) and limit > MAX_TOKENS_LIMIT:
+                raise ValueError(f"{stage}.max_tokens: must be at most {MAX_TOKENS_LIMIT}")
+        return per_stage
+
+    @field_validator("modalities")
+    @classmethod
+    def _modalities(cls, modalities: list[Modality] | None) -> list[Modality] | None:
+        if modalities is not None and not modalities:
+            raise ValueError("must name at least one modality")
+        return modalities
+
+    @field_validator("sampling_params_list")
+    @classmethod
+    def _list_max_tokens(cls, per_stage: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, values in enumerate(per_stage or []):
+            limit = values.get("max_tokens")
+            if isinstance(limit, int | float) and limit > MAX_TOKENS_LIMIT:
+                raise ValueError(f"{i}.max_tokens: must be at most {MAX_TOKENS_LIMIT}")
+        return per_stage
+
+    @model_validator(mode="after")
+    def _one_voice(self) -> ChatCompletionRequest:
+        if len({v.lower() for v in self._voices().values()}) > 1:
+            raise ValueError(f"{', '.join(self._voices())} name different voices; send one")
+        if self.stage_sampling is not None and self.sampling_params_list is not None:
+            raise ValueError("stage_sampling and sampling_params_list are two forms of the same thing; send one")
+        return self
+
+    def _voices(self) -> dict[str, str]:
+        named = {"audio.voice": self.audio.voice if self.audio else None, "voice": self.voice, "speaker": self.speaker}
+        return {field: voice for field, voice in named.items() if voice}
+
+    def requested_voice(self) -> tuple[str | None, str]:
+        """The voice the client named (OpenAI's ``audio.voice`` or vLLM-Omni's ``voice``/``speaker``) and its field."""
+        field, voice = next(iter(self._voices().items()), ("audio.voice", None))
+        return voice, field
+
+    def chat_messages(self, rules: MediaRules) -> list[ChatMessage]:
+        """The turns for the entry stage, media checked under ``rules`` (their bytes not decoded here)."""
+        audio_in_video = bool(self.mm_processor_kwargs and self.mm_processor_kwargs.use_audio_in_video)
+        messages = [m.chat_message(i, rules, audio_in_video) for i, m in enumerate(self.messages)]
+        parts = [p for m in messages for p in m.media()]
+        if len(parts) > rules.limits.max_parts:
+            extra = parts[rules.limits.max_parts].param
+            raise bad_request(
+                f"{extra}: more than {rules.limits.max_parts} media parts in one request (media_input.max_parts)",
+                extra,
+            )
+        return messages
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def entry_sampling(self) -> dict[str, Any]:
+        """The top-level sampling fields the client sent, by ``types.SamplingParams`` name (entry stage)."""
+        sent = {name: getattr(self, name) for name in _TOP_LEVEL_SAMPLING}
+        sent["max_tokens"] = self.max_completion_tokens or self.max_tokens
+        sent["stop"] = self.stop_list or None
+        if sent["top_k"] == -1:
+            sent["top_k"] = 0
+        return {name: value for name, value in sent.items() if value is not None}
+
+
+# Top-level request fields that are also types.SamplingParams fields of the same name.
+_TOP_LEVEL_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "repetition_penalty",
+    *(name for name in ChatCompletionRequest.model_fields if name in SAMPLING_EXTENSIONS or name == "stop_token_ids"),
+)
+
+
+# ---- the reply ------------------------------------------------------------------------------
 
 AUDIO_TTL_S = 3600
 
@@ -146,3 +307,70 @@ def usage_chunk(request_id: str, model: str, created: int, usage: Usage) -> dict
 
 def sse(body: dict[str, Any] | str) -> str:
     return f"data: {body if isinstance(body, str) else json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+@dataclass
+class ChatReply:
+    """One chat completion's reply, built from the graph's outputs: a JSON body, or SSE events."""
+
+    request_id: str
+    model: str
+    modalities: set[Modality]
+    audio_format: AudioFormat
+    text_stage: str | None
+    include_usage: bool = False
+    prompt_text: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    media_type = "text/event-stream"
+
+    def decides_status(self, output: StageOutput) -> bool:
+        return True  # the first output (or the end): a graph that starts answering answers 200
+
+    async def json(self, outputs: AsyncIterator[StageOutput]) -> dict[str, Any]:
+        result = ChatResult(self.text_stage)
+        async for item in outputs:
+            result.add(item)
+        return completion(
+            self.request_id,
+            self.model,
+            self.created,
+            result,
+            self.modalities,
+            self.audio_format,
+            prompt_text=self.prompt_text,
+        )
+
+    async def stream(self, outputs: AsyncIterator[StageOutput]) -> AsyncIterator[str]:
+        request_id, model, created, modalities = self.request_id, self.model, self.created, self.modalities
+        result = ChatResult(self.text_stage)
+        first = await anext(outputs, None)
+        opening = chunk(request_id, model, created, {"role": "assistant", "content": ""})
+        if self.prompt_text:  # vLLM's field, on the first chunk only
+            opening["prompt_text"] = first.prompt_text if first else None
+        yield sse(opening)
+        item = first
+        while item is not None:
+            result.add(item)
+            if item.text and Modality.TEXT in modalities:
+                yield sse(chunk(request_id, model, created, {"content": item.text}, modality=Modality.TEXT))
+            elif item.text and Modality.AUDIO in modalities:  # audio only: the text is its transcript
+                delta = transcript_delta(request_id, item.text)
+                yield sse(chunk(request_id, model, created, delta, modality=Modality.AUDIO))
+            if item.audio is not None:
+                delta = audio_delta(request_id, item, self.audio_format)
+                yield sse(chunk(request_id, model, created, delta, modality=Modality.AUDIO))
+            if item.images:  # content parts, as in the non-streamed message
+                from omni_serve.api.openai.images import content_parts
+
+                delta = {"content": content_parts(item.images)}
+                yield sse(chunk(request_id, model, created, delta, modality=Modality.IMAGE))
+            item = await anext(outputs, None)
+        yield sse(chunk(request_id, model, created, {}, finish_reason=result.finish_reason))
+        if self.include_usage:
+            yield sse(usage_chunk(request_id, model, created, result.usage))
+        yield sse("[DONE]")
+
+    def in_band_error(self, error: APIError) -> str:
+        """Headers are gone: the same error object as a JSON error, in band, and no ``[DONE]``, so
+        nobody takes the truncated stream for success."""
+        return sse(error.body())

@@ -10,13 +10,17 @@ stage, which answers 400 naming the field.
 from __future__ import annotations
 
 import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from omni_serve.api.openai.errors import APIError
 from omni_serve.media.encode import b64, data_url, encode_png
-from omni_serve.types import ChatMessage, ImageParams
+from omni_serve.types import ChatMessage, ImageParams, StageOutput
 
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 MAX_SIDE = 4096
@@ -82,3 +86,25 @@ def generation_response(created: int, images: list[np.ndarray]) -> dict[str, Any
 def content_parts(images: list[np.ndarray]) -> list[dict[str, Any]]:
     """Chat ``message.content`` parts carrying each image as a PNG data URL."""
     return [{"type": "image_url", "image_url": {"url": data_url(encode_png(image), "image/png")}} for image in images]
+
+
+@dataclass
+class ImagesReply:
+    """The ``ImagesResponse`` of one generation request (never streamed)."""
+
+    media_type = "application/json"
+
+    def decides_status(self, output: StageOutput) -> bool:
+        return True
+
+    async def json(self, outputs: AsyncIterator[StageOutput]) -> dict[str, Any]:
+        generated: list[np.ndarray] = []
+        async for output in outputs:
+            generated.extend(output.images)
+        return generation_response(int(time.time()), generated)
+
+    def stream(self, outputs: AsyncIterator[StageOutput]) -> AsyncIterator[bytes]:
+        raise TypeError("image replies are JSON, never streamed")
+
+    def in_band_error(self, error: APIError) -> None:
+        return None

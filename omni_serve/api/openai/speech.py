@@ -1,4 +1,4 @@
-"""`POST /v1/audio/speech`: the request model.
+"""`POST /v1/audio/speech`: the request model and the audio reply.
 
 With an omni model, speech is the assistant turn spoken: the thinker teacher-forces
 ``input`` as its reply (no sampling), the talker and code2wav turn it into audio. The
@@ -10,9 +10,24 @@ whole at the end (:mod:`omni_serve.media.encode`).
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
 
+import numpy as np
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+
+from omni_serve.api.openai.errors import APIError
+from omni_serve.media.encode import (
+    AUDIO_MEDIA_TYPES,
+    EMPTY_AUDIO_SAMPLE_RATE,
+    STREAMABLE_AUDIO,
+    AudioEncoder,
+    encode_audio,
+)
+from omni_serve.types import StageOutput
+
+SpeechFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 
 
 class SpeechRequest(BaseModel):
@@ -25,8 +40,54 @@ class SpeechRequest(BaseModel):
         validation_alias=AliasChoices("voice", "speaker"),  # vLLM-Omni accepts both names
         description="Voice name or alias (see GET /v1/audio/voices); None: the model's default voice.",
     )
-    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"
-    speed: Literal[1, 1.0] = Field(1.0, description="Only 1.0: the talker has no speed control.")
+    response_format: SpeechFormat = "mp3"
+    # typing's Literal takes no floats; pydantic accepts 1 and 1.0 here and refuses any other speed.
+    speed: Literal[1, 1.0] = Field(  # type: ignore[valid-type]
+       1.0, description="Only 1.0: the talker has no speed control.")
     stream_format: Literal["audio"] = Field("audio", description="Raw audio bytes as they are produced.")
     instructions: str | None = Field(None, max_length=4096, description="Sent to the model as a system message.")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Same seed, same audio (vLLM-Omni's field).")
+
+
+@dataclass
+class SpeechReply:
+    """The audio file of one speech request, written as code2wav decodes (FLAC: whole, at the end)."""
+
+    response_format: SpeechFormat
+
+    @property
+    def media_type(self) -> str:
+        return AUDIO_MEDIA_TYPES[self.response_format]
+
+    def decides_status(self, output: StageOutput) -> bool:
+        return output.audio is not None  # the first audio chunk (or the end) decides the status code
+
+    async def json(self, outputs: AsyncIterator[StageOutput]) -> dict[str, Any]:
+        raise TypeError("speech replies are audio, never JSON")
+
+    async def stream(self, outputs: AsyncIterator[StageOutput]) -> AsyncIterator[bytes]:
+        fmt = self.response_format
+        encoder: AudioEncoder | None = None
+        whole: list[np.ndarray] = []
+        rate = EMPTY_AUDIO_SAMPLE_RATE
+        async for item in outputs:
+            if item.audio is None:
+                continue
+            if encoder is None and not whole:
+                rate = item.sample_rate or rate
+                encoder = AudioEncoder(fmt, rate) if fmt in STREAMABLE_AUDIO else None
+            if encoder is not None:
+                if data := encoder.encode(item.audio):
+                    yield data
+            else:
+                whole.append(item.audio)
+        if encoder is not None:
+            yield encoder.finish()
+        elif fmt in STREAMABLE_AUDIO:  # no audio at all: an empty file of the format
+            yield AudioEncoder(fmt, rate).finish()
+        else:
+            yield encode_audio(np.concatenate(whole) if whole else np.zeros(0, np.float32), rate, fmt)
+
+    def in_band_error(self, error: APIError) -> None:
+        """The status line is sent: cut the body short, which a client sees as a broken transfer, not a file."""
+        return None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from omni_serve.api.errors import bad_request
+from omni_serve.api.openai.errors import bad_request
 
 
 def resolve_voice(requested: str | None, voices: list[str], aliases: dict[str, str], param: str) -> str | None:

@@ -1,0 +1,59 @@
+"""The wire under every route: a JSON body read within its size limit and parsed into an object, or a clear 4xx."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.requests import Request
+
+from omni_serve.api.openai.errors import APIError, bad_request
+
+
+def check_content_type(content_type: str | None) -> None:
+    """JSON bodies only; a missing header is tolerated (some clients omit it)."""
+    if not content_type:
+        return
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise APIError(415, f"Content-Type must be application/json (got '{media:.60}')", type="invalid_request_error")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it passes ``limit`` bytes (never buffered whole)."""
+    too_large = APIError(413, f"request body over {limit} bytes", type="invalid_request_error")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """Decode a JSON object body; every malformed body is a 400 naming what is wrong."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise bad_request(f"request body is not valid UTF-8 (byte {err.start})") from None
+    if not text.strip():
+        raise bad_request("request body is empty; expected a JSON object")
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as err:
+        raise bad_request(f"request body is not valid JSON: {err.msg} at position {err.pos}") from None
+    except RecursionError:
+        raise bad_request("request body is not valid JSON: nested too deeply") from None
+    except ValueError as err:  # e.g. an integer literal longer than Python's digit limit
+        raise bad_request(f"request body is not valid JSON: {str(err)[:120]}") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"request body must be a JSON object, not {type(data).__name__}")
+    return data
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")

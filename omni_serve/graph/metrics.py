@@ -53,30 +53,13 @@ class RequestMetrics:
     """Per client request: TTFT, time to first audio, end-to-end latency, real-time factor."""
 
     def __init__(self) -> None:
-        self.ttft = Histogram(
-            "omni_request_ttft_seconds",
-            description="Time to the first text delta.",
-            boundaries=_LATENCY_S,
-            tag_keys=("route",),
-        )
-        self.ttfa = Histogram(
-            "omni_request_ttfa_seconds",
-            description="Time to the first audio chunk.",
-            boundaries=_LATENCY_S,
-            tag_keys=("route",),
-        )
-        self.e2e = Histogram(
-            "omni_request_e2e_seconds",
-            description="Request latency until the last output.",
-            boundaries=_LATENCY_S,
-            tag_keys=("route",),
-        )
-        self.rtf = Histogram(
-            "omni_request_rtf",
-            description="End-to-end latency / seconds of audio produced.",
-            boundaries=_RTF,
-            tag_keys=("route",),
-        )
+        def per_route(name: str, description: str, boundaries: list[float] = _LATENCY_S) -> Histogram:
+            return Histogram(name, description=description, boundaries=boundaries, tag_keys=("route",))
+
+        self.ttft = per_route("omni_request_ttft_seconds", "Time to the first text delta.")
+        self.ttfa = per_route("omni_request_ttfa_seconds", "Time to the first audio chunk.")
+        self.e2e = per_route("omni_request_e2e_seconds", "Request latency until the last output.")
+        self.rtf = per_route("omni_request_rtf", "End-to-end latency / seconds of audio produced.", _RTF)
         self.requests = Counter(
             "omni_requests_total",
             description="Client requests by route and HTTP status.",

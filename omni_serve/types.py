@@ -1,9 +1,10 @@
-"""The contract that crosses deployment boundaries: plain typed structs, no logic.
+"""The contract that crosses deployment boundaries: plain typed structs and the errors a stage raises, no logic.
 
-Everything a stage receives or yields is one of these. Small final results (text
-deltas, token ids, audio for the client) travel inline; the heavy handoff for the
-next stage travels as an ``ObjectRef`` to a :class:`HandoffPayload` that the
-producing replica put into the Ray object store itself.
+Everything a stage receives or yields is one of these. Small final results (text deltas, token
+ids, audio for the client) travel inline; the heavy handoff for the next stage
+(:class:`omni_serve.payload.HandoffPayload`) travels as its own item of the producing stage's
+stream, an object the caller owns, and reaches the next stage as an ``ObjectRef``: never put into
+the object store by the producer (:mod:`omni_serve.graph.transport` says why).
 """
 
 from __future__ import annotations

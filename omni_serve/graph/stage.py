@@ -163,7 +163,7 @@ class Stage:
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom-metrics hook: the engine queue (``engine_waiting``/``_running``) for the stage policy.
 
-        Only numbers the engine reports are sent (vllm_omni reports neither; then this is empty).
+        Only the numbers the engine reports are sent (an engine that reports neither: this is empty).
         """
         stats = self.engine.stats()
         return {

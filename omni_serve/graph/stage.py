@@ -98,7 +98,7 @@ class Stage:
                 raise TypeError(f"stage {self.name}: expected a HandoffPayload, got {type(handoff).__name__}")
             if self.media is not None:
                 await self._load_media(request)
-            stream = self.engine.stream(request, handoff)
+            stream = self.engine.generate(request, handoff)  # aborts its engine work when cancelled
             outputs = coalesced(stream, self._coalesce_interval)
             async for output in outputs:
                 self.metrics.output(output)
@@ -110,7 +110,7 @@ class Stage:
         except (asyncio.CancelledError, GeneratorExit):
             if finished is not None:  # closed after its final output: a completed call, nothing to abort
                 outcome = _outcome(finished)
-            else:  # client gone or orchestrator gave up: free the engine's slot now
+            else:  # client gone or orchestrator gave up: engine.generate frees the engine's slot
                 outcome = "cancelled"
                 logger.info(
                     "stage %s: call %s (X-Request-ID %s) cancelled",
@@ -118,7 +118,6 @@ class Stage:
                     request.request_id,
                     request.client_request_id,
                 )
-                await self.engine.abort(request.request_id)
             raise
         finally:
             if outputs is not None:

@@ -100,7 +100,5 @@ async def _abort(engine: StageEngine, request_id: RequestId) -> None:
     # Shielded: a second cancellation while the abort is on its way must not leave the engine request running.
     try:
         await asyncio.shield(engine.abort(request_id))
-    except asyncio.CancelledError:
-        raise
-    except Exception:
+    except Exception:  # never raised over the error or cancellation at hand
         logger.warning("stage %s: aborting call %s failed", engine.stage_name, request_id, exc_info=True)

@@ -285,12 +285,13 @@ def test_cancelled_consumer_stops_generation(slow_thinker: StageEngine) -> None:
         stream = slow_thinker.generate(thinker_request("gone", temperature=1.0, max_tokens=800, seed=0), None)
         await anext(stream)
         await stream.aclose()  # what a cancelled stage call does to the engine's stream
+        # Watched with the loop still running: once it closes, the job's next emit fails and stops it anyway.
+        deadline = time.monotonic() + 30  # aborted, the job stops within a step (2 s); unstopped it runs for hours
+        while slow_thinker.stats()["running"]:
+            assert time.monotonic() < deadline, "the engine kept generating for a consumer that left"
+            await asyncio.sleep(0.01)
 
     asyncio.run(go())
-    deadline = time.monotonic() + 120  # a hang guard only: unstopped, the request would run for hours
-    while slow_thinker.stats()["running"]:
-        assert time.monotonic() < deadline, "the engine kept generating for a consumer that left"
-        time.sleep(0.01)
     # The worker is free again: the next request runs at once.
     assert run(slow_thinker, thinker_request(temperature=0, max_tokens=1))[-1].finished
 

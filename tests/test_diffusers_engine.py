@@ -145,7 +145,7 @@ def test_cancelled_request_stops_denoising() -> None:
     async def cancel_midway() -> None:
         await engine.start()
         # 20000 steps take minutes; cancelled after 0.5 s, the loop must stop at its next step.
-        task = asyncio.create_task(anext(aiter(engine.stream(request(num_inference_steps=20000), None))))
+        task = asyncio.create_task(anext(aiter(engine.generate(request(num_inference_steps=20000), None))))
         await asyncio.sleep(0.5)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

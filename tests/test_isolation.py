@@ -1,7 +1,7 @@
 """One client cannot touch another's request, and readiness never waits behind request work.
 
-The tiny graph runs here with one replica per stage and the transformers engine's test hook
-``step_delay_s`` (a pause after every decoding step, cut short by an abort), so requests stay
+The tiny graph runs here with one replica per stage and the transformers engine's step pacing
+``min_step_s`` (a minimum time per decoding step, cut short by an abort), so requests stay
 in flight for certain: the windows below are held open by the engines, not hoped for.
 
 - Two clients send the same ``X-Request-ID``; one hangs up while both have calls in the same
@@ -35,7 +35,7 @@ def slow_single_replicas(config: dict[str, Any]) -> None:
     app = config["applications"][0]
     app.pop("autoscaling_policy", None)
     for stage in app["args"]["stages"]:
-        stage["engine_args"]["step_delay_s"] = DELAY_S[stage["name"]]
+        stage["engine_args"]["min_step_s"] = DELAY_S[stage["name"]]
     for deployment in app["deployments"]:
         deployment.pop("autoscaling_config", None)
         deployment["num_replicas"] = 1

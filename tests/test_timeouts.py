@@ -1,6 +1,6 @@
 """Timeouts reach the client as the API's 504 error object, never as Serve's plain-text 408 or a cut stream.
 
-The tiny graph runs with a talker slowed by the engine's test hook (``step_delay_s``: its first
+The tiny graph runs with a talker slowed by the engine's step pacing (``min_step_s``: its first
 codec chunk comes after ~8 s) and ``stage_timeout_s: 4``: a text+audio request fails with 504 in
 OpenAI's error shape, as JSON before the response starts and as one in-band SSE event (the same
 error object, no ``[DONE]``) once a stream has started. A text-only request never reaches the
@@ -37,7 +37,7 @@ def slow_talker(config: dict[str, Any]) -> None:
     app["args"]["stage_timeout_s"] = STAGE_TIMEOUT_S
     for stage in app["args"]["stages"]:
         if stage["name"] == "talker":
-            stage["engine_args"].update(step_delay_s=2.0, codec_first_chunk_frames=4)
+            stage["engine_args"].update(min_step_s=2.0, codec_first_chunk_frames=4)
 
 
 @pytest.fixture(scope="module")

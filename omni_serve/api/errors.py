@@ -11,7 +11,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 
 from omni_serve.api.openai.errors import APIError
 from omni_serve.graph.orchestrator import AbortedStageCall, IncompleteStageStream, StageFailed, StageTimeout
-from omni_serve.types import InvalidStageInput
+from omni_serve.types import EngineDeadError, InvalidStageInput
 
 logger = logging.getLogger("ray.serve")
 
@@ -56,8 +56,8 @@ def from_failure(err: BaseException, request_id: str, log: bool = True) -> APIEr
     """Map a failed request to a status; never leak raw exception text of unexpected errors.
 
     400 bad input · 503/429 overloaded (as the stage's ``backpressure_config`` says, with
-    Retry-After) · 503 a stage replica died, its input was lost with it, the stage is
-    unavailable, or its engine aborted the call (with Retry-After) · 504 a stage went silent
+    Retry-After) · 503 a stage replica or its engine died, its input was lost with it, the stage
+    is unavailable, or its engine aborted the call (with Retry-After) · 504 a stage went silent
     or the request reached its time limit · 500 anything else. Every error has a ``code``,
     so a client reading an in-band stream error (no HTTP status) can still tell them apart.
     """
@@ -84,6 +84,14 @@ def from_failure(err: BaseException, request_id: str, log: bool = True) -> APIEr
             f"stage '{stage}' aborted the request, retry later",
             type="service_unavailable",
             code="stage_aborted",
+            retry_after_s=UNAVAILABLE_RETRY_AFTER_S,
+        )
+    if isinstance(cause, EngineDeadError):  # the replica fails its health check: Serve replaces it
+        return APIError(
+            503,
+            f"stage '{stage}' engine died; retry later",
+            type="service_unavailable",
+            code="engine_dead",
             retry_after_s=UNAVAILABLE_RETRY_AFTER_S,
         )
     if isinstance(cause, (DeploymentUnavailableError, RayActorError, ObjectLostError, IncompleteStageStream)):

@@ -1,10 +1,15 @@
 """The stage-engine interface every engine family implements.
 
 A stage deployment owns exactly one engine. The deployment resolves the upstream
-handoff (an ObjectRef) to a :class:`HandoffPayload` before calling :meth:`stream`, and
-puts any payload the engine yields back into the object store, so engines never see
-Ray. Engines must be safe under concurrent ``stream`` calls: per-request state lives
-in the call, never on ``self``.
+handoff (an ObjectRef) to a :class:`HandoffPayload` and calls :meth:`StageEngine.generate`,
+and puts any payload the engine yields back into the object store, so engines never see
+Ray. Engines must be safe under concurrent calls: per-request state lives in the call,
+never on ``self``.
+
+What is written once, here, for every family: the exception ladder around each call and the
+health check (:mod:`omni_serve.engines.ladder`), and abort by request id over the registry of
+live engine requests (:mod:`omni_serve.engines.calls`). A family writes :meth:`stream` and the
+hooks it needs (``_abort``, ``probe_health``, ``dead_reason``, ``invalid_input``).
 """
 
 from __future__ import annotations
@@ -13,8 +18,10 @@ import abc
 from collections.abc import AsyncIterator
 from typing import Any
 
+from omni_serve.engines import ladder
+from omni_serve.engines.calls import LiveCalls
 from omni_serve.payload import HandoffPayload
-from omni_serve.types import RequestId, StageOutput, StageRequest
+from omni_serve.types import InvalidStageInput, RequestId, StageOutput, StageRequest
 
 
 class StageEngine(abc.ABC):
@@ -27,20 +34,66 @@ class StageEngine(abc.ABC):
     def __init__(self, stage_name: str, engine_args: dict[str, Any]):
         self.stage_name = stage_name
         self.engine_args = engine_args
+        # The engine requests (or job handles) of live calls: what abort() stops. Families that run
+        # nothing detached from the caller never register anything.
+        self.calls: LiveCalls[Any] = LiveCalls()
+        self.dead: str | None = None  # why the engine can no longer serve; None while it can
 
     @abc.abstractmethod
     async def start(self) -> None:
         """Load weights and get ready; called once in the replica before any request."""
 
+    # ---- calls: the template and the family's part ---------------------------------------------
+
+    def generate(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]:
+        """Run one stage call under the exception ladder; what the stage deployment calls.
+
+        Yields :meth:`stream`'s outputs. Leaving early (cancelled, closed) aborts the call's engine
+        requests; failures reach the caller as ``EngineDeadError``, ``InvalidStageInput`` or
+        ``EngineError`` (:mod:`omni_serve.engines.ladder`).
+        """
+        return ladder.guarded(self, request, handoff)
+
     @abc.abstractmethod
     def stream(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]:
-        """Run one request; yield outputs in order, the last one with ``finished=True``."""
+        """The family's run of one request: yield outputs in order, the last one with ``finished=True``.
+
+        Register work that runs detached from this generator in ``self.calls`` (``track``) and
+        ``finish()`` it when the engine is done with it; aborting and error mapping are the ladder's.
+        """
 
     async def abort(self, request_id: RequestId) -> None:
-        """Stop work for ``request_id`` (client gone). Default: nothing is running detached."""
+        """Stop the engine work of every live call made with ``request_id`` (client gone)."""
+        handles = self.calls.take(request_id)
+        if handles:
+            await self._abort(handles)
+
+    async def _abort(self, handles: list[Any]) -> None:
+        """Stop these tracked engine requests (the family's handles from ``self.calls``)."""
+
+    def dead_reason(self, err: BaseException) -> str | None:
+        """A short reason when ``err`` means the engine can no longer serve any request; None otherwise."""
+        return None
+
+    def invalid_input(self, err: BaseException) -> InvalidStageInput | None:
+        """The bad-request error ``err`` stands for, when the engine library raised its own kind; None otherwise."""
+        return None
+
+    def mark_dead(self, reason: str) -> None:
+        """From now on every call and health check raises ``EngineDeadError`` (the first reason is kept)."""
+        if self.dead is None:
+            self.dead = reason
+
+    # ---- health ------------------------------------------------------------------------------
 
     async def check_health(self) -> None:
-        """Raise if the engine can no longer serve."""
+        """Raise if the engine can no longer serve (Serve's health check: the replica is then replaced)."""
+        await ladder.checked_health(self)
+
+    async def probe_health(self) -> None:
+        """The family's own check (engine started, EngineCore alive); raise when it fails."""
+
+    # ---- the rest ------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
         """Release what start() acquired (child processes, device memory); called when the replica stops."""

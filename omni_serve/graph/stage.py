@@ -91,7 +91,7 @@ class Stage:
             inputs = await receive(request)
             if inputs.media:
                 request.media = await self._decoded(inputs.media)
-            stream = self.engine.stream(request, inputs.handoff)
+            stream = self.engine.generate(request, inputs.handoff)  # aborts its engine work when cancelled
             outputs = coalesced(stream, self._coalesce_interval)
             async for output in outputs:
                 self.metrics.output(output)
@@ -103,7 +103,7 @@ class Stage:
         except (asyncio.CancelledError, GeneratorExit):
             if finished is not None:  # closed after its final output: a completed call, nothing to abort
                 outcome = _outcome(finished)
-            else:  # client gone or orchestrator gave up: free the engine's slot now
+            else:  # client gone or orchestrator gave up: engine.generate frees the engine's slot
                 outcome = "cancelled"
                 logger.info(
                     "stage %s: call %s (X-Request-ID %s) cancelled",
@@ -111,7 +111,6 @@ class Stage:
                     request.request_id,
                     request.client_request_id,
                 )
-                await self.engine.abort(request.request_id)
             raise
         finally:
             if outputs is not None:

@@ -1,0 +1,238 @@
+"""What every vLLM-Omni stage role shares: its EngineCore, the client, the output pump, one engine request.
+
+The stage is built the way vLLM-Omni's ``StageRuntime`` builds each of its stages
+(``_build_logical_stage_init_plans`` + ``_initialize_local_llm_replica``):
+
+1. the stage config in vLLM-Omni's (legacy, production) per-stage shape, from this stage's
+   ``engine_args`` (:func:`~omni_serve.engines.vllm_omni.args.stage_config`);
+2. ``stage_init_utils.build_engine_args_dict`` -> ``build_vllm_config`` -> ``(VllmConfig,
+   executor class)``; the stage's worker (``ar``/``generation``) and scheduler classes come from
+   its engine args;
+3. ``stage_engine_startup.launch_stage_replica`` spawns the stage's EngineCore process
+   (``StageEngineCoreProcManager``) and ``StageEngineCoreClientBase.make_async_mp_client``
+   attaches the async client;
+4. vLLM-Omni's ``MultimodalOutputProcessor`` turns engine outputs into ``RequestOutput``s with
+   the stage's multimodal output (hidden states, codec codes, audio) attached; one background
+   task pumps them, as vLLM's ``AsyncLLM`` does.
+
+GPUs come from Ray (never ``devices``); tensor parallel runs inside the replica with the ``mp``
+executor. ``vllm_omni`` is imported first in :meth:`VllmOmniEngine.start` (it patches vLLM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from omni_serve.engines.base import StageEngine
+from omni_serve.engines.scheduler import SchedulerSnapshot
+from omni_serve.engines.vllm_omni.args import EngineArgs, stage_config
+from omni_serve.engines.vllm_omni.mapping import vllm_sampling_params
+from omni_serve.payload import HandoffPayload
+from omni_serve.types import EngineDeadError, EngineError, InvalidStageInput, StageRequest
+
+logger = logging.getLogger("ray.serve")
+
+
+async def _pump_outputs(client: Any, processor: Any, queues: dict[str, Any], scheduler: SchedulerSnapshot) -> None:
+    """Engine outputs -> per-request collectors. Holds no engine reference (like AsyncLLM's handler)."""
+    try:
+        while True:
+            outputs = await client.get_output_async()
+            processed = processor.process_outputs(outputs.outputs, outputs.timestamp, None)
+            for output in processed.request_outputs:  # outputs of requests registered without a queue
+                queue = queues.get(output.request_id)
+                if queue is not None:
+                    queue.put(output)
+            if processed.reqs_to_abort:
+                await client.abort_requests_async(processed.reqs_to_abort)
+            scheduler.record(outputs.scheduler_stats)
+    except asyncio.CancelledError:
+        raise
+    except Exception as err:  # engine dead: every waiting request gets the error
+        logger.exception("vllm_omni output pump failed")
+        processor.propagate_error(err)
+        for queue in queues.values():
+            queue.put(err)
+        raise
+
+
+class VllmOmniEngine(StageEngine):
+    """One vLLM-Omni stage; a role subclass (thinker, talker, code2wav) writes ``stream`` and ``_setup``."""
+
+    def __init__(self, stage_name: str, engine_args: dict[str, Any]):
+        super().__init__(stage_name, engine_args)
+        self.args = EngineArgs.model_validate(engine_args)
+        self._client: Any = None
+        self._processor: Any = None
+        self._vllm_config: Any = None
+        self._tokenizer: Any = None
+        self._pump: asyncio.Task[None] | None = None
+        self._scheduler = SchedulerSnapshot()
+        self._queues: dict[str, Any] = {}  # engine request id -> its output collector
+        self._generated = 0  # tokens (thinker) or codec steps (talker) the engine produced, since start
+
+    # -- lifecycle ---------------------------------------------------------
+
+    async def start(self) -> None:
+        import vllm_omni  # noqa: F401  - first: patches vLLM in this process
+
+        await asyncio.to_thread(self._launch)
+        from vllm_omni.outputs.output_processor import MultimodalOutputProcessor
+
+        model_config = self._vllm_config.model_config
+        if not model_config.skip_tokenizer_init:
+            from vllm.tokenizers import cached_tokenizer_from_config
+
+            self._tokenizer = cached_tokenizer_from_config(model_config=model_config)
+        self._processor = MultimodalOutputProcessor(
+            tokenizer=self._tokenizer,
+            log_stats=False,
+            engine_core_output_type=self.args.engine.get("engine_output_type"),
+        )
+        self._pump = asyncio.create_task(_pump_outputs(self._client, self._processor, self._queues, self._scheduler))
+        await self._setup(model_config.hf_config)
+
+    async def _setup(self, hf_config: Any) -> None:
+        """The role's own start, once the engine runs; ``hf_config`` is the whole omni config, whatever the stage."""
+
+    def _launch(self) -> None:
+        """Build this stage's VllmConfig, spawn its EngineCore and attach the client (blocking; in a thread)."""
+        from vllm_omni.config.yaml_util import create_config
+        from vllm_omni.engine.stage_engine_core_client import StageEngineCoreClientBase
+        from vllm_omni.engine.stage_engine_startup import launch_stage_replica
+        from vllm_omni.engine.stage_init_utils import (
+            build_engine_args_dict,
+            build_vllm_config,
+            extract_legacy_stage_metadata,
+        )
+
+        from omni_serve.checkpoints.tiny_omni import resolve_model
+
+        model = resolve_model(self.args.model)  # "tiny": the local tiny Qwen3-Omni, built on first use
+        cfg = create_config(stage_config(self.args))
+        metadata = extract_legacy_stage_metadata(cfg)
+        engine_args = build_engine_args_dict(cfg, model)
+        vllm_config, executor_class = build_vllm_config(cfg, model, engine_args_dict=engine_args)
+        # The EngineCore's readiness handshake runs when launch_stage_replica's context exits, and the
+        # client's constructor waits for a ready engine: the client must be made after leaving the
+        # context, as vLLM-Omni's StageRuntime does (creating it inside deadlocks every stage start).
+        # log_stats: the EngineCore then sends scheduler stats (running/waiting) with its outputs.
+        with launch_stage_replica(vllm_config, executor_class, True, self.args.stage_id, stage_config=cfg) as res:
+            manager, coordinator, zmq = res.manager, res.coordinator, res.addresses
+        addresses = {"input_address": zmq.inputs[0], "output_address": zmq.outputs[0]}
+        if zmq.frontend_stats_publish_address is not None:
+            addresses["stats_update_address"] = zmq.frontend_stats_publish_address
+        try:
+            self._client = StageEngineCoreClientBase.make_async_mp_client(
+                vllm_config=vllm_config,
+                executor_class=executor_class,
+                log_stats=True,
+                metadata=metadata,
+                client_addresses=addresses,
+                engine_manager=manager,
+                coordinator=coordinator,
+            )
+        except BaseException:
+            if manager is not None:  # the EngineCore process must not outlive a failed start
+                manager.shutdown()
+            raise
+        self._vllm_config = vllm_config
+
+    def shutdown(self) -> None:
+        """Stop the output loop and the EngineCore process."""
+        if self._pump is not None:
+            self._pump.cancel()
+            self._pump = None
+        if self._client is not None:
+            client, self._client = self._client, None
+            client.shutdown()
+
+    # -- health, death, stats, abort (the ladder's hooks) ---------------------
+
+    async def probe_health(self) -> None:
+        if self._client is None:
+            raise EngineError(f"stage {self.stage_name}: engine not started")
+        self._client.check_health()  # vLLM's EngineDeadError once the EngineCore process is gone
+        if self._pump is not None and self._pump.done():  # no output can reach a request any more
+            raise EngineDeadError(self.stage_name, "its output loop stopped")
+
+    def dead_reason(self, err: BaseException) -> str | None:
+        from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDead
+
+        return "its EngineCore process died" if isinstance(err, VllmEngineDead) else None
+
+    def stats(self) -> dict[str, Any]:
+        """``running`` + ``waiting`` = ``in_flight``; ``aborted`` counts engine requests aborted,
+        ``generated`` the tokens (codec steps for a talker) the engine produced since start.
+
+        ``in_flight`` is vLLM's own count of unfinished engine requests (its output processor drops
+        a request only when it finishes or is aborted, so a request left running shows here); the
+        split comes from the EngineCore's latest scheduler stats (:mod:`omni_serve.engines.scheduler`).
+        """
+        in_flight = self._processor.get_num_unfinished_requests() if self._processor is not None else 0
+        return {**self._scheduler.queue(in_flight), **self.calls.stats(), "generated": self._generated}
+
+    async def _abort(self, handles: list[str]) -> None:
+        if self._client is not None:
+            ids = self._processor.abort_requests(handles, internal=False)
+            await self._client.abort_requests_async(ids)
+
+    # -- one engine request (the roles' building block) ------------------------
+
+    async def _request(
+        self, request: StageRequest, prompt: dict[str, Any], params: Any, mm_features: Any = None
+    ) -> AsyncIterator[Any]:
+        """One engine request for ``request``; yields ``RequestOutput``s until it finished.
+
+        Its id is minted per engine request (vLLM-Omni treats a second request with a live id as a
+        streaming update of the first) and tracked under the call's request id for abort.
+        """
+        from vllm.v1.engine.output_processor import RequestOutputCollector
+        from vllm_omni.engine.orchestrator import build_engine_core_request_from_tokens
+
+        if self._client is None:
+            raise EngineError(f"stage {self.stage_name}: engine not started")
+        model_config = self._vllm_config.model_config
+        room = model_config.max_model_len - len(prompt["prompt_token_ids"])
+        if room <= 0:
+            raise InvalidStageInput(
+                f"stage {self.stage_name}: prompt of {len(prompt['prompt_token_ids'])} tokens does not fit "
+                f"max_model_len={model_config.max_model_len}"
+            )
+        if params.max_tokens is None or params.max_tokens > room:
+            params.max_tokens = room
+        rid = self.calls.mint(request.request_id)
+        core_request = build_engine_core_request_from_tokens(
+            rid, prompt, params, model_config=model_config, mm_features=mm_features
+        )
+        core_request.external_req_id = rid
+        queue = RequestOutputCollector(params.output_kind, rid)
+        self._queues[rid] = queue
+        with self.calls.track(request.request_id, rid) as call:
+            try:
+                self._processor.add_request(core_request, None, None, 0, queue)
+                await self._client.add_request_async(core_request)
+                while not call.finished:
+                    output = await queue.get()
+                    if output.finished:
+                        call.finish()
+                    self._generated += len(output.outputs[0].token_ids)  # DELTA / FINAL_ONLY: counted once
+                    yield output
+            finally:
+                self._queues.pop(rid, None)
+
+    def _params(self, request: StageRequest, output_kind: str, **overrides: Any) -> Any:
+        """vLLM sampling params of one engine request: the call's sampling, ``overrides``, the stage's constraints."""
+        from vllm.sampling_params import RequestOutputKind
+
+        sampling = request.sampling.model_copy(update=overrides) if overrides else request.sampling
+        return vllm_sampling_params(sampling, self.args.sampling_constraints, RequestOutputKind[output_kind])
+
+    def _handoff_in(self, handoff: HandoffPayload | None) -> HandoffPayload:
+        """A downstream role's input: the upstream stage's handoff, which it cannot run without."""
+        if handoff is None:
+            raise InvalidStageInput(f"stage {self.stage_name}: needs a handoff from its upstream stage")
+        return handoff

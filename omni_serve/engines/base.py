@@ -15,7 +15,7 @@ hooks it needs (``_abort``, ``probe_health``, ``dead_reason``, ``invalid_input``
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from omni_serve.engines import ladder
@@ -45,7 +45,7 @@ class StageEngine(abc.ABC):
 
     # ---- calls: the template and the family's part ---------------------------------------------
 
-    def generate(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]:
+    def generate(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncGenerator[StageOutput, None]:
         """Run one stage call under the exception ladder; what the stage deployment calls.
 
         Yields :meth:`stream`'s outputs. Leaving early (cancelled, closed) aborts the call's engine

@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, Literal
 
 import numpy as np
@@ -46,7 +47,15 @@ from omni_serve import payload as handoffs
 from omni_serve.engines.base import StageEngine
 from omni_serve.models.image_params import SEED_MOD, resolve_image_params
 from omni_serve.payload import HandoffPayload
-from omni_serve.types import EngineError, FinishReason, ImageParams, InvalidStageInput, StageOutput, StageRequest
+from omni_serve.types import (
+    EngineError,
+    FinishReason,
+    ImageParams,
+    InvalidStageInput,
+    StageOutput,
+    StageRequest,
+    TextPart,
+)
 
 PipelineStage = Literal["full", "encode", "denoise", "decode"]
 PROMPT_KIND = "qwen_image.prompt_embeds"
@@ -86,8 +95,9 @@ def create(stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
 def prompt_of(request: StageRequest) -> str:
     """The prompt: the text of the last user message."""
     for message in reversed(request.messages or []):
-        if message.role == "user":
-            return message.content
+        if message.role == "user":  # image graphs take text only: a string, or text parts
+            content = message.content
+            return content if isinstance(content, str) else "".join(p.text for p in content if isinstance(p, TextPart))
     raise InvalidStageInput("messages: an image request needs a user message with the prompt")
 
 
@@ -162,22 +172,23 @@ class DiffusersEngine(StageEngine):
     async def stream(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]:
         stage = self.args.pipeline_stage
         cancelled = threading.Event()
+        job: Callable[[], HandoffPayload | list[np.ndarray]]  # what each stage's job returns
         if stage == "encode":
             params = self.image_params(request)  # fail before the work, not two stages later
-            job = (self._encode_job, prompt_of(request), params.negative_prompt)
+            job = partial(self._encode_job, prompt_of(request), params.negative_prompt)
         elif stage == "full":
-            job = (self._full_job, prompt_of(request), self.image_params(request), cancelled)
+            job = partial(self._full_job, prompt_of(request), self.image_params(request), cancelled)
         elif stage == "denoise":
             params = self.image_params(request)
-            job = (self._denoise_job, _expect(handoff, PROMPT_KIND, self.stage_name), params, cancelled)
+            job = partial(self._denoise_job, _expect(handoff, PROMPT_KIND, self.stage_name), params, cancelled)
         else:
-            job = (self._decode_job, _expect(handoff, LATENTS_KIND, self.stage_name))
+            job = partial(self._decode_job, _expect(handoff, LATENTS_KIND, self.stage_name))
         self._pending += 1
         # Cancelled while queued: the executor drops the job. Running: the ladder aborts the call, which
         # sets ``cancelled``, and the denoising loop stops at its next step.
         try:
             with self.calls.track(request.request_id, cancelled) as call:
-                result = await asyncio.get_running_loop().run_in_executor(self._worker, *job)
+                result = await asyncio.get_running_loop().run_in_executor(self._worker, job)
                 call.finish()
         finally:
             self._pending -= 1

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING
 
 from omni_serve.payload import HandoffPayload
@@ -39,7 +39,7 @@ logger = logging.getLogger("ray.serve")
 
 async def guarded(
     engine: StageEngine, request: StageRequest, handoff: HandoffPayload | None
-) -> AsyncIterator[StageOutput]:
+) -> AsyncGenerator[StageOutput, None]:
     """``engine.stream(request, handoff)`` under the ladder (module doc)."""
     if engine.dead is not None:  # refused at once until Serve replaces the replica
         raise EngineDeadError(engine.stage_name, engine.dead)

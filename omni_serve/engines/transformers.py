@@ -20,7 +20,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import Future
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -108,8 +108,12 @@ def honoured_sampling(engine_args: dict[str, Any]) -> frozenset[str]:
 def create(stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
     """The engine for ``engine_args['model_stage']``; raises ``pydantic.ValidationError`` on bad args."""
     args = TransformersEngineArgs.model_validate(engine_args)
-    cls = {"thinker": ThinkerEngine, "talker": TalkerEngine, "code2wav": Code2WavEngine}[args.model_stage]
-    return cls(stage_name, engine_args)
+    roles: dict[str, Callable[[str, dict[str, Any]], StageEngine]] = {
+        "thinker": ThinkerEngine,
+        "talker": TalkerEngine,
+        "code2wav": Code2WavEngine,
+    }
+    return roles[args.model_stage](stage_name, engine_args)
 
 
 # --- plumbing ------------------------------------------------------------------------------
@@ -218,24 +222,28 @@ class _HFEngine(StageEngine):
     async def probe_health(self) -> None:
         self._check_worker()
 
-    def _check_worker(self) -> None:
+    def _check_worker(self) -> _Worker:
+        """The worker thread, once started and while alive."""
         if not self._ready or self._worker is None:
             raise EngineError(f"stage {self.stage_name}: engine not started")
         if not self._worker.alive():
             raise EngineDeadError(self.stage_name, "its worker thread died")
+        return self._worker
 
     def stats(self) -> dict[str, Any]:
         with self._counts_lock:
             return {"running": self._running, "waiting": self._waiting, "requests_total": self._total}
 
-    async def _run(self, request_id: RequestId, job: Callable[[Emit, threading.Event], None]) -> AsyncIterator[list]:
+    async def _run(
+        self, request_id: RequestId, job: Callable[[Emit, threading.Event], None]
+    ) -> AsyncGenerator[list[Any], None]:
         """Run ``job(emit, cancelled)`` on the worker thread; yield what it emits, in batches.
 
         ``cancelled`` is the job's handle in ``self.calls``: an abort of ``request_id`` (the ladder's,
         when the caller leaves early) sets it, and the job's stopping criteria poll it between steps.
         A job's failure is raised here as it was raised on the worker thread.
         """
-        self._check_worker()
+        worker = self._check_worker()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancelled = threading.Event()
@@ -265,7 +273,7 @@ class _HFEngine(StageEngine):
             self._waiting += 1
             self._total += 1
         with self.calls.track(request_id, cancelled) as call:
-            self._worker.submit(run)
+            worker.submit(run)
             while True:
                 batch = [await queue.get()]
                 while not queue.empty():

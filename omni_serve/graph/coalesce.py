@@ -18,7 +18,7 @@ next engine output after the interval, so text is never later than one engine st
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from omni_serve.types import StageOutput
 
@@ -45,7 +45,7 @@ async def coalesced(
     outputs: AsyncIterator[StageOutput],
     interval: Callable[[], float],
     clock: Callable[[], float] = time.monotonic,
-) -> AsyncIterator[StageOutput]:
+) -> AsyncGenerator[StageOutput, None]:
     """``outputs`` with consecutive text deltas merged while the previous item is younger than ``interval()`` s."""
     held: StageOutput | None = None
     sent_at: float | None = None  # None: nothing sent yet, the first output goes at once

@@ -32,7 +32,7 @@ class _NoGraphSizes:
     def __init__(self, vllm_config: Any, device: Any) -> None:
         if vllm_config.compilation_config.max_cudagraph_capture_size is None:
             vllm_config.compilation_config.max_cudagraph_capture_size = 0
-        super().__init__(vllm_config, device)
+        super().__init__(vllm_config, device)  # type: ignore[call-arg]  # a mixin: vLLM's runner is next in the MRO
 
 
 class CPUARModelRunner(_NoGraphSizes, GPUARModelRunner, CPUModelRunner):

@@ -18,6 +18,7 @@ graph is validated with :class:`EngineArgs`); vLLM and vLLM-Omni are imported wh
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from omni_serve.engines.base import StageEngine
@@ -34,8 +35,12 @@ def create(stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
     from omni_serve.engines.vllm_omni.thinker import ThinkerEngine
 
     args = EngineArgs.model_validate(engine_args)
-    role = {"thinker": ThinkerEngine, "talker": TalkerEngine, "code2wav": Code2WavEngine}[args.model_stage]
-    return role(stage_name, engine_args)
+    roles: dict[str, Callable[[str, dict[str, Any]], StageEngine]] = {
+        "thinker": ThinkerEngine,
+        "talker": TalkerEngine,
+        "code2wav": Code2WavEngine,
+    }
+    return roles[args.model_stage](stage_name, engine_args)
 
 
 def input_modalities(args: EngineArgs) -> set[Modality]:

@@ -188,7 +188,9 @@ class DiffusersEngine(StageEngine):
         # sets ``cancelled``, and the denoising loop stops at its next step.
         try:
             with self.calls.track(request.request_id, cancelled) as call:
-                result = await asyncio.get_running_loop().run_in_executor(self._worker, job)
+                result: HandoffPayload | list[np.ndarray] = await asyncio.get_running_loop().run_in_executor(
+                    self._worker, job
+                )
                 call.finish()
         finally:
             self._pending -= 1

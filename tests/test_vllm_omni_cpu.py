@@ -39,7 +39,8 @@ from omni_serve.payload import HandoffPayload  # noqa: E402
 from omni_serve.types import ChatMessage, SamplingParams, StageOutput, StageRequest  # noqa: E402
 from tests import test_omni_input as omni  # noqa: E402
 from tests.media import mp4, png, wav  # noqa: E402
-from tests.test_cancellation import open_request, wait_for  # noqa: E402
+from tests.conftest import wait_until  # noqa: E402
+from tests.test_cancellation import open_request  # noqa: E402
 
 GRAPH = "tiny_omni_vllm.yaml"
 MODEL = "tiny-qwen3-omni"
@@ -282,7 +283,7 @@ def test_stats_report_running_requests(graph) -> None:
 @pytest.mark.parametrize("where", ["thinker", "talker"])
 def test_disconnect_aborts_every_stage(graph, where: str) -> None:
     """A client that leaves mid-request: every stage that holds it aborts it (engine state)."""
-    wait_for(lambda: idle(graph), "idle stages before the test")
+    wait_until(lambda: idle(graph), 90, "idle stages before the test")
     before = {s: stats(graph, s) for s in STAGES}
     body: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "seed": 3, "stream": True}
     if where == "thinker":  # the thinker never stops on its own: 1000 tokens keep it busy
@@ -299,10 +300,10 @@ def test_disconnect_aborts_every_stage(graph, where: str) -> None:
                 return False
             return now["running"] == 1
 
-        wait_for(holds_it, f"the request to run in the {where}")
+        wait_until(holds_it, 90, f"the request to run in the {where}")
     finally:
         sock.close()
-    wait_for(lambda: idle(graph), "every stage to drop the request after the disconnect")
+    wait_until(lambda: idle(graph), 90, "every stage to drop the request after the disconnect")
     after = {s: stats(graph, s) for s in STAGES}
     # Cut short: left alone, the thinker always makes all 1000 tokens (it never samples a stop token)
     # and the greedy talker 3000 codec steps (120 code2wav chunks).

@@ -516,6 +516,7 @@ class VllmOmniEngine(StageEngine):
             "stream_calls": len(self._queues),
             "aborted": self._aborted,
             "generated": self._generated,
+            "vocoder_lag": self._vocoder_lag,  # code2wav: samples a decode holds back (measured in start)
         }
 
     def voices(self) -> list[str]:

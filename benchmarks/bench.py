@@ -22,8 +22,10 @@ import io
 import json
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -187,7 +189,11 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from omni_serve.checkpoints.tiny_omni import ensure_tiny_omni
-    from omni_serve.models.qwen3_omni import SAMPLE_RATE, hf_reference_generate
+    from omni_serve.models.qwen3_omni import SAMPLE_RATE
+
+    # The reference is test code (tests/hf_reference.py): import it from this checkout.
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.hf_reference import hf_reference_generate
 
     torch.set_num_threads(args.baseline_threads)
     path = ensure_tiny_omni()

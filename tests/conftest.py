@@ -1,11 +1,17 @@
-"""Shared fixtures: one real Ray cluster per test session, graphs deployed with the real `serve run` CLI."""
+"""Shared fixtures: one real Ray cluster per test session, graphs deployed with the real `serve run` CLI.
+
+Two helpers every test module uses instead of its own copy: :func:`graph_variant` (a shipped graph
+with declared changes, for ``Graphs.deploy``) and :func:`wait_until` (polling with a deadline).
+"""
 
 from __future__ import annotations
 
+import copy
 import os
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -16,6 +22,106 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 HTTP_PORT = int(os.environ.get("OMNI_SERVE_TEST_PORT", "18765"))
 METRICS_PORT = HTTP_PORT + 1  # Prometheus endpoint of the session cluster's node
+
+T = TypeVar("T")
+Mutate = Callable[[dict[str, Any]], None]
+ALL = "*"  # in graph_variant's by-name changes: every deployment / every stage
+
+
+def wait_until(
+    predicate: Callable[[], T], timeout_s: float, what: str | Callable[[], str], interval_s: float = 0.2
+) -> T:
+    """Poll ``predicate`` until it returns something truthy, and return that; fail naming ``what`` at the deadline.
+
+    ``what`` may be a callable, called only on failure (to show the state last seen). The timeout is
+    a hang guard, never a measurement: a test that needs "within N s" asserts it itself.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() >= deadline:
+            described = what() if callable(what) else what
+            pytest.fail(f"timed out after {timeout_s:g} s waiting for {described} (last: {result!r})", pytrace=False)
+        time.sleep(interval_s)
+
+
+def _merge(into: dict[str, Any], changes: Mapping[str, Any]) -> None:
+    """Deep-merge ``changes`` into ``into``: mappings merge key by key, anything else replaces."""
+    for key, value in changes.items():
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = copy.deepcopy(dict(value) if isinstance(value, Mapping) else value)
+
+
+def _by_name(items: list[dict[str, Any]], changes: Mapping[str, Any], what: str) -> dict[str, list[Any]]:
+    """Item name -> the changes for it (``*`` first, then its own); a name the graph lacks is an error."""
+    names = [item["name"] for item in items]
+    unknown = sorted(set(changes) - set(names) - {ALL})
+    if unknown:
+        raise KeyError(f"the graph has no {what} {unknown} (it has {names})")
+    return {name: [changes[key] for key in (ALL, name) if key in changes] for name in names}
+
+
+def graph_variant(
+    *,
+    fixed_replicas: int | Mapping[str, int] | None = None,
+    deployments: Mapping[str, Mapping[str, Any]] | None = None,
+    engine_args: Mapping[str, Mapping[str, Any]] | None = None,
+    stages: Mapping[str, Mapping[str, Any]] | None = None,
+    args: Mapping[str, Any] | None = None,
+    policy_kwargs: Mapping[str, Any] | None = None,
+) -> Mutate:
+    """The ``mutate`` callback for :meth:`Graphs.deploy` that turns a graph file into a variant, declaratively.
+
+    - ``fixed_replicas``: no autoscaling (the application's policy and every ``autoscaling_config``
+      dropped); ``num_replicas`` for every deployment, or by deployment name (``*``: the rest).
+    - ``deployments``: Serve options deep-merged into each named deployment (``*``: all).
+    - ``engine_args``: deep-merged into each named stage's ``engine_args`` (``*``: all stages).
+    - ``stages``: deep-merged into each named stage's own settings (e.g. ``handoff_padding_bytes``).
+    - ``args``: deep-merged into the application's graph ``args`` (e.g. ``stage_timeout_s``).
+    - ``policy_kwargs``: deep-merged into the application's autoscaling policy kwargs.
+
+    A deployment or stage name the graph does not have raises ``KeyError``: a typo never
+    deploys the unchanged graph.
+    """
+
+    def mutate(config: dict[str, Any]) -> None:
+        (app,) = config["applications"]
+        if fixed_replicas is not None:
+            counts = {ALL: fixed_replicas} if isinstance(fixed_replicas, int) else fixed_replicas
+            app.pop("autoscaling_policy", None)
+            for deployment in app["deployments"]:
+                deployment.pop("autoscaling_config", None)
+            for deployment, count in zip(
+                app["deployments"], _by_name(app["deployments"], counts, "deployment").values(), strict=True
+            ):
+                if not count:
+                    raise KeyError(f"fixed_replicas names no count for deployment {deployment['name']!r} (nor '*')")
+                deployment["num_replicas"] = count[-1]
+        for deployment, merges in zip(
+            app["deployments"], _by_name(app["deployments"], deployments or {}, "deployment").values(), strict=True
+        ):
+            for merge in merges:
+                _merge(deployment, merge)
+        graph_stages = app["args"]["stages"]
+        for stage, merges in zip(
+            graph_stages, _by_name(graph_stages, engine_args or {}, "stage").values(), strict=True
+        ):
+            for merge in merges:
+                _merge(stage.setdefault("engine_args", {}), merge)
+        for stage, merges in zip(graph_stages, _by_name(graph_stages, stages or {}, "stage").values(), strict=True):
+            for merge in merges:
+                _merge(stage, merge)
+        _merge(app["args"], args or {})
+        if policy_kwargs:
+            if "autoscaling_policy" not in app:
+                raise KeyError("policy_kwargs: the graph has no autoscaling_policy (or fixed_replicas dropped it)")
+            _merge(app["autoscaling_policy"].setdefault("policy_kwargs", {}), policy_kwargs)
+
+    return mutate
 
 
 @pytest.fixture(scope="session")

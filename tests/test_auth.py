@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
+
+from tests.conftest import graph_variant, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -17,22 +18,16 @@ ENV_KEY = "sk-from-env-1234"
 CHAT = {"model": "tiny-qwen3-omni", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 
 
-def with_arg_key(config: dict[str, Any]) -> None:
-    config["applications"][0]["args"]["api_key"] = KEY
-
-
-def with_env_key(config: dict[str, Any]) -> None:
-    """The key only in the ingress replica's environment (the stages keep running unchanged)."""
-    ingress = next(d for d in config["applications"][0]["deployments"] if d["name"] == "ingress")
-    ingress["ray_actor_options"] = {
-        **ingress["ray_actor_options"],
-        "runtime_env": {"env_vars": {"OMNI_SERVE_API_KEY": ENV_KEY}},
-    }
+WITH_ARG_KEY = graph_variant(args={"api_key": KEY})
+# The key only in the ingress replica's environment (the stages keep running unchanged).
+WITH_ENV_KEY = graph_variant(
+    deployments={"ingress": {"ray_actor_options": {"runtime_env": {"env_vars": {"OMNI_SERVE_API_KEY": ENV_KEY}}}}}
+)
 
 
 @pytest.fixture(scope="module")
 def keyed(graphs) -> Iterator[Any]:
-    graphs.deploy("tiny_omni.yaml", with_arg_key)
+    graphs.deploy("tiny_omni.yaml", WITH_ARG_KEY)
     graphs.wait_healthy()
     yield graphs
     graphs.current = None  # what runs is not the plain graph: the next module redeploys it
@@ -89,13 +84,15 @@ def test_wrong_key_raises_authentication_error_in_the_openai_client(keyed) -> No
 
 
 def test_key_from_the_environment(keyed) -> None:
-    keyed.deploy("tiny_omni.yaml", with_env_key)
+    keyed.deploy("tiny_omni.yaml", WITH_ENV_KEY)
     keyed.wait_healthy()
     base = keyed.base_url
-    deadline = time.monotonic() + 120  # until the replaced ingress replica answers
-    while httpx.get(f"{base}/v1/models", headers={"authorization": f"Bearer {ENV_KEY}"}, timeout=30).status_code != 200:
-        assert time.monotonic() < deadline, "the ingress never picked up OMNI_SERVE_API_KEY"
-        time.sleep(0.5)
+    wait_until(  # until the replaced ingress replica answers
+        lambda: httpx.get(f"{base}/v1/models", headers={"authorization": f"Bearer {ENV_KEY}"}, timeout=30).is_success,
+        120,
+        "the ingress to pick up OMNI_SERVE_API_KEY",
+        interval_s=0.5,
+    )
     assert_401(httpx.get(f"{base}/v1/models", timeout=30))
     assert_401(httpx.get(f"{base}/v1/models", headers={"authorization": f"Bearer {KEY}"}, timeout=30))
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=ENV_KEY, max_retries=0, timeout=60)

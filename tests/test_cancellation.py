@@ -18,6 +18,8 @@ from urllib.parse import urlparse
 
 import pytest
 
+from tests.conftest import graph_variant, wait_until
+
 pytestmark = pytest.mark.integration
 
 STAGES = ("thinker", "talker", "code2wav")
@@ -33,14 +35,6 @@ BODY = {
 }
 
 
-def pin_single_replicas(config: dict[str, Any]) -> None:
-    app = config["applications"][0]
-    app.pop("autoscaling_policy", None)
-    for deployment in app["deployments"]:
-        deployment.pop("autoscaling_config", None)
-        deployment["num_replicas"] = 1
-
-
 @pytest.fixture(scope="module")
 def graph(graphs) -> Iterator[Any]:
     """The tiny graph with one replica per stage, so one handle call sees a stage's whole state."""
@@ -49,7 +43,7 @@ def graph(graphs) -> Iterator[Any]:
     graphs.ensure("tiny_omni.yaml")
     replicas = serve.status().applications["omni"].deployments
     if any(sum(replicas[s].replica_states.values()) != 1 for s in STAGES):
-        graphs.deploy("tiny_omni.yaml", pin_single_replicas)
+        graphs.deploy("tiny_omni.yaml", graph_variant(fixed_replicas=1))
         graphs.wait_healthy()
     yield graphs
 
@@ -71,20 +65,13 @@ def open_request(base_url: str, stream: bool, body: dict[str, Any] | None = None
     return sock
 
 
-def wait_for(condition: Any, what: str, timeout_s: float = 90) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
 def idle(graph: Any) -> bool:
     return all(s["running"] == 0 and s["waiting"] == 0 for s in stats(graph).values())
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
 def test_disconnect_stops_every_stage(graph, stream: bool) -> None:
-    wait_for(lambda: idle(graph), "idle stages before the test")
+    wait_until(lambda: idle(graph), 90, "idle stages before the test")
     before = stats(graph)
     sock = open_request(graph.base_url, stream)
     try:
@@ -96,14 +83,14 @@ def test_disconnect_stops_every_stage(graph, stream: bool) -> None:
                 and now["code2wav"]["requests_total"] > before["code2wav"]["requests_total"]
             )
 
-        wait_for(in_talker_and_code2wav, "the request to reach the talker and code2wav")
+        wait_until(in_talker_and_code2wav, 90, "the request to reach the talker and code2wav")
         if stream:  # the client really is reading the stream when it leaves
             received = sock.recv(65536)
             assert received.startswith(b"HTTP/1.1 200") and b"data: " in received
     finally:
         sock.close()
 
-    wait_for(lambda: idle(graph), "every stage to drop the request after the disconnect")
+    wait_until(lambda: idle(graph), 90, "every stage to drop the request after the disconnect")
     settled = stats(graph)["code2wav"]["requests_total"]
     time.sleep(2)
     after = stats(graph)

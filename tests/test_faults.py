@@ -31,6 +31,7 @@ from omni_serve.graph.transport import StageTransport, replica_gone
 from omni_serve.models.qwen3_omni import SAMPLE_RATE
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import ChatMessage, FinishReason, InvalidStageInput, Modality, SamplingParams, StageOutput
+from tests.conftest import graph_variant, wait_until
 from tests.test_orchestrator import GRAPH  # the same three-stage fake graph
 
 # ---- unit: what is retried, and what a failure maps to (no Ray cluster) ------------------------
@@ -218,17 +219,12 @@ BODY = {
 CLIENT_TIMEOUT_S = 150  # above the graph's request_timeout_s (120): a hang shows as a client timeout
 
 
-def two_talkers(config: dict[str, Any]) -> None:
-    app = config["applications"][0]
-    app.pop("autoscaling_policy", None)
-    for deployment in app["deployments"]:
-        deployment.pop("autoscaling_config", None)
-        deployment["num_replicas"] = 2 if deployment["name"] == "talker" else 1
+TWO_TALKERS = graph_variant(fixed_replicas={"*": 1, "talker": 2})
 
 
 @pytest.fixture(scope="module")
 def graph(graphs) -> Iterator[Any]:
-    graphs.deploy("tiny_omni.yaml", two_talkers)
+    graphs.deploy("tiny_omni.yaml", TWO_TALKERS)
     graphs.wait_healthy()
     yield graphs
     graphs.current = None  # replicas were killed and the variant differs: the next module redeploys
@@ -304,10 +300,11 @@ def test_killing_a_talker_replica_under_load(graph) -> None:
     with concurrent.futures.ThreadPoolExecutor(N_REQUESTS) as pool:
         futures = [pool.submit(one_request, graph.base_url, i % 2 == 1) for i in range(N_REQUESTS)]
         # Both talker replicas are busy with some requests and hold others in their engine queue.
-        deadline = time.monotonic() + 60
-        while graph.handle("code2wav").stats.remote().result()["requests_total"] < code2wav_calls + 3:
-            assert time.monotonic() < deadline, "the load never reached code2wav"
-            time.sleep(0.1)
+        wait_until(
+            lambda: graph.handle("code2wav").stats.remote().result()["requests_total"] >= code2wav_calls + 3,
+            60,
+            "the load to reach code2wav",
+        )
         ray.kill(ray.get_actor(talkers[0], namespace="serve"), no_restart=True)
         outcomes = [f.result() for f in futures]
 
@@ -334,16 +331,12 @@ def test_killing_a_talker_replica_under_load(graph) -> None:
     assert retries >= 1
 
     # Recovery without a restart: Serve replaces the replica, /health is 200, requests work.
-    deadline = time.monotonic() + 180
-    while True:
-        health = httpx.get(f"{graph.base_url}/health", timeout=30)
-        if (
-            health.status_code == 200
-            and len(replica_names("talker")) == 2
-            and talkers[0] not in replica_names("talker")
-        ):
-            break
-        assert time.monotonic() < deadline, f"graph did not recover: {health.text}"
-        time.sleep(1)
+    def recovered() -> bool:
+        now = replica_names("talker")
+        return httpx.get(f"{graph.base_url}/health", timeout=30).status_code == 200 and (
+            len(now) == 2 and talkers[0] not in now
+        )
+
+    wait_until(recovered, 180, "the graph to recover (health 200, the killed talker replaced)", interval_s=1)
     after = [one_request(graph.base_url, stream) for stream in (False, True)]
     assert all(o["ok"] and o["samples"] == full for o in after), after

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import HTTP_PORT
+from tests.conftest import HTTP_PORT, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 SERVE_PORT = HTTP_PORT + 2  # +1 is the session cluster's metrics port
@@ -109,7 +109,9 @@ def test_plain_serve_run_logs_the_ready_line_too(tiny_omni) -> None:
     url = f"http://127.0.0.1:{HTTP_PORT}"
     expected = f"omni_serve ready: API {url}/v1 | playground {url}/ | tiny-qwen3-omni: thinker -> talker -> code2wav"
     logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
-    deadline = time.monotonic() + 60
-    while not any(expected in f.read_text(errors="replace") for f in logs.glob("replica_omni_ingress_*.log")):
-        assert time.monotonic() < deadline, f"no ready line in {logs}/replica_omni_ingress_*.log"
-        time.sleep(0.5)
+    wait_until(
+        lambda: any(expected in f.read_text(errors="replace") for f in logs.glob("replica_omni_ingress_*.log")),
+        60,
+        f"the ready line in {logs}/replica_omni_ingress_*.log",
+        interval_s=0.5,
+    )

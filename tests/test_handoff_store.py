@@ -1,6 +1,6 @@
 """The object store under text+audio load with production-sized (>= 1 MiB) handoffs.
 
-The tiny graph runs with every handoff padded by 1 MiB (the test-only ``handoff_padding_bytes``
+The tiny graph runs with every handoff padded by 1 MiB (the stages' debug option ``handoff_padding_bytes``
 engine arg), so each request moves four >= 1 MiB payloads: the thinker's, and one per codec
 chunk (4 + 25 + 1 frames). A watcher samples the object stores' bytes (what ``ray memory
 --stats-only`` reads) throughout. What must hold:
@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import httpx
 import pytest
 
-from omni_serve.cli.launch import pad_handoffs
 from omni_serve.graph.object_store import (
     StoreWatch,
     new_object_bytes,
@@ -31,8 +29,9 @@ from omni_serve.graph.object_store import (
     settled,
     wait_at_most,
 )
+from tests.conftest import graph_variant, wait_until
 from tests.test_faults import BODY as FAULTS_BODY
-from tests.test_faults import CLIENT_TIMEOUT_S, samples, two_talkers
+from tests.test_faults import CLIENT_TIMEOUT_S, samples
 
 pytestmark = pytest.mark.integration
 
@@ -46,14 +45,14 @@ FREED_WITHIN_S = 10
 BODY = {**FAULTS_BODY, "stage_sampling": {"talker": {"temperature": 0.0, "max_tokens": TALKER_FRAMES}}}
 
 
-def padded_fixed_replicas(config: dict[str, Any]) -> None:
-    pad_handoffs(config, PADDING)
-    two_talkers(config)
+PADDED_TWO_TALKERS = graph_variant(
+    fixed_replicas={"*": 1, "talker": 2}, stages={"*": {"handoff_padding_bytes": PADDING}}
+)
 
 
 @pytest.fixture(scope="module")
 def graph(graphs: Any) -> Iterator[Any]:
-    graphs.deploy("tiny_omni.yaml", padded_fixed_replicas)
+    graphs.deploy("tiny_omni.yaml", PADDED_TWO_TALKERS)
     graphs.wait_healthy()
     yield graphs
     graphs.current = None  # a variant (and replicas get killed): the next module redeploys
@@ -159,10 +158,9 @@ def test_a_dying_talker_replica_leaks_no_handoff(graph: Any, ray_cluster: str, i
     before = code2wav.stats.remote().result()["requests_total"]
 
     def kill_a_talker_under_load() -> None:
-        deadline = time.monotonic() + 60
-        while code2wav.stats.remote().result()["requests_total"] < before + 3:
-            assert time.monotonic() < deadline, "the load never reached code2wav"
-            time.sleep(0.1)
+        wait_until(
+            lambda: code2wav.stats.remote().result()["requests_total"] >= before + 3, 60, "the load to reach code2wav"
+        )
         ray.kill(ray.get_actor(talkers[0], namespace="serve"), no_restart=True)
 
     outcomes = run_wave(graph.base_url, ["ok"] * 6, during=kill_a_talker_under_load)

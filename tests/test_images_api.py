@@ -127,11 +127,13 @@ def test_streamed_chat_carries_the_image(tiny_image) -> None:
 
 
 def test_images_are_counted(tiny_image) -> None:
-    from tests.test_metrics import settled, total, wait_for
+    from tests.test_metrics import caught_up, settled, total
 
     before = total(settled(), "ray_omni_stage_images_total")
     assert len(pngs(generate(tiny_image, n=3, size="32x32"))) == 3
-    wait_for(lambda m: total(m, "ray_omni_stage_images_total") - before == 3 or total(m, "ray_omni_stage_images_total"))
+    caught_up(
+        lambda m: total(m, "ray_omni_stage_images_total") - before == 3 or total(m, "ray_omni_stage_images_total")
+    )
 
 
 def test_three_stage_graph_gives_the_same_image(tiny_image) -> None:

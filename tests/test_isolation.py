@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import HTTP_PORT
+from tests.conftest import HTTP_PORT, graph_variant, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -31,37 +31,31 @@ DELAY_S = {"thinker": 0.05, "talker": 0.05, "code2wav": 1.0}  # per decoding ste
 MAX_ONGOING = {"thinker": 4, "talker": 1, "code2wav": 1}
 
 
-def slow_single_replicas(config: dict[str, Any]) -> None:
-    app = config["applications"][0]
-    app.pop("autoscaling_policy", None)
-    for stage in app["args"]["stages"]:
-        stage["engine_args"]["min_step_s"] = DELAY_S[stage["name"]]
-    for deployment in app["deployments"]:
-        deployment.pop("autoscaling_config", None)
-        deployment["num_replicas"] = 1
-        if deployment["name"] in MAX_ONGOING:
-            deployment["max_ongoing_requests"] = MAX_ONGOING[deployment["name"]]
+SLOW_SINGLE_REPLICAS = graph_variant(
+    fixed_replicas=1,
+    deployments={name: {"max_ongoing_requests": n} for name, n in MAX_ONGOING.items()},
+    engine_args={name: {"min_step_s": delay} for name, delay in DELAY_S.items()},
+)
 
 
 @pytest.fixture(scope="module")
 def startup(graphs) -> Iterator[list[tuple[int, dict[str, Any] | str, float]]]:
     """Deploy the slow graph and poll /health from the moment `serve run` returns until it is 200."""
-    graphs.deploy("tiny_omni.yaml", slow_single_replicas)
+    graphs.deploy("tiny_omni.yaml", SLOW_SINGLE_REPLICAS)
     seen: list[tuple[int, dict[str, Any] | str, float]] = []
-    deadline = time.monotonic() + 300
     with httpx.Client(base_url=BASE_URL, timeout=10) as http:
-        while time.monotonic() < deadline:
+
+        def healthy() -> bool:
             started = time.monotonic()
             try:
                 reply = http.get("/health")
             except httpx.TransportError:
-                time.sleep(0.1)
-                continue
+                return False
             is_json = reply.headers.get("content-type", "").startswith("application/json")
             seen.append((reply.status_code, reply.json() if is_json else reply.text, time.monotonic() - started))
-            if reply.status_code == 200:
-                break
-            time.sleep(0.1)
+            return reply.status_code == 200
+
+        wait_until(healthy, 300, lambda: f"/health to answer 200 (last answers: {seen[-3:]})", interval_s=0.1)
     yield seen
     graphs.current = None  # a variant: the next module redeploys
 
@@ -114,10 +108,12 @@ def test_a_shared_request_id_cannot_cut_another_clients_reply(startup, graphs) -
                 httpx.post, f"{BASE_URL}/v1/chat/completions", json=_text_request(3, 30), headers=shared, timeout=120
             )
             # B is in the same thinker replica, waiting in its engine behind A: both calls in flight.
-            deadline = time.monotonic() + 60
-            while (state := thinker_engine(graphs))["waiting"] < 1 or state["running"] < 1:
-                assert time.monotonic() < deadline, f"B never reached the thinker's engine: {state}"
-                time.sleep(0.05)
+            wait_until(
+                lambda: (state := thinker_engine(graphs))["waiting"] >= 1 and state["running"] >= 1,
+                60,
+                "B to reach the thinker's engine",
+                interval_s=0.05,
+            )
             # A hangs up here: its stage calls are cancelled and the thinker aborts A's engine request.
         reply = b.result()
     assert reply.status_code == 200, reply.text
@@ -151,9 +147,8 @@ def test_health_stays_200_while_every_stage_is_saturated(startup, graphs) -> Non
             pool.submit(httpx.post, f"{BASE_URL}/v1/chat/completions", json={**_audio_request(), "stream": False})
             for seed in range(6):  # more long text requests than the thinker takes at once
                 pool.submit(httpx.post, f"{BASE_URL}/v1/chat/completions", json=_text_request(seed, 100), timeout=120)
-            observed = None
-            deadline = time.monotonic() + 90
-            while observed is None and time.monotonic() < deadline:
+
+            def health_while_saturated() -> dict[str, Any] | None:
                 probes = {stage: graphs.handle(stage).stats.remote() for stage in STAGES}
                 health = http.get("/health")
                 pending = []
@@ -163,8 +158,9 @@ def test_health_stays_200_while_every_stage_is_saturated(startup, graphs) -> Non
                     except TimeoutError:
                         pending.append(stage)
                 assert health.status_code == 200, health.text
-                if len(pending) == len(STAGES):
-                    observed = health.json()
                 for probe in probes.values():  # one probe per stage at a time (the handle's queue is bounded)
                     assert probe.result(timeout_s=300)["stage"] in STAGES
-            assert observed == {"status": "ok", "stages": dict.fromkeys(STAGES, "ready")}, "never saturated all"
+                return health.json() if len(pending) == len(STAGES) else None
+
+            observed = wait_until(health_while_saturated, 90, "every stage saturated at once", interval_s=0)
+            assert observed == {"status": "ok", "stages": dict.fromkeys(STAGES, "ready")}

@@ -162,16 +162,23 @@ def test_redirects_are_checked_hop_by_hop(servers, policy: MediaPolicy) -> None:
     allowed.route("/cat.png", body)
     ok = allowed.route("/moved", status=302, headers={"Location": "/cat.png"})
     assert get(ok, policy) == body
-    for target in (
-        f"http://127.0.0.1:{PRIVATE_PORT}/secret",
-        f"http://localhost:{PRIVATE_PORT}/secret",
-        "http://169.254.169.254/latest/meta-data/",
-        "http://10.0.0.1/secret",
-        "file:///etc/passwd",
-        "ftp://127.0.0.1/secret",
+    # Each refusal names the hop check that made it: any of these hops, unchecked, would still end in
+    # some 400 (the connect-time address check, or the fetch's catch-all for what httpcore cannot do).
+    inside = Path(policy.allowed_local_dir, "cat.png")
+    inside.write_bytes(body)
+    for n, (target, why) in enumerate(
+        [
+            (f"http://127.0.0.1:{PRIVATE_PORT}/secret", "address 127.0.0.1 is not a public address"),
+            (f"http://localhost:{PRIVATE_PORT}/secret", "host 'localhost' resolves to"),  # checked at connect
+            ("http://169.254.169.254/latest/meta-data/", "host '169.254.169.254' is not in the server's media"),
+            ("http://10.0.0.1/secret", "host '10.0.0.1' is not in the server's media allow-list"),
+            ("file:///etc/passwd", "file: URL outside the server's media directory"),
+            (inside.as_uri(), "redirect to a file: URL"),  # a path the policy would serve, but not via a redirect
+            ("ftp://127.0.0.1/secret", "URL scheme 'ftp' is not accepted"),
+        ]
     ):
-        url = allowed.route(f"/to/{len(target)}", status=307, headers={"Location": target})
-        refused(lambda url=url: get(url, policy))
+        url = allowed.route(f"/to/{n}", status=307, headers={"Location": target})
+        assert why in refused(lambda url=url: get(url, policy)), target
     loop = allowed.route("/loop", status=301, headers={"Location": "/loop"})
     assert "more than 2 redirects" in str(refused(lambda: get(loop, policy)))
     assert private.requests == before

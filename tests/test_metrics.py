@@ -21,7 +21,7 @@ import pytest
 import soundfile as sf
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import METRICS_PORT
+from tests.conftest import METRICS_PORT, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -43,27 +43,33 @@ def total(metrics: dict[str, Any], name: str, **labels: str) -> float:
     return sum(v for got, v in metrics.get(name, []) if all(got.get(k) == want for k, want in labels.items()))
 
 
-def wait_for(condition: Callable[[dict[str, Any]], Any], timeout_s: float = 60) -> dict[str, Any]:
-    """Metrics reach the node's endpoint about a second after they are recorded: poll until they show.
+def caught_up(condition: Callable[[dict[str, Any]], Any], timeout_s: float = 60) -> dict[str, Any]:
+    """Metrics reach the node's endpoint about a second after they are recorded: the first scrape they show in.
 
     ``condition`` returns True when they did, else what it saw (shown if they never do).
     """
-    deadline = time.monotonic() + timeout_s
-    while (seen := condition(metrics := scrape())) is not True:
-        assert time.monotonic() < deadline, f"the metrics never caught up with the requests: {seen}"
-        time.sleep(0.5)
-    return metrics
+    seen: list[Any] = [None]
+
+    def scraped() -> dict[str, Any] | None:
+        metrics = scrape()
+        seen[0] = condition(metrics)
+        return metrics if seen[0] is True else None
+
+    return wait_until(scraped, timeout_s, lambda: f"the metrics to catch up with the requests: {seen[0]}", 0.5)
 
 
-def settled() -> dict[str, Any]:
+def settled(timeout_s: float = 120) -> dict[str, Any]:
     """A scrape once earlier work has been reported: two scrapes ~3 report intervals apart agree."""
-    previous = scrape()
-    while True:
+    previous: list[dict[str, Any]] = [scrape()]
+
+    def agrees() -> dict[str, Any] | None:
         time.sleep(3)
-        current = scrape()
-        if all(total(current, name) == total(previous, name) for name in previous if name.startswith("ray_omni_")):
-            return current
-        previous = current
+        current, before = scrape(), previous[0]
+        previous[0] = current
+        same = all(total(current, name) == total(before, name) for name in before if name.startswith("ray_omni_"))
+        return current if same else None
+
+    return wait_until(agrees, timeout_s, "the omni_serve metrics to stop moving", interval_s=0)
 
 
 def one_request(base_url: str, i: int) -> dict[str, float]:
@@ -119,7 +125,7 @@ def test_series_move_by_what_the_requests_did(tiny_omni) -> None:
         }
         return seen == {"requests": REQUESTS, "thinker calls": REQUESTS, "talker calls": audio_requests} or seen
 
-    after = wait_for(counted)
+    after = caught_up(counted)
     outcomes = {
         f"{stage} {outcome}": delta(after, "ray_omni_stage_calls_total", deployment=stage, outcome=outcome)
         for stage in STAGES

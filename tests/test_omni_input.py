@@ -25,9 +25,9 @@ from PIL import Image
 
 from omni_serve.checkpoints.tiny_omni import ensure_tiny_omni
 from omni_serve.media.encode import b64, data_url
-from omni_serve.models import qwen3_omni as q
 from tests.conftest import HTTP_PORT
 from tests.deps import require
+from tests.hf_reference import hf_reference_generate
 from tests.media import MediaServer, flac, mp4, png, png_bomb, wav
 
 pytestmark = pytest.mark.integration
@@ -99,7 +99,7 @@ def reference_inputs(turns: list[dict[str, Any]], use_audio_in_video: bool = Fal
 def reference(turns: list[dict[str, Any]], use_audio_in_video: bool = False) -> tuple[list[int], str]:
     """Prompt ids and greedy text (8 tokens) of HF's processor + generate."""
     inputs = reference_inputs(turns, use_audio_in_video)
-    text, _ = q.hf_reference_generate(
+    text, _ = hf_reference_generate(
         "tiny",
         [],
         max_new_tokens=8,

@@ -16,6 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.conftest import graph_variant
+
 pytestmark = pytest.mark.integration
 
 CONCURRENCY = 16
@@ -28,21 +30,22 @@ BODY = {
 }
 
 
-def tiny_queues(config: dict[str, Any]) -> None:
-    app = config["applications"][0]
-    app.pop("autoscaling_policy", None)
-    for deployment in app["deployments"]:
-        deployment.pop("autoscaling_config", None)
-        deployment["num_replicas"] = 1
-        if deployment["name"] in ("thinker", "talker"):
-            deployment.update(max_ongoing_requests=1, max_queued_requests=1)
-        if deployment["name"] == "talker":
-            deployment["backpressure_config"] = {"status_code": 429, "retry_after_s": 2}
+TINY_QUEUES = graph_variant(
+    fixed_replicas=1,
+    deployments={
+        "thinker": {"max_ongoing_requests": 1, "max_queued_requests": 1},
+        "talker": {
+            "max_ongoing_requests": 1,
+            "max_queued_requests": 1,
+            "backpressure_config": {"status_code": 429, "retry_after_s": 2},
+        },
+    },
+)
 
 
 @pytest.fixture(scope="module")
 def graph(graphs) -> Iterator[Any]:
-    graphs.deploy("tiny_omni.yaml", tiny_queues)
+    graphs.deploy("tiny_omni.yaml", TINY_QUEUES)
     graphs.wait_healthy()
     yield graphs
     graphs.current = None  # a variant: the next module redeploys the plain graph

@@ -20,7 +20,6 @@ import concurrent.futures
 import io
 import os
 import socket
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,6 +30,7 @@ import yaml
 
 from omni_serve.cli.launch import GRAPHS, deploy_graph_file, wait_healthy
 from omni_serve.models.qwen3_omni import SAMPLE_RATE
+from tests.conftest import graph_variant, wait_until
 
 HTTP_PORT = int(os.environ.get("OMNI_SERVE_TEST_PORT", "18765"))
 BIG, SHARED, HEAD = "omni_gpu_big", "omni_gpu_shared", "omni_head"
@@ -84,21 +84,23 @@ class NodeTypes:
 
     def wait_placed(self, timeout_s: float, avoid: set[str] = frozenset()) -> dict[str, str]:
         """Wait until every stage has exactly one ALIVE replica, not on ``avoid``; stage -> node id."""
-        deadline = time.monotonic() + timeout_s
-        while True:
+
+        def placed() -> dict[str, str] | dict[str, list[str]] | None:
             found = self.replicas()
             if all(len(nodes) == 1 and nodes[0] not in avoid for nodes in found.values()):
                 return {stage: nodes[0] for stage, nodes in found.items()}
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"replicas not placed after {timeout_s:.0f}s: {found}")
-            time.sleep(1)
+            return None
+
+        return wait_until(placed, timeout_s, "one ALIVE replica per stage on the allowed nodes", interval_s=1)
 
 
-def _pin(config: dict[str, Any]) -> None:
-    """tiny_omni.yaml with its stages pinned to node types (as graphs/qwen3_omni.yaml), ingress on the head."""
-    for d in config["applications"][0]["deployments"]:
-        pin = PINS.get(d["name"], HEAD)
-        d["ray_actor_options"] = {"num_cpus": 0.2, "resources": {pin: PER_REPLICA}}
+# tiny_omni.yaml with its stages pinned to node types (as graphs/qwen3_omni.yaml), ingress on the head.
+PINNED = graph_variant(
+    deployments={
+        name: {"ray_actor_options": {"num_cpus": 0.2, "resources": {PINS.get(name, HEAD): PER_REPLICA}}}
+        for name in ("ingress", *PINS)
+    }
+)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +115,7 @@ def node_types() -> Iterator[NodeTypes]:
     nodes = NodeTypes()
     try:
         ray.init(address=nodes.cluster.address, namespace="serve", log_to_driver=False)
-        deploy_graph_file("tiny_omni.yaml", nodes.cluster.address, HTTP_PORT, _pin)
+        deploy_graph_file("tiny_omni.yaml", nodes.cluster.address, HTTP_PORT, PINNED)
         yield nodes
     finally:
         try:
@@ -154,10 +156,7 @@ def test_stages_land_on_their_node_type_and_fail_over_within_it(node_types: Node
         from ray import serve
 
         talker = serve.get_deployment_handle("talker", app_name="omni")
-        deadline = time.monotonic() + 120
-        while talker.stats.remote().result()["requests_total"] < 1:
-            assert time.monotonic() < deadline, "the load never reached the talker"
-            time.sleep(0.1)
+        wait_until(lambda: talker.stats.remote().result()["requests_total"] >= 1, 120, "the load to reach the talker")
         for node_id in lost:
             node_types.cluster.remove_node(node_types.nodes[node_id], allow_graceful=False)
         outcomes = [f.result() for f in in_flight]  # httpx raises if one hangs past its timeout

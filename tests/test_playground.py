@@ -29,6 +29,7 @@ from omni_serve.api.openai.errors import http_exception_handler
 from omni_serve.cli.launch import load_graph_file
 from omni_serve.graph.config import load_graph
 from tests import deps
+from tests.conftest import graph_variant
 
 TOOLS = "make test installs it (.ci/install-debian-tools.sh)"
 
@@ -225,10 +226,7 @@ def test_omni_input_parts_once_the_card_lists_input_modalities(tiny_omni, page, 
 
 @pytest.fixture(scope="module")
 def keyed_image(graphs) -> Iterator[Any]:
-    def with_key(config: dict[str, Any]) -> None:
-        config["applications"][0]["args"]["api_key"] = "sk-playground"
-
-    graphs.deploy("tiny_image.yaml", with_key)
+    graphs.deploy("tiny_image.yaml", graph_variant(args={"api_key": "sk-playground"}))
     graphs.wait_healthy()
     yield graphs
     graphs.delete()

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import HTTP_PORT
+from tests.conftest import HTTP_PORT, graph_variant
 
 pytestmark = pytest.mark.integration
 
@@ -32,17 +32,15 @@ BODY = {
 }
 
 
-def slow_talker(config: dict[str, Any]) -> None:
-    app = config["applications"][0]
-    app["args"]["stage_timeout_s"] = STAGE_TIMEOUT_S
-    for stage in app["args"]["stages"]:
-        if stage["name"] == "talker":
-            stage["engine_args"].update(min_step_s=2.0, codec_first_chunk_frames=4)
+SLOW_TALKER = graph_variant(
+    args={"stage_timeout_s": STAGE_TIMEOUT_S},
+    engine_args={"talker": {"min_step_s": 2.0, "codec_first_chunk_frames": 4}},
+)
 
 
 @pytest.fixture(scope="module")
 def graph(graphs) -> Iterator[Any]:
-    graphs.deploy("tiny_omni.yaml", slow_talker)
+    graphs.deploy("tiny_omni.yaml", SLOW_TALKER)
     graphs.wait_healthy()
     yield graphs
     graphs.current = None

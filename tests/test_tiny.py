@@ -158,7 +158,7 @@ def test_processor_loads_and_expands_media_placeholders(cached: pathlib.Path) ->
 
 def test_concurrent_ensure_builds_once(tmp_path: pathlib.Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "omni_serve.checkpoints.tiny_omni", "--cache-dir", str(tmp_path)]
+    cmd = [sys.executable, "-m", "omni_serve.checkpoints", "tiny-qwen3-omni", "--cache-dir", str(tmp_path)]
     procs = [
         subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)
     ]

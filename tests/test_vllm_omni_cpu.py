@@ -38,8 +38,10 @@ from omni_serve.models import vllm_omni_handoffs as handoffs  # noqa: E402
 from omni_serve.payload import HandoffPayload  # noqa: E402
 from omni_serve.types import ChatMessage, SamplingParams, StageOutput, StageRequest  # noqa: E402
 from tests import test_omni_input as omni  # noqa: E402
+from tests.conftest import wait_until  # noqa: E402
 from tests.media import mp4, png, wav  # noqa: E402
-from tests.test_cancellation import open_request, wait_for  # noqa: E402
+from tests.test_cancellation import open_request  # noqa: E402
+from tests.vocoder import hf_lag, served_lag, whole_frames  # noqa: E402
 
 GRAPH = "tiny_omni_vllm.yaml"
 MODEL = "tiny-qwen3-omni"
@@ -158,14 +160,12 @@ AUDIO_BODY = {
     "seed": 5,
     "stage_sampling": {"talker": {"temperature": 0.0, "max_tokens": 40}},
 }
-LAG = 555  # samples the vocoder holds back at the end of a decode
 
 
-def whole_frames(samples: int) -> int:
-    """Codec frames in a decode of that many samples; fails unless it is a whole number of frames."""
-    frames, rest = divmod(samples + LAG, 1920)
-    assert rest == 0, f"{samples} samples are not whole 1920-sample frames less the lag"
-    return frames
+@pytest.fixture(scope="module")
+def lag(graph) -> int:
+    """Samples the vocoder holds back at the end of a decode, as the code2wav engine measured them."""
+    return served_lag(graph)
 
 
 @pytest.fixture(scope="module")
@@ -175,15 +175,15 @@ def audio_reply(graph) -> dict[str, Any]:
     return response.json()
 
 
-def test_chat_text_and_audio(audio_reply: dict[str, Any]) -> None:
+def test_chat_text_and_audio(audio_reply: dict[str, Any], lag: int) -> None:
     message = audio_reply["choices"][0]["message"]
     samples, rate = decode_wav(base64.b64decode(message["audio"]["data"]))
-    assert rate == 24000 and 4 < whole_frames(samples.size) <= 40
+    assert rate == 24000 and 4 < whole_frames(samples.size, lag) <= 40
     assert np.isfinite(samples).all() and np.abs(samples).max() > 0
     assert message["audio"]["transcript"] == message["content"]
 
 
-def test_chat_text_and_audio_streamed(graph, audio_reply: dict[str, Any]) -> None:
+def test_chat_text_and_audio_streamed(graph, audio_reply: dict[str, Any], lag: int) -> None:
     with httpx.stream(
         "POST", f"{graph.base_url}/v1/chat/completions", json={**AUDIO_BODY, "stream": True}, timeout=300
     ) as response:
@@ -199,8 +199,8 @@ def test_chat_text_and_audio_streamed(graph, audio_reply: dict[str, Any]) -> Non
     # A 4-frame first chunk, then chunks whose left context was decoded and cut by the replica: joined,
     # they are one seamless decode (a context frame left in, or a tail from batch padding, would not be).
     sizes = [w.size for w, _ in waves]
-    assert sizes[0] == 4 * 1920 - LAG and all(size % 1920 == 0 for size in sizes[1:])
-    assert all(size == 25 * 1920 for size in sizes[1:-1]) and 4 < whole_frames(sum(sizes)) <= 40
+    assert sizes[0] == 4 * 1920 - lag and all(size % 1920 == 0 for size in sizes[1:])
+    assert all(size == 25 * 1920 for size in sizes[1:-1]) and 4 < whole_frames(sum(sizes), lag) <= 40
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
@@ -282,7 +282,7 @@ def test_stats_report_running_requests(graph) -> None:
 @pytest.mark.parametrize("where", ["thinker", "talker"])
 def test_disconnect_aborts_every_stage(graph, where: str) -> None:
     """A client that leaves mid-request: every stage that holds it aborts it (engine state)."""
-    wait_for(lambda: idle(graph), "idle stages before the test")
+    wait_until(lambda: idle(graph), 90, "idle stages before the test")
     before = {s: stats(graph, s) for s in STAGES}
     body: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "seed": 3, "stream": True}
     if where == "thinker":  # the thinker never stops on its own: 1000 tokens keep it busy
@@ -299,10 +299,10 @@ def test_disconnect_aborts_every_stage(graph, where: str) -> None:
                 return False
             return now["running"] == 1
 
-        wait_for(holds_it, f"the request to run in the {where}")
+        wait_until(holds_it, 90, f"the request to run in the {where}")
     finally:
         sock.close()
-    wait_for(lambda: idle(graph), "every stage to drop the request after the disconnect")
+    wait_until(lambda: idle(graph), 90, "every stage to drop the request after the disconnect")
     after = {s: stats(graph, s) for s in STAGES}
     # Cut short: left alone, the thinker always makes all 1000 tokens (it never samples a stop token)
     # and the greedy talker 3000 codec steps (120 code2wav chunks).
@@ -383,7 +383,7 @@ def test_thinker_greedy_tokens_match_transformers(graph, hf_engines, content: st
     assert "".join(o.text for o in vllm) == "".join(o.text for o in hf)
 
 
-def test_code2wav_matches_transformers(graph, hf_engines) -> None:
+def test_code2wav_matches_transformers(graph, hf_engines, lag: int) -> None:
     """Same codec frames, both vocoders: the waveforms agree to float32 rounding (max |diff| < 1e-4)."""
     import torch
 
@@ -395,11 +395,12 @@ def test_code2wav_matches_transformers(graph, hf_engines) -> None:
     chunk = q.chunk_codec_codes(codes.T.numpy(), first_chunk_frames=10**6)[0]
     (hf,) = run_hf(hf_engines["code2wav"], StageRequest("c", greedy(), handoff=chunk), chunk)
     assert vllm.sample_rate == hf.sample_rate == 24000
-    assert vllm.audio.shape == hf.audio.shape == (30 * 1920 - 555,)
+    assert lag == hf_lag(hf_engines["code2wav"].code2wav)  # the engine's measurement, HF's vocoder
+    assert vllm.audio.shape == hf.audio.shape == (30 * 1920 - lag,)
     assert np.abs(vllm.audio - hf.audio).max() < 1e-4 and np.abs(hf.audio).max() > 1e-3
 
 
-def test_code2wav_output_does_not_depend_on_its_batch(graph) -> None:
+def test_code2wav_output_does_not_depend_on_its_batch(graph, lag: int) -> None:
     """vLLM-Omni pads a batch of code2wav requests to the longest: a short chunk decoded beside a long
     one must still give exactly its samples alone (no tail computed from the padding)."""
     import torch
@@ -416,7 +417,7 @@ def test_code2wav_output_does_not_depend_on_its_batch(graph) -> None:
     for _ in range(3):  # the two arrive together at least once in a few tries; every result must match
         pair = [handle.generate.remote(StageRequest(f"b{n}", greedy(), handoff=p)) for n, p in enumerate((long, short))]
         (_, beside) = [list(g)[-1] for g in pair]
-        assert beside.audio.shape == alone.audio.shape == (12 * 1920 - 555,)
+        assert beside.audio.shape == alone.audio.shape == (12 * 1920 - lag,)
         assert np.abs(beside.audio - alone.audio).max() < 1e-5  # float rounding of a batched matmul only
 
 
@@ -457,11 +458,11 @@ def test_engine_core_death_answers_503_engine_dead_and_serve_replaces_the_replic
     pid = ray.get(ray.get_actor(replica, namespace="serve").__ray_call__.remote(lambda _self: os.getpid()))
     cores = [p for p in psutil.Process(pid).children(recursive=True) if "EngineCore" in " ".join(p.cmdline())]
     assert cores, "the thinker replica has no EngineCore child process"
-    wait_for(lambda: idle(graph), "idle stages before the test")
+    wait_until(lambda: idle(graph), 90, "idle stages before the test")
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1000, "seed": 3}  # the thinker never stops early
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         reply = pool.submit(httpx.post, f"{graph.base_url}/v1/chat/completions", json=body, timeout=300)
-        wait_for(lambda: stats(graph, "thinker")["running"] == 1, "the request to run in the thinker")
+        wait_until(lambda: stats(graph, "thinker")["running"] == 1, 90, "the request to run in the thinker")
         for core in cores:
             core.send_signal(signal.SIGKILL)
         response = reply.result()

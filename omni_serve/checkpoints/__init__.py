@@ -1,1 +1,73 @@
-"""checkpoints"""
+"""Tiny random-weight checkpoints, built locally on first use and cached: one registry, one CLI.
+
+Each is a real architecture at toy sizes, built deterministically (fixed seed) by its module and
+cached by :mod:`omni_serve.checkpoints.cache` (``$OMNI_SERVE_CACHE``, else ``~/.cache/omni_serve``).
+A graph's ``engine_args.model`` may name one; engines turn the name into the cached path with
+:func:`resolve` and leave any other model (hub id, local path) unchanged. ``tiny`` is each engine
+family's own tiny checkpoint (the ``tiny`` argument of :func:`resolve`).
+
+    python -m omni_serve.checkpoints NAME [--cache-dir DIR]   # builds it if needed, prints its path
+
+Builders import torch, transformers or diffusers: they are imported only when one is built.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pathlib
+from dataclasses import dataclass
+
+__all__ = ["CHECKPOINTS", "TinyCheckpoint", "ensure", "resolve"]
+
+
+@dataclass(frozen=True)
+class TinyCheckpoint:
+    """One registered checkpoint: its name and the function that returns its cached path, building it first."""
+
+    name: str
+    module: str  # the module that builds it
+    ensure: str  # its ``(cache_dir=None) -> pathlib.Path`` function
+    about: str
+
+    def path(self, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+        return getattr(importlib.import_module(self.module), self.ensure)(cache_dir)
+
+
+CHECKPOINTS: dict[str, TinyCheckpoint] = {
+    c.name: c
+    for c in (
+        TinyCheckpoint(
+            "tiny-qwen3-omni",
+            "omni_serve.checkpoints.tiny_omni",
+            "ensure_tiny_omni",
+            "Qwen3-Omni (thinker, talker, code2wav) for the transformers and vllm_omni engines",
+        ),
+        TinyCheckpoint(
+            "tiny-qwen-image",
+            "omni_serve.checkpoints.tiny_image",
+            "ensure_tiny_qwen_image",
+            "Qwen-Image (diffusers layout) for the diffusers and vllm_omni_diffusion engines",
+        ),
+        TinyCheckpoint(
+            "tiny-qwen3", "omni_serve.checkpoints.tiny_llm", "ensure_tiny_qwen3", "Qwen3 text LLM for the vllm engine"
+        ),
+    )
+}
+TINY = "tiny"  # the alias an engine family maps to its own tiny checkpoint
+DEFAULT_TINY = "tiny-qwen3-omni"  # what ``tiny`` names where no family says otherwise (the CLI)
+
+
+def ensure(name: str, cache_dir: str | os.PathLike | None = None, tiny: str = DEFAULT_TINY) -> pathlib.Path:
+    """The cached path of registered checkpoint ``name`` (or ``tiny``), built on first use; KeyError if unknown."""
+    name = tiny if name == TINY else name
+    if name not in CHECKPOINTS:
+        raise KeyError(f"no tiny checkpoint named {name!r} (known: {', '.join([TINY, *CHECKPOINTS])})")
+    return CHECKPOINTS[name].path(cache_dir)
+
+
+def resolve(name_or_path: str, tiny: str = DEFAULT_TINY, cache_dir: str | os.PathLike | None = None) -> str:
+    """A registered name (or ``tiny``, meaning checkpoint ``tiny``) -> its cached path; anything else unchanged."""
+    if name_or_path == TINY or name_or_path in CHECKPOINTS:
+        return str(ensure(name_or_path, cache_dir, tiny))
+    return name_or_path

@@ -14,11 +14,11 @@ The tokenizer is the byte-level one of :mod:`omni_serve.checkpoints.tiny_omni` (
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
 
+from omni_serve.checkpoints import resolve
 from omni_serve.checkpoints.cache import ensure_checkpoint
 
 TINY_NAME = "tiny-qwen-image"
@@ -134,17 +134,5 @@ def ensure_tiny_qwen_image(cache_dir: str | os.PathLike | None = None) -> pathli
 
 
 def resolve_model(model: str) -> str:
-    """``"tiny"`` -> the cached tiny checkpoint's path; any other name (hub id, path) unchanged."""
-    return str(ensure_tiny_qwen_image()) if model == "tiny" else model
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Build (or find) the tiny random-weight Qwen-Image checkpoint.")
-    parser.add_argument(
-        "--cache-dir", default=None, help="Cache root (default $OMNI_SERVE_CACHE or ~/.cache/omni_serve)."
-    )
-    print(ensure_tiny_qwen_image(parser.parse_args(argv).cache_dir))
-
-
-if __name__ == "__main__":
-    main()
+    """``"tiny"`` -> this checkpoint's cached path (other registered names theirs); anything else unchanged."""
+    return resolve(model, tiny=TINY_NAME)

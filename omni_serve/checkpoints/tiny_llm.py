@@ -10,12 +10,11 @@ printable ASCII bytes, so greedy decoding yields readable text that never contai
 special token. The model never ends on its own: every generation stops at
 ``max_tokens`` or at a stop string.
 
-    python -m omni_serve.checkpoints.tiny_llm        # prints the checkpoint path, building it if needed
+    python -m omni_serve.checkpoints tiny-qwen3      # prints the checkpoint path, building it if needed
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -85,15 +84,3 @@ def build_tiny_llm(path: str | os.PathLike) -> pathlib.Path:
 def ensure_tiny_qwen3(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """Path of the cached tiny checkpoint, building it on first use. (see :mod:`omni_serve.checkpoints.cache`)."""
     return ensure_checkpoint(TINY_LLM_NAME, build_tiny_llm, _MARKER, BUILD_VERSION, cache_dir)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Build (or find) the tiny random-weight Qwen3 text checkpoint.")
-    parser.add_argument(
-        "--cache-dir", default=None, help="Cache root (default $OMNI_SERVE_CACHE or ~/.cache/omni_serve)."
-    )
-    print(ensure_tiny_qwen3(parser.parse_args(argv).cache_dir))
-
-
-if __name__ == "__main__":
-    main()

@@ -16,13 +16,12 @@ for the tiny encoders. The small byte tokenizer of the other tiny models lives h
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
 import os
 import pathlib
 from typing import TYPE_CHECKING, Any
 
+from omni_serve.checkpoints import resolve
 from omni_serve.checkpoints.cache import ensure_checkpoint
 
 if TYPE_CHECKING:
@@ -468,7 +467,7 @@ def build_tiny_omni(path: str | os.PathLike) -> pathlib.Path:
     return out
 
 
-def _silence_unprintable_outputs(model) -> None:
+def _silence_unprintable_outputs(model: Any) -> None:
     """Zero the thinker's output rows of special tokens and non-printable bytes.
 
     With random weights the thinker would otherwise now and then sample a media placeholder
@@ -484,7 +483,7 @@ def _silence_unprintable_outputs(model) -> None:
         model.thinker.lm_head.weight[rows] = 0.0
 
 
-def _init_talker_experts(model) -> None:
+def _init_talker_experts(model: Any) -> None:
     import torch
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeTalkerTextExperts
 
@@ -504,19 +503,5 @@ def ensure_tiny_omni(cache_dir: str | os.PathLike | None = None) -> pathlib.Path
 
 
 def resolve_model(model: str) -> str:
-    """``"tiny"`` -> the cached tiny checkpoint's path; any other model name unchanged."""
-    return str(ensure_tiny_omni()) if model == "tiny" else model
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Build (or find) the tiny random-weight Qwen3-Omni checkpoint.")
-    parser.add_argument(
-        "--cache-dir", default=None, help="Cache root (default: $OMNI_SERVE_CACHE, else ~/.cache/omni_serve)."
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # says when it builds
-    print(ensure_tiny_omni(args.cache_dir))
-
-
-if __name__ == "__main__":
-    main()
+    """``"tiny"`` -> this checkpoint's cached path (other registered names theirs); anything else unchanged."""
+    return resolve(model, tiny=TINY_NAME)

@@ -29,7 +29,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from omni_serve import payload as handoffs
 from omni_serve.engines.base import StageEngine
 from omni_serve.engines.pacing import StepPacer, min_step_field
 from omni_serve.models import qwen3_omni
@@ -73,12 +72,6 @@ class TransformersEngineArgs(BaseModel):
         25, ge=0, description="Frames before each chunk it carries for code2wav's context (>= 1 keeps joins seamless)."
     )
     min_step_s: float = min_step_field()  # omni_serve.engines.pacing
-    handoff_padding_bytes: int = Field(
-        0,
-        ge=0,
-        description="Test-only: adds this many bytes to every handoff this stage yields (no engine reads them), "
-        "so tests and soaks move production-sized payloads (Qwen3-Omni's thinker: ~8 KiB a token) on CPU.",
-    )
     mm_processor_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Thinker: keyword arguments for every call of the checkpoint's processor on media (as vLLM's "
@@ -211,9 +204,6 @@ class _HFEngine(StageEngine):
 
     def _setup(self, model: Any) -> None:
         raise NotImplementedError
-
-    def _padded(self, payload: HandoffPayload | None) -> HandoffPayload | None:
-        return None if payload is None else handoffs.padded(payload, self.args.handoff_padding_bytes)
 
     async def _abort(self, handles: list[threading.Event]) -> None:
         for cancelled in handles:
@@ -593,11 +583,7 @@ class ThinkerEngine(_HFEngine):
             reason = FinishReason.STOP
         else:
             reason = FinishReason.LENGTH
-        payload = (
-            self._padded(self._handoff(out, prompt_len, text.tokens_before_stop(), rope))
-            if request.wants_handoff
-            else None
-        )
+        payload = self._handoff(out, prompt_len, text.tokens_before_stop(), rope) if request.wants_handoff else None
         usage = Usage(prompt_tokens=prompt_len, completion_tokens=len(generated))
         emit(("final", text.finish(), reason, usage, payload))
 
@@ -633,7 +619,7 @@ class ThinkerEngine(_HFEngine):
             tts_embeds=self.tts_embeds,
             accept_hidden_layer=self.accept_layer,
         )
-        emit(("final", request.reply, FinishReason.STOP, usage, self._padded(payload)))
+        emit(("final", request.reply, FinishReason.STOP, usage, payload))
 
     def _handoff(self, out: Any, prompt_len: int, kept: int, rope: dict[str, Any]) -> HandoffPayload:
         # The talker speaks only what the client sees: tokens from a stop string on are dropped.
@@ -678,12 +664,12 @@ class TalkerEngine(_HFEngine):
             async for batch in batches:
                 for item in batch:  # one output per chunk: each becomes its own code2wav call
                     if item[0] == "chunk":
-                        yield StageOutput(stage=self.stage_name, handoff=self._padded(item[1]))
+                        yield StageOutput(stage=self.stage_name, handoff=item[1])
                     else:
                         _, last_chunk, reason, usage = item
                         yield StageOutput(
                             stage=self.stage_name,
-                            handoff=self._padded(last_chunk),
+                            handoff=last_chunk,
                             finished=True,
                             finish_reason=reason,
                             usage=usage,

@@ -31,6 +31,10 @@ class Code2WavEngine(VllmOmniEngine):
         if self.args.pipeline == "qwen3_omni_moe":
             self._vocoder_lag = await self._measure_vocoder_lag()
 
+    def stats(self) -> dict[str, Any]:
+        """The engine's stats, and the vocoder lag it measured (samples a decode holds back)."""
+        return {**super().stats(), "vocoder_lag": self._vocoder_lag}
+
     async def _measure_vocoder_lag(self) -> int:
         """Decode one frame alone: the samples it lacks of a whole frame are the vocoder's lag.
 

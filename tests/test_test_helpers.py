@@ -1,0 +1,67 @@
+"""The shared test helpers of tests/conftest.py: graph variants and polling (fast; no cluster)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from omni_serve.cli.launch import load_graph_file
+from tests.conftest import graph_variant, wait_until
+
+
+def variant(**changes) -> dict:
+    config = load_graph_file("tiny_omni.yaml")
+    graph_variant(**changes)(config)
+    return config["applications"][0]
+
+
+def test_fixed_replicas_drop_autoscaling_and_set_counts_by_name() -> None:
+    app = variant(fixed_replicas={"*": 1, "talker": 2})
+    assert "autoscaling_policy" not in app
+    assert {d["name"]: d["num_replicas"] for d in app["deployments"]} == {
+        "ingress": 1,
+        "thinker": 1,
+        "talker": 2,
+        "code2wav": 1,
+    }
+    assert not any("autoscaling_config" in d for d in app["deployments"])
+
+
+def test_deployment_options_stage_settings_and_engine_args_deep_merge() -> None:
+    app = variant(
+        deployments={"ingress": {"ray_actor_options": {"runtime_env": {"env_vars": {"K": "v"}}}}},
+        engine_args={"*": {"dtype": "float32"}, "talker": {"min_step_s": 2.0}},
+        stages={"*": {"handoff_padding_bytes": 8}},
+        args={"stage_timeout_s": 4},
+        policy_kwargs={"max_engine_waiting": {"thinker": 0}},
+    )
+    ingress = next(d for d in app["deployments"] if d["name"] == "ingress")
+    assert ingress["ray_actor_options"] == {"num_cpus": 0.1, "runtime_env": {"env_vars": {"K": "v"}}}
+    assert all(s["handoff_padding_bytes"] == 8 for s in app["args"]["stages"])
+    stages = {s["name"]: s["engine_args"] for s in app["args"]["stages"]}
+    assert all(a["dtype"] == "float32" and a["model"] == "tiny" for a in stages.values())
+    assert stages["talker"]["min_step_s"] == 2.0 and "min_step_s" not in stages["thinker"]
+    assert stages["talker"]["codec_chunk_frames"] == 25  # untouched keys stay
+    assert app["args"]["stage_timeout_s"] == 4
+    kwargs = app["autoscaling_policy"]["policy_kwargs"]
+    assert kwargs == {"min_ratios": {"code2wav": {"talker": 0.5}}, "max_engine_waiting": {"thinker": 0}}
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"deployments": {"taker": {}}}, {"engine_args": {"coder": {}}}, {"fixed_replicas": {"talker": 2}}],
+    ids=["deployment", "stage", "no count"],
+)
+def test_a_name_the_graph_lacks_is_an_error(changes) -> None:
+    with pytest.raises(KeyError):
+        variant(**changes)
+
+
+def test_wait_until_returns_the_value_or_fails_naming_what() -> None:
+    calls = iter([0, None, {"ready": True}])
+    assert wait_until(lambda: next(calls), 5, "a value", interval_s=0) == {"ready": True}
+    started = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match=r"waiting for nothing \(seen 3\)"):
+        wait_until(lambda: False, 0.2, lambda: "nothing (seen 3)", interval_s=0.05)
+    assert time.monotonic() - started < 2

@@ -89,6 +89,16 @@ def test_each_consumer_claims_its_own_reference_when_started_and_drops_it_when_d
     assert all(c.value is None for c in claims)
 
 
+def test_a_sent_request_keeps_no_payload_after_its_call() -> None:
+    """Serve may hold the request it sent after the call ended (it did in tests/test_handoff_store.py):
+    the transport empties it, so that holding it pins no payload."""
+    transport = Recording()
+    outputs = asyncio.run(consume(transport.call("consumer", request(), Handoff("payload"))))
+    assert [o.text for o in outputs] == ["payload"]  # the call had it
+    (sent,) = transport.requests
+    assert sent.handoff is None and sent.messages is None
+
+
 def test_a_retried_call_keeps_its_claim_until_the_retry_ended() -> None:
     transport = Recording(die_first=True)
     source = Tracked("payload-x")
@@ -120,8 +130,8 @@ def test_a_cancelled_consumer_drops_its_claim() -> None:
         return transport.requests[0]
 
     wire = asyncio.run(run())
-    assert wire.handoff == "payload"  # what the call was sent
     assert [c.value for c in source.claims] == [None]  # the call's claim was dropped when it was cancelled
+    assert wire.handoff is None  # and so was the sent request's reference (Serve may keep the request)
 
 
 def test_a_released_handoff_cannot_be_passed_on() -> None:

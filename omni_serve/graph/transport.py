@@ -169,6 +169,7 @@ class StageTransport(abc.ABC):
         self, stage: str, request: StageRequest, claim: Handoff | None
     ) -> AsyncGenerator[StageOutput, None]:
         output: StageOutput | None = None
+        messages: list[ChatMessage] | None = None
         try:
             messages = self._media_by_reference(request.messages)
             for attempt in (1, 2):
@@ -202,12 +203,16 @@ class StageTransport(abc.ABC):
                         continue
                     raise
                 finally:
+                    # Serve may keep the request it sent for a while after the call: it must keep no payload.
+                    if wire is not None:
+                        wire.handoff = wire.messages = None
                     wire = None
         finally:
             if output is not None and isinstance(output.handoff, Handoff):
                 output.handoff.release()
             if claim is not None:
                 claim.release()
+            messages = None  # media by reference: held for the call and its retry only
 
     def _media_by_reference(self, messages: list[ChatMessage] | None) -> list[ChatMessage] | None:
         """The messages as they travel to the entry stage (media bytes by reference where that applies)."""

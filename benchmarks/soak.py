@@ -29,6 +29,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -37,7 +38,9 @@ import numpy as np
 import psutil
 import soundfile as sf
 
-from omni_serve.graph.object_store import StoreWatch, object_store_bytes, settled, wait_at_most
+# The object-store readings are test code (tests/object_store.py): import them from this checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.object_store import StoreWatch, object_store_bytes, settled, wait_at_most  # noqa: E402
 
 KINDS = ("text", "text-stream", "audio", "audio-stream")
 MESSAGES = ["Say hello.", "What is two plus two?", "Tell me about the sea.", "Name a colour."]

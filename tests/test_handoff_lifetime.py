@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from omni_serve.graph.object_store import new_object_bytes, objects_of_at_least, wait_at_most
 from omni_serve.graph.transport import RemoteStages, receive, stream_items
 from omni_serve.payload import HandoffPayload, payload_loads
 from omni_serve.types import SamplingParams, StageOutput, StageRequest
+from tests.object_store import new_object_bytes, objects_of_at_least, wait_at_most
 
 HTTP_PORT = int(os.environ.get("OMNI_SERVE_TEST_PORT", "18765"))
 CALLS = 32  # concurrent producer calls per round

@@ -21,7 +21,8 @@ from typing import Any, NamedTuple
 import httpx
 import pytest
 
-from omni_serve.graph.object_store import (
+from tests.conftest import graph_variant, wait_until
+from tests.object_store import (
     StoreWatch,
     new_object_bytes,
     object_store_bytes,
@@ -29,7 +30,6 @@ from omni_serve.graph.object_store import (
     settled,
     wait_at_most,
 )
-from tests.conftest import graph_variant, wait_until
 from tests.test_faults import BODY as FAULTS_BODY
 from tests.test_faults import CLIENT_TIMEOUT_S, samples
 

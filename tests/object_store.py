@@ -1,4 +1,4 @@
-"""What Ray's object stores hold, read as ``ray memory`` reads it (tests, benchmarks, operators).
+"""What Ray's object stores hold, read as ``ray memory`` reads it (tests and benchmarks).
 
 Handoffs live in the object store; these readings are how their lifetime is checked: the peak
 while requests run, and that none is left afterwards.

@@ -15,7 +15,7 @@ hooks it needs (``_abort``, ``probe_health``, ``dead_reason``, ``invalid_input``
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Any
 
 from omni_serve.engines import ladder
@@ -109,3 +109,11 @@ class StageEngine(abc.ABC):
     def stats(self) -> dict[str, Any]:
         """Engine-level numbers for metrics and autoscaling (e.g. waiting/running requests)."""
         return {}
+
+
+RoleEngines = Mapping[str, Callable[[str, dict[str, Any]], StageEngine]]
+
+
+def engine_for_role(roles: RoleEngines, model_stage: str, stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
+    """The engine class of a family that splits Qwen3-Omni's stages by role (``model_stage``), built."""
+    return roles[model_stage](stage_name, engine_args)

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from omni_serve.engines.base import StageEngine
+from omni_serve.engines.base import StageEngine, engine_for_role
 from omni_serve.engines.pacing import StepPacer, min_step_field
 from omni_serve.models import qwen3_omni
 from omni_serve.payload import HandoffPayload
@@ -101,12 +101,8 @@ def honoured_sampling(engine_args: dict[str, Any]) -> frozenset[str]:
 def create(stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
     """The engine for ``engine_args['model_stage']``; raises ``pydantic.ValidationError`` on bad args."""
     args = TransformersEngineArgs.model_validate(engine_args)
-    roles: dict[str, Callable[[str, dict[str, Any]], StageEngine]] = {
-        "thinker": ThinkerEngine,
-        "talker": TalkerEngine,
-        "code2wav": Code2WavEngine,
-    }
-    return roles[args.model_stage](stage_name, engine_args)
+    roles = {"thinker": ThinkerEngine, "talker": TalkerEngine, "code2wav": Code2WavEngine}
+    return engine_for_role(roles, args.model_stage, stage_name, engine_args)
 
 
 # --- plumbing ------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from omni_serve.engines.base import StageEngine
+from omni_serve.engines.base import StageEngine, engine_for_role
 from omni_serve.engines.vllm_omni.args import CodecChunkArgs, EngineArgs, stage_config
 from omni_serve.types import Modality
 
@@ -35,12 +35,8 @@ def create(stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
     from omni_serve.engines.vllm_omni.thinker import ThinkerEngine
 
     args = EngineArgs.model_validate(engine_args)
-    roles: dict[str, Callable[[str, dict[str, Any]], StageEngine]] = {
-        "thinker": ThinkerEngine,
-        "talker": TalkerEngine,
-        "code2wav": Code2WavEngine,
-    }
-    return roles[args.model_stage](stage_name, engine_args)
+    roles = {"thinker": ThinkerEngine, "talker": TalkerEngine, "code2wav": Code2WavEngine}
+    return engine_for_role(roles, args.model_stage, stage_name, engine_args)
 
 
 def input_modalities(args: EngineArgs) -> set[Modality]:

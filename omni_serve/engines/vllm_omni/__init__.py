@@ -18,7 +18,6 @@ graph is validated with :class:`EngineArgs`); vLLM and vLLM-Omni are imported wh
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from omni_serve.engines.base import StageEngine, engine_for_role

@@ -111,7 +111,7 @@ def resolve_source(source: str, pipeline: str | None) -> tuple[str, Path]:
     else:
         by_model = {p.default_model.lower(): name for name, p in PIPELINES.items()}
         pipeline = pipeline or by_model.get(source.lower(), source)
-        path = None  # type: ignore[assignment]
+        path = None  # type: ignore[assignment]  # a model id or pipeline name: no deploy YAML file
     if pipeline not in PIPELINES:
         raise SystemExit(
             f"no omni_serve handoffs for pipeline {pipeline!r}; supported: {sorted(PIPELINES)} "

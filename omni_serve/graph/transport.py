@@ -173,7 +173,7 @@ class StageTransport(abc.ABC):
         try:
             messages = self._media_by_reference(request.messages)
             for attempt in (1, 2):
-                wire: StageRequest | None = dataclasses.replace(
+                wire = dataclasses.replace(
                     request,
                     request_id=request.request_id if attempt == 1 else f"{request.request_id}~retry",
                     handoff=claim.value if claim is not None else None,
@@ -183,7 +183,7 @@ class StageTransport(abc.ABC):
                 produced = False
                 try:
                     # aclosing: a caller that leaves closes this try at once, which cancels the call.
-                    async with contextlib.aclosing(self._attempt(stage, wire)) as outputs:  # type: ignore[arg-type]
+                    async with contextlib.aclosing(self._attempt(stage, wire)) as outputs:
                         async for output in outputs:
                             produced = True
                             if output.handoff is not None:
@@ -204,9 +204,7 @@ class StageTransport(abc.ABC):
                     raise
                 finally:
                     # Serve may keep the request it sent for a while after the call: it must keep no payload.
-                    if wire is not None:
-                        wire.handoff = wire.messages = None
-                    wire = None
+                    wire.handoff = wire.messages = None
         finally:
             if output is not None and isinstance(output.handoff, Handoff):
                 output.handoff.release()

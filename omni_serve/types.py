@@ -180,6 +180,9 @@ class StageRequest:
     handoff: Any = None  # ray.ObjectRef[HandoffPayload] | HandoffPayload (local tests)
     chunk_index: int = 0  # position of ``handoff`` in the upstream stage's stream
     wants_handoff: bool = True  # False when no downstream stage runs: engines may skip building one
+    # True when the downstream call reads a stream of chunks (its ``stream_input``): an engine that can
+    # yields its handoff in chunks as it decodes; one that cannot yields it whole (a stream of one chunk).
+    stream_handoff: bool = False
     voice: str | None = None
     image: ImageParams | None = None
     # Text-to-speech: the assistant reply to speak. The thinker teacher-forces it (one forward

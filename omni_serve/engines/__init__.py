@@ -7,6 +7,8 @@ happen in ``start()``.
 A family that honours some of vLLM's extra sampling parameters
 (:data:`omni_serve.types.SAMPLING_EXTENSIONS`) says which in
 ``honoured_sampling(engine_args) -> frozenset[str]``; without it, it honours none.
+A family whose engine can read its upstream's handoff as a stream of chunks (a stage's
+``stream_input``) says for which args in ``reads_streamed_input(engine_args) -> bool``.
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ def honoured_sampling(family: str, engine_args: dict[str, Any]) -> frozenset[str
     """The vLLM extra sampling parameters a stage of this family honours (the others must stay at their default)."""
     declared = getattr(_module(family), "honoured_sampling", None)
     return frozenset() if declared is None else declared(engine_args)
+
+
+def reads_streamed_input(family: str, engine_args: dict[str, Any]) -> bool:
+    """Whether a stage of this family, with these args, can read its upstream's handoff as a stream of chunks."""
+    declared = getattr(_module(family), "reads_streamed_input", None)
+    return bool(declared is not None and declared(engine_args))
 
 
 def unhonoured_sampling(params: SamplingParams, honoured: frozenset[str]) -> list[str]:

@@ -47,3 +47,7 @@ class StepPacer:
             if left > 0:
                 self.cancelled.wait(left)
         self._step_started = time.monotonic()
+
+    def restart(self) -> None:
+        """The next step starts now (after a wait for its input that is no part of any step)."""
+        self._step_started = time.monotonic()

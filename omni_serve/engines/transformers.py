@@ -16,17 +16,18 @@ is cheap.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import Future
-from contextlib import aclosing
 from dataclasses import dataclass
-from queue import SimpleQueue
+from queue import Empty, SimpleQueue
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from omni_serve.engines.base import StageEngine, engine_for_role
@@ -85,6 +86,11 @@ EngineArgs = TransformersEngineArgs  # the name omni_serve.engines looks up in e
 def input_modalities(args: TransformersEngineArgs) -> set[Modality]:
     """The thinker takes images, audio and video through Qwen3-Omni's encoders; the other stages take no chat."""
     return {Modality.TEXT, Modality.IMAGE, Modality.AUDIO, Modality.VIDEO} if args.model_stage == "thinker" else set()
+
+
+def reads_streamed_input(engine_args: dict[str, Any]) -> bool:
+    """The talker reads its thinker's handoff as a stream (``stream_input``); code2wav decodes one chunk a call."""
+    return engine_args.get("model_stage") == "talker"
 
 
 def honoured_sampling(engine_args: dict[str, Any]) -> frozenset[str]:
@@ -328,8 +334,14 @@ def end_ids(eos_ids: list[int], stop_token_ids: set[int], ignore_eos: bool) -> l
     return sorted(stop_token_ids if ignore_eos else set(eos_ids) | stop_token_ids)
 
 
-def _stopping(cancelled: threading.Event, min_step_s: float, extra: Callable[[], bool] | None = None) -> Any:
-    """HF stopping criteria, run after every decoding step: paced (``min_step_s``), then stop on abort or ``extra``."""
+def _stopping(
+    cancelled: threading.Event,
+    min_step_s: float,
+    extra: Callable[[], bool] | None = None,
+    before_next: Callable[[], None] | None = None,
+) -> Any:
+    """HF stopping criteria, run after every decoding step: paced (``min_step_s``), then stop on abort or
+    ``extra``; ``before_next`` waits for what the next step needs (the next step's time counts from then)."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     pacer = StepPacer(min_step_s, cancelled)
@@ -339,6 +351,9 @@ def _stopping(cancelled: threading.Event, min_step_s: float, extra: Callable[[],
             import torch
 
             pacer.step_done()
+            if before_next is not None:
+                before_next()
+                pacer.restart()
             stop = cancelled.is_set() or (extra is not None and extra())
             return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
@@ -467,16 +482,22 @@ class ThinkerEngine(_HFEngine):
         def job(emit: Emit, cancelled: threading.Event) -> None:
             self._generate(request, emit, cancelled)
 
-        async with aclosing(self._run(request.request_id, job)) as batches:
+        async with contextlib.aclosing(self._run(request.request_id, job)) as batches:
             async for batch in batches:
                 text = "".join(item[1] for item in batch if item[0] == "delta")
                 token_ids = [t for item in batch if item[0] == "delta" for t in item[2]]
                 prompt = next((item[1] for item in batch if item[0] == "prompt"), None)
                 final = next((item for item in batch if item[0] == "final"), None)
+                # Streamed handoff: the rows this batch's steps ran, one chunk per output.
+                chunks = [item[1] for item in batch if item[0] == "rows"]
+                chunk = qwen3_omni.merge_thinker_chunks(chunks) if chunks else None
                 if final is None:
-                    yield StageOutput(stage=self.stage_name, text=text, token_ids=token_ids, prompt_text=prompt)
+                    yield StageOutput(
+                        stage=self.stage_name, text=text, token_ids=token_ids, prompt_text=prompt, handoff=chunk
+                    )
                 else:
                     _, tail, reason, usage, payload = final
+                    payload = payload if payload is not None else chunk
                     yield StageOutput(
                         stage=self.stage_name,
                         text=text + tail,
@@ -553,23 +574,32 @@ class ThinkerEngine(_HFEngine):
             def end(self) -> None:
                 pass
 
-        with _RNG_LOCK, torch.inference_mode():
-            torch.manual_seed(_seed(s))
-            out = self.thinker.generate(
-                input_ids=input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                **media_inputs,
-                generation_config=_generation_config(
-                    s,
-                    max_new_tokens=min(s.max_tokens, self.context_len - prompt_len),
-                    eos_token_id=eos,
-                    pad_token_id=self.tokenizer.pad_token_id,
-                    output_hidden_states=request.wants_handoff,  # text-only requests skip the hidden states
-                    return_dict_in_generate=True,
-                ),
-                streamer=_Streamer(),
-                stopping_criteria=_stopping(cancelled, self.args.min_step_s, lambda: text.stop_at is not None),
-            )
+        # Streamed handoff: each forward's rows go out as they are computed (the prompt's with the
+        # prefill, then one reply position per step). Stop strings can take back tokens already run,
+        # so a request with stop strings hands its rows over whole at the end.
+        streamed = request.wants_handoff and request.stream_handoff and not s.stop
+        hook = self.thinker.register_forward_hook(self._rows_sender(input_ids, rope, emit)) if streamed else None
+        try:
+            with _RNG_LOCK, torch.inference_mode():
+                torch.manual_seed(_seed(s))
+                out = self.thinker.generate(
+                    input_ids=input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    **media_inputs,
+                    generation_config=_generation_config(
+                        s,
+                        max_new_tokens=min(s.max_tokens, self.context_len - prompt_len),
+                        eos_token_id=eos,
+                        pad_token_id=self.tokenizer.pad_token_id,
+                        output_hidden_states=request.wants_handoff,  # text-only requests skip the hidden states
+                        return_dict_in_generate=True,
+                    ),
+                    streamer=_Streamer(),
+                    stopping_criteria=_stopping(cancelled, self.args.min_step_s, lambda: text.stop_at is not None),
+                )
+        finally:
+            if hook is not None:
+                hook.remove()
 
         if text.stop_at is not None:
             reason = FinishReason.STOP
@@ -579,9 +609,37 @@ class ThinkerEngine(_HFEngine):
             reason = FinishReason.STOP
         else:
             reason = FinishReason.LENGTH
-        payload = self._handoff(out, prompt_len, text.tokens_before_stop(), rope) if request.wants_handoff else None
+        whole = request.wants_handoff and not streamed
+        payload = self._handoff(out, prompt_len, text.tokens_before_stop(), rope) if whole else None
         usage = Usage(prompt_tokens=prompt_len, completion_tokens=len(generated))
         emit(("final", text.finish(), reason, usage, payload))
+
+    def _rows_sender(self, input_ids: Any, rope: dict[str, Any], emit: Emit) -> Callable[..., None]:
+        """A forward hook on the thinker that emits each forward's rows: the prompt's payload, then rows chunks."""
+        prompt_len = int(input_ids.shape[1])
+        first = True
+
+        def send(module: Any, args: Any, output: Any) -> None:
+            nonlocal first
+            states = output.hidden_states
+            embeds, hidden = states[0][0], states[self.accept_layer][0]
+            if first:
+                first = False
+                chunk = qwen3_omni.build_thinker2talker(
+                    token_ids=input_ids[0].tolist(),
+                    prompt_len=prompt_len,
+                    embeds=embeds,
+                    hidden=hidden,
+                    tts_embeds=self.tts_embeds,
+                    accept_hidden_layer=self.accept_layer,
+                    rope=rope,
+                    streamed=True,
+                )
+            else:
+                chunk = qwen3_omni.thinker_rows_chunk(embeds, hidden)
+            emit(("rows", chunk))
+
+        return send
 
     def _speak(self, request: StageRequest, input_ids: Any, emit: Emit) -> None:
         """Teacher-force ``request.reply`` as the assistant turn: what generate() would have produced
@@ -645,34 +703,63 @@ class TalkerEngine(_HFEngine):
     def voices(self) -> list[str]:
         return qwen3_omni.speakers(self.config)
 
-    async def stream(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]:
-        if handoff is None or handoff.kind != qwen3_omni.THINKER2TALKER:
-            raise InvalidStageInput(f"stage {self.stage_name}: the talker needs a {qwen3_omni.THINKER2TALKER} handoff")
+    async def stream(
+        self, request: StageRequest, handoff: HandoffPayload | AsyncIterator[HandoffPayload] | None
+    ) -> AsyncIterator[StageOutput]:
         try:
             speaker = qwen3_omni.speaker_id(self.config, request.voice, self.args.default_voice)
         except KeyError as exc:
             raise InvalidStageInput(f"stage {self.stage_name}: {exc.args[0]}", "voice") from None
+        chunks = None if handoff is None or isinstance(handoff, HandoffPayload) else handoff
+        first = await anext(chunks, None) if chunks is not None else handoff
+        if first is None or first.kind != qwen3_omni.THINKER2TALKER:
+            raise InvalidStageInput(f"stage {self.stage_name}: the talker needs a {qwen3_omni.THINKER2TALKER} handoff")
+        thinker = qwen3_omni.ThinkerRows(first, self.config.im_start_token_id)
+        # A streamed handoff: the rest of the reply's rows come while the talker runs. It starts once
+        # the reply's first row is here, and each decoding step waits for the row it adds (the job's
+        # `Rows`), so it never runs ahead of the thinker.
+        rows = _Rows()
+        if chunks is not None and not thinker.whole:
+            while not thinker.can_start() and (chunk := await anext(chunks, None)) is not None:
+                thinker.add(chunk)
+            if not thinker.can_start():  # the reply ended before its first row: like a whole handoff
+                rows.end()
+        else:
+            rows.end()
+        feeding = asyncio.create_task(rows.feed(chunks)) if chunks is not None and not rows.ended else None
 
         def job(emit: Emit, cancelled: threading.Event) -> None:
-            self._generate(request, handoff, speaker, emit, cancelled)
+            self._generate(request, thinker, rows, speaker, emit, cancelled)
 
-        async with aclosing(self._run(request.request_id, job)) as batches:
-            async for batch in batches:
-                for item in batch:  # one output per chunk: each becomes its own code2wav call
-                    if item[0] == "chunk":
-                        yield StageOutput(stage=self.stage_name, handoff=item[1])
-                    else:
-                        _, last_chunk, reason, usage = item
-                        yield StageOutput(
-                            stage=self.stage_name,
-                            handoff=last_chunk,
-                            finished=True,
-                            finish_reason=reason,
-                            usage=usage,
-                        )
+        try:
+            async with contextlib.aclosing(self._run(request.request_id, job)) as batches:
+                async for batch in batches:
+                    for item in batch:  # one output per chunk: each becomes its own code2wav call
+                        if item[0] == "chunk":
+                            yield StageOutput(stage=self.stage_name, handoff=item[1])
+                        else:
+                            _, last_chunk, reason, usage = item
+                            yield StageOutput(
+                                stage=self.stage_name,
+                                handoff=last_chunk,
+                                finished=True,
+                                finish_reason=reason,
+                                usage=usage,
+                            )
+        finally:
+            if feeding is not None:
+                feeding.cancel()
+                with contextlib.suppress(BaseException):
+                    await feeding
 
     def _generate(
-        self, request: StageRequest, payload: HandoffPayload, speaker: int, emit: Emit, cancelled: threading.Event
+        self,
+        request: StageRequest,
+        thinker: qwen3_omni.ThinkerRows,
+        rows: _Rows,
+        speaker: int,
+        emit: Emit,
+        cancelled: threading.Event,
     ) -> None:
         import torch
 
@@ -680,10 +767,12 @@ class TalkerEngine(_HFEngine):
         a = self.args
         chunker = qwen3_omni.CodecChunker(a.codec_first_chunk_frames, a.codec_chunk_frames, a.codec_left_context_frames)
         with torch.inference_mode():
-            inputs = qwen3_omni.build_talker_inputs(payload, self.talker, self.config, speaker)
+            inputs = qwen3_omni.talker_inputs(thinker, self.talker, self.config, speaker)
         if inputs is None:  # the thinker said nothing: no speech
             emit(("final", None, FinishReason.STOP, Usage()))
             return
+        # One row per step the talker may take (HF's talker runs max_tokens + 1 steps).
+        trailing = qwen3_omni.TrailingText(inputs, s.max_tokens + 2)
 
         def on_step(module: Any, args: Any, kwargs: Any, output: Any) -> None:
             # Each decoding step's forward carries the residual codes of the token sampled one step
@@ -693,13 +782,21 @@ class TalkerEngine(_HFEngine):
                 for chunk in chunker.push(codes[0].cpu().numpy()):
                     emit(("chunk", chunk))
 
+        steps = 0
+
+        def next_row_ready() -> None:
+            # After step `steps` (the prefill is step 0), HF's next step adds trailing row `steps - 1`.
+            nonlocal steps
+            steps += 1
+            rows.wait(trailing, steps - 1, self.talker, cancelled)
+
         ends = end_ids([self.config.talker_config.codec_eos_token_id], set(s.stop_token_ids), s.ignore_eos)
         hook = self.talker.register_forward_hook(on_step, with_kwargs=True)
         try:
             with _RNG_LOCK, torch.inference_mode():
                 torch.manual_seed(_seed(s))
                 sequences = self.talker.generate(
-                    **inputs.as_kwargs(),
+                    **inputs.as_kwargs(trailing),
                     generation_config=_generation_config(
                         s,
                         # HF's talker never gives the last sampled token residual codes: one more step
@@ -711,7 +808,7 @@ class TalkerEngine(_HFEngine):
                         output_hidden_states=True,  # the residual codes travel in the hidden states
                         return_dict_in_generate=True,
                     ),
-                    stopping_criteria=_stopping(cancelled, self.args.min_step_s),
+                    stopping_criteria=_stopping(cancelled, self.args.min_step_s, before_next=next_row_ready),
                 ).sequences
         finally:
             hook.remove()
@@ -727,6 +824,54 @@ class TalkerEngine(_HFEngine):
             emit(("chunk", chunk))
         usage = Usage(prompt_tokens=int(inputs.inputs_embeds.shape[1]), completion_tokens=chunker.num_frames)
         emit(("final", rest[-1] if rest else None, reason, usage))
+
+
+class _Rows:
+    """A streamed thinker handoff's rows on their way from the event loop to the talker's job thread.
+
+    :meth:`feed` (a task on the loop) queues each chunk's rows as it arrives, then the end (or the
+    producer's failure); :meth:`wait` (in the job, between decoding steps) projects what has come into
+    the talker's :class:`TrailingText` until the row the next step adds is there. A failed producer
+    fails the talker's call: its audio would be missing the reply's end.
+    """
+
+    _END = object()
+
+    def __init__(self) -> None:
+        self._queue: SimpleQueue[Any] = SimpleQueue()
+        self.ended = False
+
+    def end(self) -> None:
+        self.ended = True
+        self._queue.put(self._END)
+
+    async def feed(self, chunks: AsyncIterator[HandoffPayload]) -> None:
+        try:
+            async for chunk in chunks:
+                self._queue.put(qwen3_omni.reply_rows(chunk))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as err:
+            self._queue.put(_Failure(err))
+            return
+        self.end()
+
+    def wait(self, trailing: qwen3_omni.TrailingText, step: int, talker: Any, cancelled: threading.Event) -> None:
+        import torch
+
+        while not trailing.ready(step) and not cancelled.is_set():
+            try:
+                item = self._queue.get(timeout=0.05)  # polls the abort flag meanwhile
+            except Empty:
+                continue
+            if item is self._END:
+                trailing.finish()
+            elif isinstance(item, _Failure):
+                raise EngineError(f"the talker's input stream failed ({type(item.exc).__name__})") from item.exc
+            else:
+                with torch.inference_mode():
+                    rows = torch.from_numpy(np.array(item, copy=True))[None].to(talker.device)
+                    trailing.extend(qwen3_omni.project_rows(talker, rows.to(talker.dtype)))
 
 
 # --- code2wav ------------------------------------------------------------------------------
@@ -748,7 +893,7 @@ class Code2WavEngine(_HFEngine):
             pacer.step_done()  # code2wav decodes a chunk in one step
             emit(audio)
 
-        async with aclosing(self._run(request.request_id, job)) as batches:
+        async with contextlib.aclosing(self._run(request.request_id, job)) as batches:
             async for batch in batches:
                 yield StageOutput(
                     stage=self.stage_name,

@@ -38,6 +38,13 @@ class StageConfig(BaseModel):
     )
     input: str | None = Field(None, description="Upstream stage whose handoffs this stage consumes; None = entry.")
     final_output: Modality | None = Field(None, description="What this stage contributes to the client's reply.")
+    stream_input: bool = Field(
+        False,
+        description="The edge from `input` streams: this stage's call starts on the upstream's first handoff chunk "
+        "and reads the rest as the upstream produces them (waiting when it gets ahead), instead of starting from "
+        "the upstream's final handoff. One call per request. Only for engines that read streamed input (the "
+        "transformers talker); false: one call per upstream handoff (code2wav: one per codec chunk).",
+    )
     default_sampling: SamplingParams = Field(
         default_factory=SamplingParams, description="Sampling defaults; requests override them."
     )
@@ -113,6 +120,8 @@ class GraphConfig(BaseModel):
                 raise ValueError(f"stages[{i}].name: duplicate stage name '{stage.name}'")
             if stage.input is not None and stage.input not in names:
                 raise ValueError(f"stages[{i}].input: unknown upstream stage '{stage.input}' (stages: {names})")
+            if stage.stream_input and stage.input is None:
+                raise ValueError(f"stages[{i}].stream_input: the entry stage has no upstream to stream from")
         by_name = {s.name: s for s in self.stages}
         for i, stage in enumerate(self.stages):
             seen = [stage.name]
@@ -199,12 +208,22 @@ def load_graph(args: dict[str, Any] | GraphConfig) -> GraphConfig:
         graph = GraphConfig.model_validate(args)
     except ValidationError as err:
         raise GraphConfigError(f"invalid omni_serve graph: {_format(err)}") from None
-    from omni_serve.engines import honoured_sampling, unhonoured_sampling, validate_engine_args
+    from omni_serve.engines import (
+        honoured_sampling,
+        reads_streamed_input,
+        unhonoured_sampling,
+        validate_engine_args,
+    )
 
     for i, stage in enumerate(graph.stages):
         problem = validate_engine_args(stage.engine, stage.engine_args)
         if problem:
             raise GraphConfigError(f"invalid omni_serve graph: stages[{i}].engine_args: {problem}")
+        if stage.stream_input and not reads_streamed_input(stage.engine, stage.engine_args):
+            raise GraphConfigError(
+                f"invalid omni_serve graph: stages[{i}].stream_input: the {stage.engine} engine of stage "
+                f"'{stage.name}' reads whole handoffs only"
+            )
         for name in unhonoured_sampling(stage.default_sampling, honoured_sampling(stage.engine, stage.engine_args)):
             raise GraphConfigError(
                 f"invalid omni_serve graph: stages[{i}].default_sampling.{name}: the {stage.engine} engine of "

@@ -34,6 +34,7 @@ Failure rules (what a client can rely on):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_serve.graph.config import GraphConfig, StageConfig
-from omni_serve.graph.transport import Handoff, StageTransport
+from omni_serve.graph.transport import Handoff, HandoffFeed, StageTransport
 from omni_serve.types import (
     ChatMessage,
     FinishReason,
@@ -114,6 +115,11 @@ class _Walk:
 
 _END = object()
 
+# Outputs one queue of a request's walk holds before its writer waits (the merge queue, and one per
+# downstream call): with max_fanout calls per downstream stage, a request buffers at most
+# (2 + max_fanout) x this many outputs in the ingress however slowly its client reads.
+MAX_BUFFERED_OUTPUTS = 16
+
 
 @dataclass
 class _Failure:
@@ -145,6 +151,7 @@ class Orchestrator:
             request_id=f"{request.request_id}/{entry.name}",
             sampling=request.sampling[entry.name],
             wants_handoff=self._feeds_downstream(entry, walk),
+            stream_handoff=self._streams_downstream(entry, walk),
             messages=request.messages,
             voice=request.voice,
             image=request.image,
@@ -164,6 +171,11 @@ class Orchestrator:
     def _feeds_downstream(self, stage: StageConfig, walk: _Walk) -> bool:
         return any(c.name in walk.stages for c in self.graph.children(stage.name))
 
+    def _streams_downstream(self, stage: StageConfig, walk: _Walk) -> bool:
+        """Whether ``stage`` should yield its handoff in chunks: every downstream stage it runs reads a stream."""
+        children = [c for c in self.graph.children(stage.name) if c.name in walk.stages]
+        return bool(children) and all(c.stream_input for c in children)
+
     def _time_limit(self, deadline: float | None) -> tuple[float, bool]:
         """Seconds the next wait may take, and whether the request's deadline (not the stage's) sets it."""
         if deadline is None:
@@ -172,7 +184,7 @@ class Orchestrator:
         return (left, True) if left < self.stage_timeout_s else (self.stage_timeout_s, False)
 
     def _stage_stream(
-        self, stage: StageConfig, request: StageRequest, handoff: Handoff | None, walk: _Walk
+        self, stage: StageConfig, request: StageRequest, handoff: Handoff | HandoffFeed | None, walk: _Walk
     ) -> AsyncIterator[StageOutput]:
         """One stage call, started now (so it claims ``handoff`` before the producer moves on)."""
         return self._checked(stage, self.transport.call(stage.name, request, handoff), walk.request.deadline)
@@ -215,7 +227,9 @@ class Orchestrator:
                     yield dataclasses.replace(output, handoff=None)
             return
 
-        merged: asyncio.Queue[Any] = asyncio.Queue()
+        # Bounded: a client that reads slowly holds this request's stage outputs back here (the
+        # producers wait) instead of letting them pile up (MAX_BUFFERED_OUTPUTS, module docstring).
+        merged: asyncio.Queue[Any] = asyncio.Queue(MAX_BUFFERED_OUTPUTS)
         # One queue per downstream call, in handoff order; None closes the sequence.
         downstream: asyncio.Queue[asyncio.Queue[Any] | None] = asyncio.Queue()
 
@@ -238,32 +252,53 @@ class Orchestrator:
             finally:
                 slots[child.name].release()
 
+        # Streamed edges (stream_input): one call per request, fed every handoff through its feed.
+        feeds: dict[str, HandoffFeed] = {}
+
+        def start(child: StageConfig, index: int, handoff: Handoff | HandoffFeed) -> asyncio.Queue[Any]:
+            child_request = StageRequest(
+                request_id=f"{request_id}/{child.name}.{index}",
+                sampling=walk.request.sampling[child.name],
+                chunk_index=index,
+                wants_handoff=self._feeds_downstream(child, walk),
+                stream_handoff=self._streams_downstream(child, walk),
+                voice=walk.request.voice,
+                image=walk.request.image,
+                client_request_id=walk.request.client_request_id,
+            )
+            # Started here, before the next output: the call claims this output's handoff now.
+            child_stream = self._stage_stream(child, child_request, handoff, walk)
+            sink: asyncio.Queue[Any] = asyncio.Queue(MAX_BUFFERED_OUTPUTS)
+            walk.tasks.append(asyncio.create_task(child_walk(child, child_request.request_id, child_stream, sink)))
+            return sink
+
         async def produce() -> None:
             index = 0
-            async for output in stream:
-                if emit:
-                    await merged.put(dataclasses.replace(output, handoff=None))
-                if output.handoff is None:
-                    continue
-                for child in children:
-                    await slots[child.name].acquire()
-                    child_request = StageRequest(
-                        request_id=f"{request_id}/{child.name}.{index}",
-                        sampling=walk.request.sampling[child.name],
-                        chunk_index=index,
-                        wants_handoff=self._feeds_downstream(child, walk),
-                        voice=walk.request.voice,
-                        image=walk.request.image,
-                        client_request_id=walk.request.client_request_id,
-                    )
-                    # Started here, before the next output: the call claims this output's handoff now.
-                    child_stream = self._stage_stream(child, child_request, output.handoff, walk)
-                    sink: asyncio.Queue[Any] = asyncio.Queue()
-                    walk.tasks.append(
-                        asyncio.create_task(child_walk(child, child_request.request_id, child_stream, sink))
-                    )
-                    await downstream.put(sink)
-                index += 1
+            try:
+                async for output in stream:
+                    if emit:
+                        await merged.put(dataclasses.replace(output, handoff=None))
+                    if output.handoff is None:
+                        continue
+                    for child in children:
+                        if child.stream_input and child.name in feeds:
+                            await feeds[child.name].put(output.handoff)  # False: the call ended, chunk dropped
+                            continue
+                        await slots[child.name].acquire()
+                        if child.stream_input:
+                            feed = feeds[child.name] = self.transport.feed(f"{request_id}/{child.name}.{index}")
+                            await feed.put(output.handoff)  # the first chunk is there before the call starts
+                            await downstream.put(start(child, index, feed))
+                        else:
+                            await downstream.put(start(child, index, output.handoff))
+                    index += 1
+            except Exception as err:
+                for feed in feeds.values():  # a consumer must never take a failed producer's end for its finish
+                    with contextlib.suppress(Exception):  # the producer's error is the one to report
+                        await feed.fail(f"stage {stage.name} failed: {type(err).__name__}")
+                raise
+            for feed in feeds.values():
+                await feed.end()
             await downstream.put(None)
 
         async def sequence() -> None:

@@ -46,9 +46,10 @@ import dataclasses
 import enum
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
+from omni_serve.graph.channel import ChannelReader, Channels
 from omni_serve.payload import HandoffPayload, detached, padded
 from omni_serve.types import ChatMessage, MediaPart, StageOutput, StageRequest
 
@@ -57,6 +58,8 @@ if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
 
 logger = logging.getLogger("ray.serve")
+
+CHANNELS_ACTOR_PREFIX = "omni_serve.channels:"
 
 
 # --- the stage side: what a stage yields, and how it takes its inputs ---------------------------
@@ -87,25 +90,48 @@ def stream_items(output: StageOutput, wanted: bool, padding_bytes: int = 0) -> l
 
 @dataclasses.dataclass
 class Inputs:
-    """A stage call's inputs, in this process: the upstream payload and the request's media items."""
+    """A stage call's inputs, in this process: the upstream payload and the request's media items.
 
-    handoff: HandoffPayload | None
+    ``handoff`` is one payload, or for a streamed call (``stream_input``) the upstream's chunks in
+    order as they are produced (the iterator waits for the next one).
+    """
+
+    handoff: HandoffPayload | AsyncIterator[HandoffPayload] | None
     media: list[MediaPart]  # each with ``data`` as bytes (or ``url`` to fetch under the media policy)
 
 
-async def receive(request: StageRequest) -> Inputs:
-    """The call's inputs out of the object store into this process; ``request`` keeps no reference to them.
+async def _resolved(value: Any) -> HandoffPayload:
+    """One handoff in this process: a :func:`detached` copy when it comes from the object store.
 
-    The payload is kept as a :func:`detached` copy: a zero-copy view would pin the stored object as
-    long as anything in this replica (a traceback, an engine's batch) holds it.
+    A zero-copy view would pin the stored object as long as anything in this replica (a traceback,
+    an engine's batch) holds it.
     """
     import ray
 
+    if isinstance(value, ray.ObjectRef):
+        value = detached(await value)
+    if not isinstance(value, HandoffPayload):
+        raise TypeError(f"expected a HandoffPayload, got {type(value).__name__}")
+    return value
+
+
+async def _chunks(reader: ChannelReader) -> AsyncIterator[HandoffPayload]:
+    """A streamed call's chunks, each copied into this process and its reference dropped at once."""
+    async for item in reader.chunks():
+        payload = await _resolved(item)
+        item = None  # the copy is all this replica keeps
+        yield payload
+
+
+async def receive(request: StageRequest) -> Inputs:
+    """The call's inputs out of the object store into this process; ``request`` keeps no reference to them."""
+    import ray
+
     handoff, request.handoff = request.handoff, None
-    if isinstance(handoff, ray.ObjectRef):
-        handoff = detached(await handoff)
-    if handoff is not None and not isinstance(handoff, HandoffPayload):
-        raise TypeError(f"expected a HandoffPayload, got {type(handoff).__name__}")
+    if isinstance(handoff, ChannelReader):
+        handoff = _chunks(handoff)
+    elif handoff is not None:
+        handoff = await _resolved(handoff)
     media: list[MediaPart] = []
     for part in (p for message in request.messages or [] for p in message.media()):
         data, part.data = part.data, None
@@ -139,6 +165,48 @@ class Handoff:
         self.value = None
 
 
+class HandoffFeed:
+    """The orchestrator's end of one streamed call's channel (:mod:`omni_serve.graph.channel`).
+
+    :meth:`put` passes an upstream output's :class:`Handoff` on by reference (the channel borrows
+    it until the consumer takes it); :meth:`end` or :meth:`fail` ends the stream. Every write waits
+    for the channel: in order, and no faster than the consumer takes while its buffer is full.
+    A write after the consumer's call ended returns False: its chunk is dropped here.
+    """
+
+    def __init__(self, channels: Any, key: str):
+        self.reader = ChannelReader(channels, key)
+        self._first = True
+
+    async def _write(self, items: list[Any], **kwargs: Any) -> bool:
+        channels, key = self.reader.channels, self.reader.key
+        first, self._first = self._first, False
+        if isinstance(channels, Channels):
+            return await channels.write(key, items, first=first, **kwargs)
+        return await channels.write.remote(key, items, first=first, **kwargs)
+
+    async def put(self, handoff: Handoff) -> bool:
+        claim = handoff.claim()
+        try:
+            return await self._write([claim.value])
+        finally:
+            claim.release()
+
+    async def end(self) -> None:
+        await self._write([], end=True)
+
+    async def fail(self, reason: str) -> None:
+        await self._write([], failed=reason)
+
+    def close(self) -> None:
+        """The consumer call ended: the channel drops the chunks it did not take (returns at once)."""
+        channels, key = self.reader.channels, self.reader.key
+        if isinstance(channels, Channels):
+            channels.close(key)
+        else:
+            channels.close.remote(key)  # fire and forget: nobody waits on the consumer's end
+
+
 def replica_gone(err: BaseException) -> bool:
     """True when the call failed because the replica serving it died or is unreachable.
 
@@ -155,18 +223,33 @@ class StageTransport(abc.ABC):
     """Starts stage calls for the orchestrator; owns their handoffs and the retry rule."""
 
     def call(
-        self, stage: str, request: StageRequest, handoff: Handoff | None = None
+        self, stage: str, request: StageRequest, handoff: Handoff | HandoffFeed | None = None
     ) -> AsyncGenerator[StageOutput, None]:
         """One streaming call of ``stage``. ``handoff`` is claimed now, before the producer moves on.
 
         The outputs' ``handoff`` are :class:`Handoff` objects, valid until the caller asks for the
-        next output or closes the stream: pass them on (:meth:`call`) before that. Leaving early
-        (``aclose``) cancels the call.
+        next output or closes the stream: pass them on (:meth:`call`, :meth:`HandoffFeed.put`) before
+        that. Leaving early (``aclose``) cancels the call. With a :class:`HandoffFeed` (a streamed
+        call, :meth:`feed`) the call reads its chunks from the feed's channel and is never retried:
+        the chunks it took are gone with the replica that took them.
         """
-        return self._call(stage, request, handoff.claim() if handoff is not None else None)
+        if isinstance(handoff, HandoffFeed):
+            return self._call(stage, request, None, handoff)
+        return self._call(stage, request, handoff.claim() if handoff is not None else None, None)
+
+    def feed(self, request_id: str) -> HandoffFeed:
+        """A channel for the streamed call ``request_id``: put its first chunk, then start the call with it."""
+        return HandoffFeed(self._channels(), request_id)
+
+    def _channels(self) -> Any:
+        """Where streamed calls' channels live: here, in process (stages called in process, tests)."""
+        channels = getattr(self, "_local_channels", None)
+        if channels is None:
+            channels = self._local_channels = Channels()
+        return channels
 
     async def _call(
-        self, stage: str, request: StageRequest, claim: Handoff | None
+        self, stage: str, request: StageRequest, claim: Handoff | None, feed: HandoffFeed | None
     ) -> AsyncGenerator[StageOutput, None]:
         output: StageOutput | None = None
         messages: list[ChatMessage] | None = None
@@ -176,7 +259,7 @@ class StageTransport(abc.ABC):
                 wire = dataclasses.replace(
                     request,
                     request_id=request.request_id if attempt == 1 else f"{request.request_id}~retry",
-                    handoff=claim.value if claim is not None else None,
+                    handoff=feed.reader if feed is not None else claim.value if claim is not None else None,
                     messages=messages,
                     sent_at=time.time(),
                 )
@@ -193,7 +276,7 @@ class StageTransport(abc.ABC):
                                 output.handoff.release()
                     return
                 except Exception as err:
-                    if attempt == 1 and not produced and replica_gone(err):
+                    if attempt == 1 and not produced and feed is None and replica_gone(err):
                         logger.warning(
                             "request %s: stage %s replica lost before any output (%s); retrying once",
                             request.request_id,
@@ -210,6 +293,8 @@ class StageTransport(abc.ABC):
                 output.handoff.release()
             if claim is not None:
                 claim.release()
+            if feed is not None:
+                feed.close()
             messages = None  # media by reference: held for the call and its retry only
 
     def _media_by_reference(self, messages: list[ChatMessage] | None) -> list[ChatMessage] | None:
@@ -233,9 +318,35 @@ class RemoteStages(StageTransport):
         # here, even if RAY_SERVE_THROUGHPUT_OPTIMIZED flips the default.
         self.handles = {name: h.options(stream=True, _by_reference=True) for name, h in handles.items()}
         self.voice_handles = {name: h.options(method_name="voices") for name, h in handles.items()}
+        self._channel_actor: Any = None
 
     async def voices(self, stage: str) -> list[str]:
         return await self.voice_handles[stage].remote()
+
+    def _channels(self) -> Any:
+        """This replica's :class:`Channels` actor, started on the first streamed call.
+
+        No CPU, and on this node: every chunk write is a local RPC. It is owned by this replica's
+        process, so it dies with the replica, as do the requests its channels serve.
+        """
+        if self._channel_actor is None:
+            import ray
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            context = ray.get_runtime_context()
+            here = NodeAffinitySchedulingStrategy(context.get_node_id(), soft=True)
+            self._channel_actor = (
+                ray.remote(Channels)
+                .options(
+                    # Named after this replica's actor, so tests and operators can find it; not detached.
+                    name=f"{CHANNELS_ACTOR_PREFIX}{context.get_actor_id() or context.get_worker_id()}",
+                    num_cpus=0,
+                    scheduling_strategy=here,
+                    max_concurrency=10_000,
+                )
+                .remote()
+            )
+        return self._channel_actor
 
     def _media_by_reference(self, messages: list[ChatMessage] | None) -> list[ChatMessage] | None:
         import ray

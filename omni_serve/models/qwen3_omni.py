@@ -17,6 +17,10 @@ Payloads:
   ``rope.video_second_per_grid`` float [n], ``rope.audio_feature_lengths`` int64 [n] (HF does not
   hand the talker ``use_audio_in_video``, so neither does this: the talker places the positions as
   in HF's ``generate``).
+  Streamed (a stage's ``stream_input``): the same payload for the prompt's rows (and any reply rows
+  already run), ``meta["streamed"]`` set, then ``qwen3_omni.thinker2talker.rows`` chunks of the
+  ``embeds`` and ``hidden`` rows of the reply positions run since; the stream's end ends the reply
+  (:class:`ThinkerRows`, :class:`TrailingText`).
 - ``qwen3_omni.codec_chunk``: ``codes`` int64 [groups, left_context + frames]; meta
   ``left_context``, ``index``, ``start_frame``, ``num_frames``. Every chunk carries its own
   left context, so any code2wav replica decodes any chunk without state.
@@ -39,6 +43,7 @@ if TYPE_CHECKING:
     import torch
 
 THINKER2TALKER = "qwen3_omni.thinker2talker"
+THINKER2TALKER_ROWS = "qwen3_omni.thinker2talker.rows"
 CODEC_CHUNK = "qwen3_omni.codec_chunk"
 SAMPLE_RATE = 24000  # code2wav's output rate (1920 samples per codec frame)
 
@@ -111,6 +116,7 @@ def build_thinker2talker(
     tts_embeds: torch.Tensor | np.ndarray,
     accept_hidden_layer: int,
     rope: dict[str, Any] | None = None,
+    streamed: bool = False,
 ) -> HandoffPayload:
     """The thinker's handoff for one request.
 
@@ -138,6 +144,8 @@ def build_thinker2talker(
         "accept_hidden_layer": int(accept_hidden_layer),
         "dtypes": dtypes,
     }
+    if streamed:  # the prompt's part of a streamed handoff: rows chunks follow (ThinkerRows)
+        meta["streamed"] = True
     return HandoffPayload(kind=THINKER2TALKER, tensors=arrays, meta=meta)
 
 
@@ -146,22 +154,60 @@ def build_thinker2talker(
 
 @dataclass
 class TalkerInputs:
-    """Keyword arguments for ``Qwen3OmniMoeTalkerForConditionalGeneration.generate`` (batch 1)."""
+    """Keyword arguments for ``Qwen3OmniMoeTalkerForConditionalGeneration.generate`` (batch 1).
+
+    ``trailing_rows`` are the reply's projected rows known so far, without HF's closing tts_eos
+    (:class:`TrailingText` adds it when the thinker's reply is complete).
+    """
 
     inputs_embeds: torch.Tensor  # [1, L, D_talker]
-    trailing_text_hidden: torch.Tensor  # [1, N, D_talker]: one per step, then tts_pad
+    trailing_rows: torch.Tensor  # [1, N, D_talker]: one per decoding step
     tts_pad_embed: torch.Tensor  # [1, 1, D_talker]
+    tts_eos_embed: torch.Tensor  # [1, 1, D_talker]
     talker_input_ids: torch.Tensor  # [1, L]: for the talker's 3D RoPE index
     rope: dict[str, Any] = field(default_factory=dict)  # media positions for that index (HF's argument names)
 
-    def as_kwargs(self) -> dict[str, Any]:
+    def as_kwargs(self, trailing: TrailingText) -> dict[str, Any]:
         return {
             "inputs_embeds": self.inputs_embeds,
-            "trailing_text_hidden": self.trailing_text_hidden,
+            "trailing_text_hidden": trailing.buffer,
             "tts_pad_embed": self.tts_pad_embed,
             "talker_input_ids": self.talker_input_ids,
             **self.rope,
         }
+
+
+class TrailingText:
+    """What the talker adds to its input at each decoding step: the reply's rows as they arrive.
+
+    HF's ``generate`` adds row ``step`` of ``trailing_text_hidden`` at decoding step ``step`` and
+    tts_pad past its end; the reply's rows end with tts_eos. This holds a buffer of one row per
+    step the talker may take, tts_pad until written: rows are written as the thinker produces them
+    (:meth:`extend`), tts_eos after the last (:meth:`finish`). Step ``k`` may run once row ``k`` is
+    written or the reply is complete (:meth:`ready`); the values it reads are then exactly HF's
+    (adding a tts_pad row is adding ``tts_pad_embed``), whether the rows came at once or one by one.
+    """
+
+    def __init__(self, inputs: TalkerInputs, steps: int):
+        self.buffer = inputs.tts_pad_embed.expand(1, steps, -1).clone()
+        self.eos = inputs.tts_eos_embed
+        self.rows = 0
+        self.complete = False
+        self.extend(inputs.trailing_rows)
+
+    def extend(self, rows: torch.Tensor) -> None:
+        room = max(0, self.buffer.shape[1] - self.rows)
+        n = min(rows.shape[1], room)
+        self.buffer[:, self.rows : self.rows + n] = rows[:, :n]
+        self.rows += rows.shape[1]
+
+    def finish(self) -> None:
+        if self.rows < self.buffer.shape[1]:
+            self.buffer[:, self.rows] = self.eos[:, 0]
+        self.complete = True
+
+    def ready(self, step: int) -> bool:
+        return self.complete or step < self.rows
 
 
 def speakers(config: Any) -> list[str]:
@@ -179,6 +225,13 @@ def speaker_id(config: Any, voice: str | None, default: str = "ethan") -> int:
 
 
 def build_talker_inputs(payload: HandoffPayload, talker: Any, config: Any, speaker: int) -> TalkerInputs | None:
+    """Talker inputs from a whole thinker2talker payload (:func:`talker_inputs`; see there)."""
+    if payload.kind != THINKER2TALKER:
+        raise ValueError(f"expected a {THINKER2TALKER} payload, got {payload.kind}")
+    return talker_inputs(ThinkerRows(payload), talker, config, speaker)
+
+
+def talker_inputs(thinker: ThinkerRows, talker: Any, config: Any, speaker: int) -> TalkerInputs | None:
     """Talker inputs from a thinker2talker payload, as HF's ``generate`` builds them.
 
     ``talker`` is the ``Qwen3OmniMoeTalkerForConditionalGeneration`` and ``config`` the
@@ -193,13 +246,12 @@ def build_talker_inputs(payload: HandoffPayload, talker: Any, config: Any, speak
     """
     import torch
 
-    if payload.kind != THINKER2TALKER:
-        raise ValueError(f"expected a {THINKER2TALKER} payload, got {payload.kind}")
+    payload = thinker.first
     tcfg = config.talker_config
     dev, dtype = talker.device, talker.dtype
     ids = handoff.tensor(payload, "token_ids", dev)[None]  # [1, T] int64
-    embed = handoff.tensor(payload, "embeds", dev)[None].to(dtype)  # [1, R, D]
-    hidden = handoff.tensor(payload, "hidden", dev)[None].to(dtype)
+    embed = thinker.rows("embeds", dev)[None].to(dtype)  # [1, R, D]
+    hidden = thinker.rows("hidden", dev)[None].to(dtype)
     prompt = ids[0, : payload.meta["prompt_len"]]
 
     mm_ids = (
@@ -214,8 +266,9 @@ def build_talker_inputs(payload: HandoffPayload, talker: Any, config: Any, speak
     tts = talker.text_projection(handoff.tensor(payload, "tts_embeds", dev)[None].to(dtype))
     tts_bos, tts_eos, tts_pad = tts.chunk(3, dim=1)  # 3 x [1, 1, D_talker]
 
-    # Segment bounds: every <|im_start|> of the prompt, then the end of the whole sequence.
-    starts = torch.nonzero(prompt == config.im_start_token_id).flatten().tolist() + [ids.shape[1]]
+    # Segment bounds: every <|im_start|> of the prompt, then the end of the rows (the last segment is the
+    # reply; HF slices it to the sequence's end, which is the same rows: R <= T).
+    starts = torch.nonzero(prompt == config.im_start_token_id).flatten().tolist() + [embed.shape[1]]
     parts: list[torch.Tensor] = []
     part_ids: list[torch.Tensor] = []
     trailing = None
@@ -253,15 +306,16 @@ def build_talker_inputs(payload: HandoffPayload, talker: Any, config: Any, speak
             )
             parts.append(text_part + codec_part)
             part_ids.append(torch.full((1, text_part.shape[1]), config.tts_pad_token_id, dtype=torch.long, device=dev))
-            trailing = torch.cat((assistant[:, 4:], tts_eos), dim=1)
+            trailing = assistant[:, 4:]
         # system turns, earlier assistant turns and unknown roles carry nothing for the talker
     if trailing is None:
         raise ValueError("the thinker2talker payload has no final assistant turn")
     rope = {k.removeprefix("rope."): handoff.tensor(payload, k, dev) for k in payload.tensors if k.startswith("rope.")}
     return TalkerInputs(
         inputs_embeds=torch.cat(parts, dim=1),
-        trailing_text_hidden=trailing,
+        trailing_rows=trailing,
         tts_pad_embed=tts_pad,
+        tts_eos_embed=tts_eos,
         talker_input_ids=torch.cat(part_ids, dim=1),
         rope=rope,
     )
@@ -279,6 +333,87 @@ def _user_part(
         out[seg_mm] = talker.hidden_projection(hidden[:, a:b][seg_mm])
     out[~seg_mm] = talker.text_projection(embed[:, a:b][~seg_mm])
     return out
+
+
+class ThinkerRows:
+    """The thinker's handoff as the talker receives it: whole, or streamed in chunks.
+
+    A streamed handoff is the thinker2talker payload of the prompt (``meta["streamed"]``: rows of the
+    prompt and of the reply so far) followed by ``qwen3_omni.thinker2talker.rows`` chunks, each the
+    ``embeds`` and ``hidden`` rows of the reply positions the thinker ran since; the stream's end is
+    the reply's end. The talker can start once the reply's first row is there (:meth:`can_start`).
+    """
+
+    def __init__(self, first: HandoffPayload, im_start_token_id: int = -1):
+        if first.kind != THINKER2TALKER:
+            raise ValueError(f"expected a {THINKER2TALKER} payload first, got {first.kind}")
+        self.first = first
+        self.whole = not first.meta.get("streamed", False)
+        self._chunks: dict[str, list[np.ndarray]] = {k: [first.tensors[k]] for k in ("embeds", "hidden")}
+        self.count = first.tensors["embeds"].shape[0]
+        token_ids = first.tensors["token_ids"]
+        prompt = token_ids[: first.meta["prompt_len"]]
+        im_start = [] if self.whole else np.flatnonzero(prompt == im_start_token_id)
+        # The reply's first row is the 4th of the last segment (<|im_start|>, role, newline, then the reply).
+        self._start_rows = int(im_start[-1]) + 4 if len(im_start) else 0
+
+    def add(self, chunk: HandoffPayload) -> None:
+        """Add a rows chunk received before the talker started (after, the rows go to :class:`TrailingText`)."""
+        reply_rows(chunk)
+        for k in self._chunks:
+            self._chunks[k].append(chunk.tensors[k])
+        self.count += chunk.tensors["embeds"].shape[0]
+
+    def can_start(self) -> bool:
+        return self.whole or self.count >= self._start_rows
+
+    def rows(self, name: str, device: Any = None) -> torch.Tensor:
+        """All ``name`` rows received, as one tensor of the thinker's dtype."""
+        parts = self._chunks[name]
+        if len(parts) > 1:
+            parts[:] = [np.concatenate(parts)]
+        return handoff.tensor(HandoffPayload(self.first.kind, {name: parts[0]}, self.first.meta), name, device)
+
+
+def reply_rows(chunk: HandoffPayload) -> np.ndarray:
+    """The ``embeds`` rows [n, D] of a streamed thinker handoff's rows chunk (all the talker adds per step)."""
+    if chunk.kind != THINKER2TALKER_ROWS:
+        raise ValueError(f"expected a {THINKER2TALKER_ROWS} chunk, got {chunk.kind}")
+    return chunk.tensors["embeds"]
+
+
+def thinker_rows_chunk(embeds: torch.Tensor, hidden: torch.Tensor) -> HandoffPayload:
+    """A streamed thinker handoff's chunk: the rows of the reply positions the thinker ran since the last one."""
+    arrays, dtypes = handoff.arrays({"embeds": embeds, "hidden": hidden})
+    return HandoffPayload(kind=THINKER2TALKER_ROWS, tensors=arrays, meta={"dtypes": dtypes})
+
+
+def merge_thinker_chunks(chunks: Sequence[HandoffPayload]) -> HandoffPayload:
+    """Consecutive chunks of a streamed thinker handoff as one (the rows of the later ones appended to the first)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    first = chunks[0]
+    tensors = dict(first.tensors)
+    for k in ("embeds", "hidden"):
+        tensors[k] = np.concatenate([c.tensors[k] for c in chunks])
+    return HandoffPayload(first.kind, tensors, first.meta)
+
+
+def project_rows(talker: Any, rows: torch.Tensor) -> torch.Tensor:
+    """``talker.text_projection`` of reply rows [1, n, D] that arrive a few at a time, bit for bit as in one block.
+
+    HF projects the whole reply in one call. On CPU, oneDNN/MKL multiply fewer than 4 rows on another
+    code path whose sums round differently (measured on this build: blocks of 1-3 rows differ in the
+    last bit from the same rows inside a larger block, blocks of 4 or more do not), so small blocks are
+    padded to 4 rows and the padding dropped.
+    """
+    import torch
+
+    n = rows.shape[1]
+    if n >= 4:
+        return talker.text_projection(rows)
+    padded = torch.cat((rows, rows.new_zeros((1, 4 - n, rows.shape[2]))), dim=1)
+    return talker.text_projection(padded)[:, :n]
 
 
 def give_talker_the_audio_config(model: Any) -> None:

@@ -1,0 +1,135 @@
+"""Streamed handoffs: the channel that feeds one downstream stage call its upstream's handoff chunks.
+
+A stage whose config says ``stream_input`` is called once per request, as soon as its upstream
+yields the first handoff chunk; the rest of the chunks reach that running call through a channel
+(:mod:`omni_serve.graph.transport` opens it, the orchestrator writes it, the stage reads it):
+
+- **Keyed by the consumer call** (its engine request id, unique per call), so no two calls, and no
+  two clients, ever share one.
+- **By reference.** The chunks are the producer's stream items, owned by the ingress like every
+  handoff; the channel holds their ``ObjectRef`` nested in a list (never resolved) until the
+  consumer takes them, then drops them: a chunk lives until its consumer copied it, or until the
+  consumer call ended (:meth:`Channels.close`), whichever is first.
+- **Ordered and bounded.** The orchestrator writes one request's chunks in order and waits for
+  each write; a write returns only while fewer than :data:`MAX_BUFFERED_CHUNKS` chunks wait
+  unread, so a consumer that falls behind holds its producer's chunks back in the producing
+  request's walk instead of letting them pile up here.
+- **Waits, never guesses.** :meth:`Channels.take` returns every chunk written since the last
+  take, waiting for at least one when there is none; the end of the stream and a producer that
+  failed are told apart, so a consumer never mistakes a failed producer for a finished one.
+
+Why an actor: a running Serve call cannot be sent more input through its handle, and a handle
+call cannot be routed to the replica that runs a given call. The ingress replica starts one
+``Channels`` actor (no CPU, on its own node) and passes its handle, with the key, in the
+consumer's request; the consumer pulls from it. The actor dies with the ingress replica that owns
+it, and with it every channel of that replica's requests, whose calls fail then anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+# Chunks one channel holds unread before a write waits for the consumer (thinker -> talker: one
+# chunk per thinker output, a few tokens' rows each; 64 chunks of the real model's 2 x 2048 bf16
+# values a row are <= 0.5 MiB per token in flight).
+MAX_BUFFERED_CHUNKS = 64
+
+
+class ProducerFailed(RuntimeError):
+    """The upstream stage call ended without its final handoff chunk (failed or cancelled)."""
+
+
+class _Channel:
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+        self.ended = False
+        self.failed: str | None = None
+        self.closed = False
+        self._changed = asyncio.Event()
+
+    def notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_for(self, condition: Callable[[], bool]) -> None:
+        while not condition():
+            await self._changed.wait()
+
+
+class Channels:
+    """The channels of one ingress replica's streamed calls (a Ray actor: see the module docstring).
+
+    All methods run on one event loop (an async actor, or the caller's loop in process): no locks.
+    """
+
+    def __init__(self) -> None:
+        self._channels: dict[str, _Channel] = {}
+
+    async def write(
+        self, key: str, items: list[Any], *, first: bool = False, end: bool = False, failed: str | None = None
+    ) -> bool:
+        """Add ``items`` (refs, nested so they stay unresolved); ``end``/``failed`` end the stream.
+
+        ``first`` opens the channel (the call's first chunk). Returns False when the consumer is gone
+        (its call ended and closed the channel: the writer stops); waits while the channel is full.
+        """
+        if first:
+            self._channels[key] = _Channel()
+        channel = self._channels.get(key)
+        if channel is None or channel.closed:
+            return False
+        channel.items.extend(items)
+        channel.ended |= end or failed is not None
+        channel.failed = channel.failed or failed
+        channel.notify()
+        await channel.wait_for(lambda: channel.closed or len(channel.items) < MAX_BUFFERED_CHUNKS)
+        return not channel.closed
+
+    async def take(self, key: str) -> tuple[list[Any], bool]:
+        """Every chunk written since the last take (at least one unless the stream ended), and whether it ended."""
+        channel = self._channels.get(key)
+        if channel is None:
+            raise ProducerFailed("the channel is closed")
+        await channel.wait_for(lambda: bool(channel.items) or channel.ended or channel.closed)
+        if channel.failed is not None or channel.closed:
+            raise ProducerFailed(channel.failed or "the channel is closed")
+        items, channel.items = channel.items, []
+        channel.notify()
+        return items, channel.ended
+
+    def close(self, key: str) -> None:
+        """The consumer call ended: drop what it did not take, and tell a waiting writer to stop."""
+        channel = self._channels.pop(key, None)
+        if channel is not None:
+            channel.closed = True
+            channel.items = []
+            channel.notify()
+
+    def open_channels(self) -> int:
+        """Channels not closed yet (tests: every call's channel is closed when the call ends)."""
+        return len(self._channels)
+
+
+@dataclasses.dataclass
+class ChannelReader:
+    """What a streamed call's request carries instead of a handoff: where to pull its chunks from."""
+
+    channels: Any  # a ray ActorHandle of Channels, or a Channels in this process
+    key: str
+
+    async def chunks(self) -> AsyncIterator[Any]:
+        """The chunks in order (``ObjectRef`` for a remote channel), until the producer's end."""
+        remote = not isinstance(self.channels, Channels)
+        while True:
+            if remote:
+                items, ended = await self.channels.take.remote(self.key)
+            else:
+                items, ended = await self.channels.take(self.key)
+            for item in items:
+                yield item
+            items = []  # the consumer's copy is the only holder from here
+            if ended:
+                return

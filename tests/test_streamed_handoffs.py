@@ -1,0 +1,432 @@
+"""Streamed handoffs (a stage's ``stream_input``): the thinker hands the talker its rows as it decodes.
+
+Engine level (no Ray): streamed and whole handoffs give the same codec tokens and bit-identical audio
+for a seed, however the chunks are timed; a talker ahead of its thinker waits (it never pads); a
+thinker that fails mid-reply fails the talker's call. Orchestrator level (in-process fake stages):
+the channel's rules. Graph level (Ray, HTTP): the same audio through the served graph both ways,
+every chunk freed, a client that leaves cancels all three stages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+from collections import defaultdict
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+
+from omni_serve.engines import transformers as te
+from omni_serve.engines.base import StageEngine
+from omni_serve.graph.channel import MAX_BUFFERED_CHUNKS, Channels, ProducerFailed
+from omni_serve.graph.config import GraphConfig, GraphConfigError, load_graph
+from omni_serve.graph.orchestrator import OmniRequest, Orchestrator, StageFailed
+from omni_serve.graph.transport import CHANNELS_ACTOR_PREFIX, StageTransport
+from omni_serve.models import qwen3_omni as q
+from omni_serve.payload import HandoffPayload
+from omni_serve.types import (
+    ChatMessage,
+    EngineError,
+    FinishReason,
+    Modality,
+    SamplingParams,
+    StageOutput,
+    StageRequest,
+)
+from tests.conftest import graph_variant, wait_until
+
+HELLO = [ChatMessage(role="user", content="Hello there, how are you?")]
+TALK = {"temperature": 0.9, "top_k": 50, "seed": 11}
+
+
+# ---- engine level -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engines() -> dict[str, StageEngine]:
+    made = {
+        "thinker": te.create("thinker", {"model_stage": "thinker"}),
+        "talker": te.create(
+            "talker", {"model_stage": "talker", "codec_first_chunk_frames": 4, "codec_chunk_frames": 5}
+        ),
+        "code2wav": te.create("code2wav", {"model_stage": "code2wav"}),
+    }
+
+    async def start() -> None:
+        for engine in made.values():
+            await engine.start()
+
+    asyncio.run(start())
+    return made
+
+
+def thinker_outputs(engines: dict[str, StageEngine], streamed: bool, tokens: int) -> list[StageOutput]:
+    request = StageRequest(
+        "t",
+        SamplingParams(temperature=0.7, seed=3, max_tokens=tokens, ignore_eos=True),
+        messages=HELLO,
+        stream_handoff=streamed,
+    )
+
+    async def go() -> list[StageOutput]:
+        return [o async for o in engines["thinker"].generate(request, None)]
+
+    return asyncio.run(go())
+
+
+async def paced(chunks: list[HandoffPayload], delay_s: float, fail_after: int | None = None) -> AsyncIterator[Any]:
+    for i, chunk in enumerate(chunks):
+        if i == fail_after:
+            raise ProducerFailed("stage thinker failed: RuntimeError")
+        await asyncio.sleep(delay_s)
+        yield chunk
+
+
+def speak(engines: dict[str, StageEngine], handoff: Any, max_frames: int = 40) -> tuple[np.ndarray, np.ndarray, Any]:
+    """The talker's codec codes [16, frames], code2wav's audio of them, and the talker's finish reason."""
+
+    async def go() -> tuple[list[HandoffPayload], Any]:
+        request = StageRequest("k", SamplingParams(**TALK, max_tokens=max_frames))
+        outs = [o async for o in engines["talker"].generate(request, handoff)]
+        chunks = [o.handoff for o in outs if o.handoff is not None]
+        audio = []
+        for i, chunk in enumerate(chunks):
+            decode = StageRequest(f"c{i}", SamplingParams(temperature=0))
+            audio += [o.audio async for o in engines["code2wav"].generate(decode, chunk)]
+        return chunks, (np.concatenate(audio), outs[-1].finish_reason)
+
+    chunks, (audio, reason) = asyncio.run(go())
+    return np.concatenate([c.tensors["codes"][:, c.meta["left_context"] :] for c in chunks], axis=1), audio, reason
+
+
+@pytest.mark.parametrize("tokens", [6, 40])
+def test_streamed_and_whole_handoffs_give_the_same_codes_and_bit_identical_audio(engines, tokens: int) -> None:
+    whole = thinker_outputs(engines, streamed=False, tokens=tokens)
+    streamed = thinker_outputs(engines, streamed=True, tokens=tokens)
+    assert [o.token_ids for o in whole if o.token_ids] != []
+    assert sum((o.token_ids for o in streamed), []) == sum((o.token_ids for o in whole), [])
+    assert "".join(o.text for o in streamed) == "".join(o.text for o in whole)
+    chunks = [o.handoff for o in streamed if o.handoff is not None]
+    assert chunks[0].kind == q.THINKER2TALKER and chunks[0].meta["streamed"]
+    assert len(chunks) > 1 and {c.kind for c in chunks[1:]} == {q.THINKER2TALKER_ROWS}
+    rows = sum(c.tensors["embeds"].shape[0] for c in chunks)
+    assert rows == whole[-1].handoff.tensors["embeds"].shape[0]  # every row, once
+
+    codes, audio, reason = speak(engines, whole[-1].handoff)
+    assert codes.shape[1] > 8 and reason in (FinishReason.STOP, FinishReason.LENGTH)
+    # As fast as they come, and slower than the talker steps (it waits for each row).
+    for delay in (0.0, 0.02):
+        s_codes, s_audio, s_reason = speak(engines, paced(chunks, delay))
+        assert np.array_equal(s_codes, codes), f"delay {delay}: other codec tokens"
+        assert s_audio.tobytes() == audio.tobytes(), f"delay {delay}: the audio differs"
+        assert s_reason == reason
+
+
+def test_a_talker_ahead_of_its_thinker_waits_for_the_next_row(engines) -> None:
+    chunks = [o.handoff for o in thinker_outputs(engines, streamed=True, tokens=20) if o.handoff is not None]
+    release = asyncio.Event()
+
+    async def stalled() -> AsyncIterator[HandoffPayload]:
+        for i, chunk in enumerate(chunks):
+            if i == 3:  # the prompt and two reply rows, then the thinker "stalls"
+                await release.wait()
+            yield chunk
+
+    async def go() -> tuple[int, list[StageOutput]]:
+        request = StageRequest("w", SamplingParams(**TALK, max_tokens=30))
+        outs: list[StageOutput] = []
+
+        async def collect() -> None:
+            async for o in engines["talker"].generate(request, stalled()):
+                outs.append(o)
+
+        task = asyncio.create_task(collect())
+        await asyncio.sleep(1.5)
+        before = len(outs)  # a first chunk (4 frames) would need 3 rows the thinker has not made yet
+        assert engines["talker"].stats()["running"] == 1
+        release.set()
+        await task
+        return before, outs
+
+    before, outs = asyncio.run(go())
+    assert before == 0, "the talker ran steps past the rows it had"
+    assert outs[-1].finished and outs[-1].finish_reason is not FinishReason.ABORT
+
+
+def test_a_thinker_that_fails_mid_reply_fails_the_talker_call(engines) -> None:
+    chunks = [o.handoff for o in thinker_outputs(engines, streamed=True, tokens=30) if o.handoff is not None]
+
+    async def go() -> list[StageOutput]:
+        request = StageRequest("f", SamplingParams(**TALK, max_tokens=40))
+        return [o async for o in engines["talker"].generate(request, paced(chunks, 0.01, fail_after=12))]
+
+    with pytest.raises(EngineError):
+        asyncio.run(go())
+    wait_until(lambda: engines["talker"].stats()["running"] == 0, 10, "the talker's job to end")
+
+
+def test_stream_input_is_refused_where_the_engine_reads_whole_handoffs() -> None:
+    graph = {
+        "served_model_name": "m",
+        "stages": [
+            {"name": "thinker", "engine": "transformers", "engine_args": {"model_stage": "thinker"}},
+            {"name": "talker", "engine": "transformers", "input": "thinker", "engine_args": {"model_stage": "talker"}},
+            {
+                "name": "code2wav",
+                "engine": "transformers",
+                "input": "talker",
+                "stream_input": True,
+                "engine_args": {"model_stage": "code2wav"},
+                "final_output": "audio",
+            },
+        ],
+    }
+    with pytest.raises(GraphConfigError, match=r"stages\[2\]\.stream_input"):
+        load_graph(graph)
+    graph["stages"][2]["stream_input"] = False
+    graph["stages"][0]["stream_input"] = True
+    with pytest.raises(GraphConfigError, match=r"stages\[0\]\.stream_input"):
+        load_graph(graph)
+
+
+# ---- the channel and the walk (in process) -----------------------------------------------------
+
+
+def test_a_channel_bounds_what_waits_unread_and_drops_it_when_its_consumer_ends() -> None:
+    async def go() -> None:
+        channels = Channels()
+        assert await channels.write("k", [0], first=True)
+        writes = [asyncio.create_task(channels.write("k", [i])) for i in range(1, MAX_BUFFERED_CHUNKS + 3)]
+        await asyncio.sleep(0.05)
+        # Every write put its item, but the writer waits while MAX_BUFFERED_CHUNKS or more wait unread.
+        assert all(w.done() for w in writes[: MAX_BUFFERED_CHUNKS - 2])
+        assert not any(w.done() for w in writes[MAX_BUFFERED_CHUNKS - 2 :])
+        items, ended = await channels.take("k")
+        assert items == list(range(MAX_BUFFERED_CHUNKS + 3)) and not ended
+        assert all(await asyncio.gather(*writes))
+        await channels.write("k", [], end=True)
+        assert await channels.take("k") == ([], True)
+        # The consumer ends: the channel is gone, a late write is refused, nothing is kept.
+        assert await channels.write("k2", [1], first=True)
+        channels.close("k2")
+        assert not await channels.write("k2", [2]) and channels.open_channels() == 1
+        channels.close("k")
+        assert channels.open_channels() == 0
+
+    asyncio.run(go())
+
+
+def test_a_failed_producer_is_never_a_finished_stream() -> None:
+    async def go() -> None:
+        channels = Channels()
+        await channels.write("k", [1], first=True)
+        await channels.write("k", [], failed="stage thinker failed: RuntimeError")
+        with pytest.raises(ProducerFailed, match="thinker failed"):
+            await channels.take("k")
+
+    asyncio.run(go())
+
+
+GRAPH = GraphConfig.model_validate(
+    {
+        "served_model_name": "fake",
+        "stages": [
+            {"name": "thinker", "engine": "transformers", "final_output": "text"},
+            {"name": "talker", "engine": "transformers", "input": "thinker", "stream_input": True},
+            {"name": "code2wav", "engine": "transformers", "input": "talker", "final_output": "audio"},
+        ],
+    }
+)
+
+
+class StreamingFakes(StageTransport):
+    """A thinker that yields a chunk per word; a talker that yields one codec chunk per row chunk it read."""
+
+    def __init__(self, words: int = 6, thinker_fails_after: int | None = None, talker_stops_after: int | None = None):
+        self.words, self.fails_after, self.stops_after = words, thinker_fails_after, talker_stops_after
+        self.calls: dict[str, list[StageRequest]] = defaultdict(list)
+        self.talker_read: list[Any] = []
+        self.talker_error: BaseException | None = None
+        self.talker_finished = False
+        self.thinker_outputs = 0
+
+    async def voices(self, stage: str) -> list[str]:
+        return []
+
+    async def _attempt(self, stage: str, request: StageRequest) -> AsyncIterator[StageOutput]:
+        self.calls[stage].append(request)
+        if stage == "thinker":
+            assert request.stream_handoff
+            for i in range(self.words):
+                if i == self.fails_after:
+                    raise RuntimeError("engine exploded")
+                await asyncio.sleep(0.01)
+                self.thinker_outputs += 1
+                yield StageOutput(stage=stage, text=f"w{i} ", handoff=HandoffPayload("rows", {"i": np.array([i])}))
+            yield StageOutput(stage=stage, finished=True, finish_reason=FinishReason.STOP)
+        elif stage == "talker":
+            try:
+                async for chunk in request.handoff.chunks():
+                    self.talker_read.append(int(chunk.tensors["i"][0]))
+                    if len(self.talker_read) == self.stops_after:
+                        break
+                    yield StageOutput(stage=stage, handoff=HandoffPayload("codes", {"i": chunk.tensors["i"]}))
+            except Exception as err:
+                self.talker_error = err
+                raise
+            self.talker_finished = True
+            yield StageOutput(stage=stage, finished=True, finish_reason=FinishReason.STOP)
+        else:
+            i = int(request.handoff.tensors["i"][0])
+            yield StageOutput(stage=stage, audio=np.full(4, i, np.float32), sample_rate=24000, finished=True)
+
+
+def walk(stages: StreamingFakes) -> list[StageOutput]:
+    request = OmniRequest(
+        request_id="req",
+        modalities={Modality.TEXT, Modality.AUDIO},
+        sampling={s.name: SamplingParams() for s in GRAPH.stages},
+        messages=HELLO,
+    )
+
+    async def go() -> list[StageOutput]:
+        return [o async for o in Orchestrator(GRAPH, stages).run(request)]
+
+    return asyncio.run(go())
+
+
+def test_one_talker_call_reads_every_chunk_in_order_as_the_thinker_makes_them() -> None:
+    stages = StreamingFakes(words=6)
+    outputs = walk(stages)
+    assert len(stages.calls["talker"]) == 1 and stages.talker_read == list(range(6))
+    assert [int(o.audio[0]) for o in outputs if o.audio is not None] == list(range(6))
+    assert stages._channels().open_channels() == 0  # closed when the talker's call ended
+
+
+def test_a_thinker_failing_mid_reply_fails_the_request_and_never_finishes_the_talker() -> None:
+    stages = StreamingFakes(words=6, thinker_fails_after=3)
+    with pytest.raises(StageFailed) as failure:
+        walk(stages)
+    assert failure.value.stage == "thinker"
+    # The talker read what came before the failure (it may be cancelled before it reads all of it) and
+    # never finished: the channel told it the producer failed, or the failed walk cancelled it first.
+    assert stages.talker_read == [0, 1, 2][: len(stages.talker_read)] and not stages.talker_finished
+    assert stages._channels().open_channels() == 0
+
+
+def test_a_talker_that_ends_early_stops_the_feed() -> None:
+    stages = StreamingFakes(words=6, talker_stops_after=2)
+    outputs = walk(stages)  # the thinker finishes; its later chunks are dropped, not queued
+    assert stages.talker_read == [0, 1] and stages.thinker_outputs == 6
+    assert outputs and stages._channels().open_channels() == 0
+
+
+# ---- graph level (Ray, HTTP) ---------------------------------------------------------------------
+
+BODY = {
+    "model": "tiny-qwen3-omni",
+    "messages": [{"role": "user", "content": "Say something."}],
+    "modalities": ["text", "audio"],
+    "max_tokens": 24,
+    "seed": 5,
+    "stage_sampling": {"thinker": {"ignore_eos": True}, "talker": {"max_tokens": 40}},
+}
+
+
+def reply(base_url: str) -> tuple[str, bytes]:
+    r = httpx.post(f"{base_url}/v1/chat/completions", json=BODY, timeout=120)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    data, rate = sf.read(io.BytesIO(base64.b64decode(message["audio"]["data"])), dtype="float32")
+    return message["content"], data.tobytes()
+
+
+def channel_actors() -> list[Any]:
+    import ray
+
+    named = ray.util.list_named_actors(all_namespaces=True)
+    return [
+        ray.get_actor(a["name"], namespace=a["namespace"]) for a in named if a["name"].startswith(CHANNELS_ACTOR_PREFIX)
+    ]
+
+
+# The thinker paced (50 ms a token: timing only, the same values) so a reply is still being written
+# while the talker speaks it.
+PACED = {"thinker": {"min_step_s": 0.05}}
+STREAMED = graph_variant(fixed_replicas=1, stages={"talker": {"stream_input": True}}, engine_args=PACED)
+WHOLE = graph_variant(fixed_replicas=1, stages={"talker": {"stream_input": False}}, engine_args=PACED)
+
+
+@pytest.fixture(scope="module")
+def served(graphs: Any) -> Iterator[dict[str, tuple[str, bytes]]]:
+    """The same seeded request through the tiny graph with whole, then streamed handoffs."""
+    replies = {}
+    for name, variant in (("whole", WHOLE), ("streamed", STREAMED)):
+        graphs.deploy("tiny_omni.yaml", variant)
+        graphs.wait_healthy()
+        replies[name] = reply(graphs.base_url)
+    yield replies
+    graphs.current = None  # a variant: the next module redeploys
+
+
+@pytest.mark.integration
+def test_the_served_graph_gives_the_same_reply_with_streamed_handoffs(served) -> None:
+    text, audio = served["streamed"]
+    assert len(text) > 0 and len(audio) > 0
+    assert served["whole"] == (text, audio), "streamed handoffs changed the reply"
+
+
+def open_channels(actor: Any) -> int:
+    import ray
+
+    return ray.get(actor.open_channels.remote())
+
+
+@pytest.mark.integration
+def test_every_channel_is_closed_after_its_request(served) -> None:
+    (actor,) = channel_actors()  # the one ingress replica's
+    wait_until(lambda: open_channels(actor) == 0, 10, "every channel closed")
+
+
+@pytest.mark.integration
+def test_a_client_that_leaves_mid_reply_cancels_all_three_stages(served, graphs: Any) -> None:
+    from tests.test_cancellation import open_request
+
+    stages = ("thinker", "talker", "code2wav")
+
+    def stats() -> dict[str, dict[str, Any]]:
+        return {s: graphs.handle(s).stats.remote().result() for s in stages}
+
+    def idle() -> bool:
+        return all(s["running"] == 0 and s["waiting"] == 0 for s in stats().values())
+
+    wait_until(idle, 60, "idle stages")
+    before = stats()
+    # A long thinker reply streaming into a talker that never stops (greedy: no codec EOS).
+    body = {
+        **BODY,
+        "max_tokens": 4000,
+        "stage_sampling": {"thinker": {"ignore_eos": True}, "talker": {"temperature": 0.0, "max_tokens": 4000}},
+    }
+    sock = open_request(graphs.base_url, True, body)
+    try:
+
+        def all_three_running() -> bool:
+            now = stats()
+            return (
+                now["thinker"]["running"] == 1
+                and now["talker"]["running"] == 1
+                and now["code2wav"]["requests_total"] > before["code2wav"]["requests_total"]
+            )
+
+        wait_until(all_three_running, 90, "thinker and talker running together, code2wav called")
+    finally:
+        sock.close()
+    wait_until(idle, 60, "every stage to drop the request after the disconnect")
+    (actor,) = channel_actors()
+    wait_until(lambda: open_channels(actor) == 0, 10, "the talker's channel to be closed")

@@ -74,6 +74,7 @@ class Scenario:
     audio: bool
     concurrency: int
     messages: list[dict[str, Any]] = field(default_factory=lambda: MESSAGES)
+    reply_tokens: int | None = None  # the handoff sweep's thinker reply length (None: --max-tokens)
     samples: list[Sample] = field(default_factory=list)
     wall_s: float = 0.0
 
@@ -94,6 +95,7 @@ class Scenario:
             "concurrency": self.concurrency,
             "ttft_p50": pct(ttft, 50),
             "ttfa_p50": pct(ttfa, 50),
+            "ttfa_p99": pct(ttfa, 99),
             "e2e_p50": pct(e2e, 50),
             "e2e_p90": pct(e2e, 90),
             "e2e_p99": pct(e2e, 99),
@@ -111,13 +113,16 @@ def _audio_seconds(b64: str) -> float:
 
 def _body(args: argparse.Namespace, sc: Scenario, seed: int) -> dict[str, Any]:
     audio, stream = sc.audio, sc.stream
+    stage_sampling: dict[str, Any] = {args.talker_stage: _talker_sampling(args)} if audio else {}
+    if sc.reply_tokens:  # the handoff sweep: every reply has exactly this many thinker tokens
+        stage_sampling["thinker"] = {"ignore_eos": True}
     body: dict[str, Any] = {
         "model": args.model,
         "messages": sc.messages,
-        "max_tokens": args.max_tokens,
+        "max_tokens": sc.reply_tokens or args.max_tokens,
         "seed": seed,
         "stream": stream,
-        "stage_sampling": {args.talker_stage: _talker_sampling(args)} if audio else None,
+        "stage_sampling": stage_sampling or None,
     }
     if audio:
         body.update(modalities=["text", "audio"], audio={"format": "wav"})
@@ -235,6 +240,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         "concurrency",
         "ttft_p50",
         "ttfa_p50",
+        "ttfa_p99",
         "e2e_p50",
         "e2e_p90",
         "e2e_p99",
@@ -267,8 +273,32 @@ def _fixed(replicas: dict[str, int]) -> Any:
     return mutate
 
 
+def _graph_edit(replicas: dict[str, int], streamed: bool | None = None, pace: dict[str, float] | None = None) -> Any:
+    """Config edit: fixed replicas, the talker's ``stream_input`` and each stage's ``min_step_s`` (the sweep)."""
+    fixed = _fixed(replicas)
+
+    def mutate(config: dict[str, Any]) -> None:
+        fixed(config)
+        for stage in config["applications"][0]["args"]["stages"]:
+            if streamed is not None and stage["name"] == "talker":
+                stage["stream_input"] = streamed
+            if pace and stage["name"] in pace:
+                stage.setdefault("engine_args", {})["min_step_s"] = pace[stage["name"]]
+
+    return mutate
+
+
 def _replica_counts(text: str) -> dict[str, int]:
     return {name: int(count) for name, count in (item.split("=") for item in text.split(",") if item)}
+
+
+def _paces(text: str) -> dict[str, float]:
+    return {name: float(value) for name, value in (item.split("=") for item in text.split(",") if item)}
+
+
+# The accelerator model of --handoff-sweep (seconds per engine step, waited, not computed; README says
+# where the figures come from): thinker per token, talker per codec frame, code2wav per chunk decode.
+H100_PACE = {"thinker": 0.015, "talker": 0.012, "code2wav": 0.02}
 
 
 # name -> (streamed, audio out, image and audio in)
@@ -309,7 +339,24 @@ def main() -> None:
         help="with --start-tiny: fixed replicas per stage, e.g. thinker=1,talker=2,code2wav=1 (default: autoscaling)",
     )
     parser.add_argument("--out", default="benchmarks/results.json")
+    parser.add_argument(
+        "--handoff-sweep",
+        action="store_true",
+        help="with --start-tiny: streamed vs whole thinker->talker handoffs x paced and unpaced stages x "
+        "--reply-tokens x --concurrency, scenario stream-text+audio, one run (no baseline)",
+    )
+    parser.add_argument("--reply-tokens", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument(
+        "--pace",
+        type=_paces,
+        default=H100_PACE,
+        help="the sweep's paced stages: min_step_s per stage, e.g. thinker=0.015,talker=0.012,code2wav=0.02",
+    )
+    parser.add_argument("--sweep-requests", type=int, nargs=2, default=[4, 16], help="requests at C=1 and at C>1")
     args = parser.parse_args()
+    if args.handoff_sweep:
+        handoff_sweep(args)
+        return
 
     rows: list[dict[str, Any]] = []
     started_ray = False
@@ -351,6 +398,73 @@ def main() -> None:
         json.dump(result, f, indent=2)
     print(table(rows))
     print(f"load average at the end (1/5/15 min): {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+
+
+def handoff_sweep(args: argparse.Namespace) -> None:
+    """Streamed vs whole handoffs, paced and unpaced, over reply lengths and concurrencies, in one run."""
+    import ray
+
+    from omni_serve.cli.launch import deploy_graph_file, wait_healthy
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="serve", log_to_driver=False)
+    rows: list[dict[str, Any]] = []
+    port = int(args.url.rsplit(":", 1)[1])
+    try:
+        for pace in (args.pace, {}):
+            for streamed in (True, False):
+                edit = _graph_edit(args.replicas, streamed, pace)
+                deploy_graph_file("tiny_omni.yaml", ray.get_runtime_context().gcs_address, port, edit)
+                wait_healthy(args.url)
+                for tokens in args.reply_tokens:
+                    for concurrency in args.concurrency:
+                        label = f"{'paced' if pace else 'unpaced'} {'streamed' if streamed else 'whole'}"
+                        sc = Scenario(f"{label} {tokens} tok", True, True, concurrency, reply_tokens=tokens)
+                        args.requests = args.sweep_requests[0 if concurrency == 1 else 1]
+                        sc = asyncio.run(run_scenario(args, sc))
+                        row = {**sc.summary(), "paced": bool(pace), "streamed": streamed, "reply_tokens": tokens}
+                        rows.append(row)
+                        print(table([row]).splitlines()[-1], flush=True)
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+    load = os.getloadavg()
+    result = {"args": vars(args), "machine": f"{os.cpu_count()} CPUs", "load_avg_at_end": load, "rows": rows}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(table(rows))
+    print(sweep_targets(rows))
+    print(f"load average at the end (1/5/15 min): {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+
+
+def sweep_targets(rows: list[dict[str, Any]]) -> str:
+    """The issue's targets as ratios of this run's rows."""
+
+    def cell(paced: bool, streamed: bool, tokens: int, c: int, key: str) -> float | None:
+        for r in rows:
+            if (r["paced"], r["streamed"], r["reply_tokens"], r["concurrency"]) == (paced, streamed, tokens, c):
+                return r.get(key)
+        return None
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return "–" if a is None or not b else f"{a / b:.2f}"
+
+    tokens = sorted({r["reply_tokens"] for r in rows})
+    lo, hi = tokens[0], tokens[-1]
+    lines = []
+    for c in sorted({r["concurrency"] for r in rows}):
+        long_ttfa = cell(True, True, hi, c, "ttfa_p50")
+        lines.append(
+            f"C={c}: paced streamed TTFA {hi}/{lo} tok = {ratio(long_ttfa, cell(True, True, lo, c, 'ttfa_p50'))}; "
+            f"paced {hi} tok streamed/whole TTFA = {ratio(long_ttfa, cell(True, False, hi, c, 'ttfa_p50'))}; "
+            f"unpaced streamed/whole throughput = "
+            f"{ratio(cell(False, True, lo, c, 'req_per_s'), cell(False, False, lo, c, 'req_per_s'))}, "
+            f"TTFA = {ratio(cell(False, True, lo, c, 'ttfa_p50'), cell(False, False, lo, c, 'ttfa_p50'))} ({lo} tok)"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

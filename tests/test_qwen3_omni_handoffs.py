@@ -141,8 +141,16 @@ def test_talker_inputs_equal_hf(
     with torch.inference_mode():
         ours = q.build_talker_inputs(payload, model.talker, model.config, q.speaker_id(model.config, "Chelsie"))
     assert ours is not None
-    for name, value in ours.as_kwargs().items():
-        assert torch.equal(value, captured[name]), name
+    for name in ("inputs_embeds", "tts_pad_embed"):
+        assert torch.equal(ours.as_kwargs(q.TrailingText(ours, 1))[name], captured[name]), name
+    # HF's trailing text is the reply's rows then tts_eos; TrailingText adds tts_pad rows for the
+    # steps past it, which is what HF adds there.
+    hf_trailing = captured["trailing_text_hidden"]
+    assert torch.equal(torch.cat((ours.trailing_rows, ours.tts_eos_embed), dim=1), hf_trailing)
+    trailing = q.TrailingText(ours, hf_trailing.shape[1] + 3)
+    trailing.finish()
+    assert torch.equal(trailing.buffer[:, : hf_trailing.shape[1]], hf_trailing)
+    assert torch.equal(trailing.buffer[:, hf_trailing.shape[1] :], captured["tts_pad_embed"].expand(1, 3, -1))
 
 
 def test_speaker_id(model: Any) -> None:

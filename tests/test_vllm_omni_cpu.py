@@ -366,8 +366,8 @@ def test_speech_conditions_the_transformers_talker_on_input(hf_engines) -> None:
         hf_engines["talker"].config,
         q.speaker_id(hf_engines["talker"].config, "ethan"),
     )
-    # The assistant turn's text after its first token is what the talker reads step by step.
-    assert inputs.trailing_text_hidden.shape[1] == len(spoken) - 1
+    # The assistant turn's text after its first token is what the talker reads step by step (then tts_eos).
+    assert inputs.trailing_rows.shape[1] + 1 == len(spoken) - 1
 
 
 # --- cross-check: two independent implementations of the same checkpoint ----------------------

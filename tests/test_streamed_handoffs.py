@@ -221,6 +221,23 @@ def test_a_channel_bounds_what_waits_unread_and_drops_it_when_its_consumer_ends(
     asyncio.run(go())
 
 
+def test_a_consumer_retried_before_its_first_output_reads_every_chunk_again() -> None:
+    async def go() -> None:
+        channels = Channels()
+        await channels.write("k", [0, 1], first=True)
+        assert await channels.take("k") == ([0, 1], False)
+        await channels.write("k", [2])
+        assert channels.rewind("k")  # the replica died before any output: the retry starts over
+        assert await channels.take("k") == ([0, 1, 2], False)
+        channels.ack("k")  # its first output: what it took is freed, no retry from here
+        assert not channels.rewind("k")
+        await channels.write("k", [3], end=True)
+        assert await channels.take("k") == ([3], True)
+        assert not channels.rewind("k")
+
+    asyncio.run(go())
+
+
 def test_a_failed_producer_is_never_a_finished_stream() -> None:
     async def go() -> None:
         channels = Channels()

@@ -8,8 +8,11 @@ yields the first handoff chunk; the rest of the chunks reach that running call t
   two clients, ever share one.
 - **By reference.** The chunks are the producer's stream items, owned by the ingress like every
   handoff; the channel holds their ``ObjectRef`` nested in a list (never resolved) until the
-  consumer takes them, then drops them: a chunk lives until its consumer copied it, or until the
-  consumer call ended (:meth:`Channels.close`), whichever is first.
+  consumer takes them, then drops them: a chunk lives until its consumer copied it (and produced
+  its first output, see below), or until the consumer call ended (:meth:`Channels.close`).
+- **Retried like any call.** Until the consumer's first output the channel keeps what it took, so
+  a consumer whose replica died before producing anything is retried on another replica reading
+  every chunk again (:meth:`Channels.rewind`); its first output frees them (:meth:`Channels.ack`).
 - **Ordered and bounded.** The orchestrator writes one request's chunks in order and waits for
   each write; a write returns only while fewer than :data:`MAX_BUFFERED_CHUNKS` chunks wait
   unread, so a consumer that falls behind holds its producer's chunks back in the producing
@@ -45,6 +48,8 @@ class ProducerFailed(RuntimeError):
 class _Channel:
     def __init__(self) -> None:
         self.items: list[Any] = []
+        self.taken: list[Any] = []  # taken before the consumer's first output: kept for a retry
+        self.acked = False
         self.ended = False
         self.failed: str | None = None
         self.closed = False
@@ -97,8 +102,28 @@ class Channels:
         if channel.failed is not None or channel.closed:
             raise ProducerFailed(channel.failed or "the channel is closed")
         items, channel.items = channel.items, []
+        if not channel.acked:
+            channel.taken.extend(items)
         channel.notify()
         return items, channel.ended
+
+    def ack(self, key: str) -> None:
+        """The consumer produced its first output: what it took is freed, and it will not be retried."""
+        channel = self._channels.get(key)
+        if channel is not None:
+            channel.acked, channel.taken = True, []
+
+    def rewind(self, key: str) -> bool:
+        """The consumer's replica died before its first output: its retry reads every chunk again.
+
+        False when that is no longer possible (the consumer had produced output, or its channel is gone).
+        """
+        channel = self._channels.get(key)
+        if channel is None or channel.acked:
+            return False
+        channel.items, channel.taken = channel.taken + channel.items, []
+        channel.notify()
+        return True
 
     def close(self, key: str) -> None:
         """The consumer call ended: drop what it did not take, and tell a waiting writer to stop."""

@@ -60,8 +60,8 @@ class StageConfig(BaseModel):
         0,
         ge=0,
         description="Debug option for tests and benchmarks: add this many bytes to every handoff the stage yields "
-        "(a tensor no engine reads), so the tiny model moves production-sized handoffs (1-15 MB for Qwen3-Omni's "
-        "thinker). 0 in every shipped graph.",
+        "(a tensor no engine reads; a streamed handoff: to its first chunk), so the tiny model moves "
+        "production-sized handoffs (1-15 MB for Qwen3-Omni's thinker). 0 in every shipped graph.",
     )
 
     @field_validator("name")

@@ -93,10 +93,14 @@ class Stage:
                 request.media = await self._decoded(inputs.media)
             stream = self.engine.generate(request, inputs.handoff)  # aborts its engine work when cancelled
             outputs = coalesced(stream, self._coalesce_interval)
+            padding = self.config.handoff_padding_bytes
             async for output in outputs:
                 self.metrics.output(output)
                 finished = output if output.finished else finished
-                for item in stream_items(output, request.wants_handoff, self.config.handoff_padding_bytes):
+                items = stream_items(output, request.wants_handoff, padding)
+                if request.stream_handoff and len(items) > 1:
+                    padding = 0  # a streamed handoff is padded once, on its first chunk: the same bytes as whole
+                for item in items:
                     self.items += 1
                     yield item
             outcome = _outcome(finished)

@@ -198,13 +198,27 @@ class HandoffFeed:
     async def fail(self, reason: str) -> None:
         await self._write([], failed=reason)
 
-    def close(self) -> None:
-        """The consumer call ended: the channel drops the chunks it did not take (returns at once)."""
+    def ack(self) -> None:
+        """The consumer produced its first output: it will not be retried (returns at once)."""
+        self._tell("ack")
+
+    async def rewind(self) -> bool:
+        """Before a retry: the consumer's next take returns every chunk again (False: not possible)."""
         channels, key = self.reader.channels, self.reader.key
         if isinstance(channels, Channels):
-            channels.close(key)
-        else:
-            channels.close.remote(key)  # fire and forget: nobody waits on the consumer's end
+            return channels.rewind(key)
+        return await channels.rewind.remote(key)
+
+    def close(self) -> None:
+        """The consumer call ended: the channel drops the chunks it did not take (returns at once)."""
+        self._tell("close")
+
+    def _tell(self, method: str) -> None:
+        channels, key = self.reader.channels, self.reader.key
+        if isinstance(channels, Channels):
+            getattr(channels, method)(key)
+        else:  # fire and forget: the channel's methods run in call order, nobody waits on these
+            getattr(channels, method).remote(key)
 
 
 def replica_gone(err: BaseException) -> bool:
@@ -230,8 +244,8 @@ class StageTransport(abc.ABC):
         The outputs' ``handoff`` are :class:`Handoff` objects, valid until the caller asks for the
         next output or closes the stream: pass them on (:meth:`call`, :meth:`HandoffFeed.put`) before
         that. Leaving early (``aclose``) cancels the call. With a :class:`HandoffFeed` (a streamed
-        call, :meth:`feed`) the call reads its chunks from the feed's channel and is never retried:
-        the chunks it took are gone with the replica that took them.
+        call, :meth:`feed`) the call reads its chunks from the feed's channel; its retry reads them
+        again from the first (the channel keeps them until the call's first output).
         """
         if isinstance(handoff, HandoffFeed):
             return self._call(stage, request, None, handoff)
@@ -268,6 +282,8 @@ class StageTransport(abc.ABC):
                     # aclosing: a caller that leaves closes this try at once, which cancels the call.
                     async with contextlib.aclosing(self._attempt(stage, wire)) as outputs:
                         async for output in outputs:
+                            if feed is not None and not produced:
+                                feed.ack()
                             produced = True
                             if output.handoff is not None:
                                 output.handoff = Handoff(output.handoff)
@@ -276,7 +292,7 @@ class StageTransport(abc.ABC):
                                 output.handoff.release()
                     return
                 except Exception as err:
-                    if attempt == 1 and not produced and feed is None and replica_gone(err):
+                    if attempt == 1 and not produced and replica_gone(err) and (feed is None or await feed.rewind()):
                         logger.warning(
                             "request %s: stage %s replica lost before any output (%s); retrying once",
                             request.request_id,

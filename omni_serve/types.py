@@ -194,6 +194,10 @@ class StageRequest:
     # The messages' media, fetched and decoded (omni_serve.media.inputs) inside the entry stage replica
     # before its engine runs, in message order. Never sent across deployments.
     media: list[Any] | None = None
+    # A streamed call (its stage's ``stream_input``): the upstream's handoff chunks in this replica, in
+    # order as they come (an AsyncIterator[HandoffPayload]); the engine gets no ``handoff`` then. Set by
+    # the stage (omni_serve.graph.transport.receive), never sent across deployments.
+    handoff_stream: Any = None
 
 
 @dataclass

@@ -92,7 +92,10 @@ def speak(engines: dict[str, StageEngine], handoff: Any, max_frames: int = 40) -
 
     async def go() -> tuple[list[HandoffPayload], Any]:
         request = StageRequest("k", SamplingParams(**TALK, max_tokens=max_frames))
-        outs = [o async for o in engines["talker"].generate(request, handoff)]
+        whole = handoff if isinstance(handoff, HandoffPayload) else None
+        if whole is None:  # a stream of chunks, as the stage hands it to the engine
+            request.handoff_stream = handoff
+        outs = [o async for o in engines["talker"].generate(request, whole)]
         chunks = [o.handoff for o in outs if o.handoff is not None]
         audio = []
         for i, chunk in enumerate(chunks):
@@ -138,11 +141,11 @@ def test_a_talker_ahead_of_its_thinker_waits_for_the_next_row(engines) -> None:
             yield chunk
 
     async def go() -> tuple[int, list[StageOutput]]:
-        request = StageRequest("w", SamplingParams(**TALK, max_tokens=30))
+        request = StageRequest("w", SamplingParams(**TALK, max_tokens=30), handoff_stream=stalled())
         outs: list[StageOutput] = []
 
         async def collect() -> None:
-            async for o in engines["talker"].generate(request, stalled()):
+            async for o in engines["talker"].generate(request, None):
                 outs.append(o)
 
         task = asyncio.create_task(collect())
@@ -162,8 +165,9 @@ def test_a_thinker_that_fails_mid_reply_fails_the_talker_call(engines) -> None:
     chunks = [o.handoff for o in thinker_outputs(engines, streamed=True, tokens=30) if o.handoff is not None]
 
     async def go() -> list[StageOutput]:
-        request = StageRequest("f", SamplingParams(**TALK, max_tokens=40))
-        return [o async for o in engines["talker"].generate(request, paced(chunks, 0.01, fail_after=12))]
+        chunks_then_failure = paced(chunks, 0.01, fail_after=12)
+        request = StageRequest("f", SamplingParams(**TALK, max_tokens=40), handoff_stream=chunks_then_failure)
+        return [o async for o in engines["talker"].generate(request, None)]
 
     with pytest.raises(EngineError):
         asyncio.run(go())

@@ -703,14 +703,12 @@ class TalkerEngine(_HFEngine):
     def voices(self) -> list[str]:
         return qwen3_omni.speakers(self.config)
 
-    async def stream(
-        self, request: StageRequest, handoff: HandoffPayload | AsyncIterator[HandoffPayload] | None
-    ) -> AsyncIterator[StageOutput]:
+    async def stream(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]:
         try:
             speaker = qwen3_omni.speaker_id(self.config, request.voice, self.args.default_voice)
         except KeyError as exc:
             raise InvalidStageInput(f"stage {self.stage_name}: {exc.args[0]}", "voice") from None
-        chunks = None if handoff is None or isinstance(handoff, HandoffPayload) else handoff
+        chunks: AsyncIterator[HandoffPayload] | None = request.handoff_stream  # a streamed call
         first = await anext(chunks, None) if chunks is not None else handoff
         if first is None or first.kind != qwen3_omni.THINKER2TALKER:
             raise InvalidStageInput(f"stage {self.stage_name}: the talker needs a {qwen3_omni.THINKER2TALKER} handoff")

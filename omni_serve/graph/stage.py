@@ -91,7 +91,10 @@ class Stage:
             inputs = await receive(request)
             if inputs.media:
                 request.media = await self._decoded(inputs.media)
-            stream = self.engine.generate(request, inputs.handoff)  # aborts its engine work when cancelled
+            handoff = inputs.handoff
+            if handoff is not None and not isinstance(handoff, HandoffPayload):  # a streamed call's chunks
+                request.handoff_stream, handoff = handoff, None
+            stream = self.engine.generate(request, handoff)  # aborts its engine work when cancelled
             outputs = coalesced(stream, self._coalesce_interval)
             padding = self.config.handoff_padding_bytes
             async for output in outputs:

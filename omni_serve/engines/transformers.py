@@ -31,8 +31,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from omni_serve.engines.base import StageEngine, engine_for_role
-from omni_serve.engines.pacing import StepPacer, min_step_field
 from omni_serve.models import qwen3_omni
+from omni_serve.pacing import StepPacer, min_step_field
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import (
     EngineDeadError,
@@ -72,7 +72,7 @@ class TransformersEngineArgs(BaseModel):
     codec_left_context_frames: int = Field(
         25, ge=0, description="Frames before each chunk it carries for code2wav's context (>= 1 keeps joins seamless)."
     )
-    min_step_s: float = min_step_field()  # omni_serve.engines.pacing
+    min_step_s: float = min_step_field()  # omni_serve.pacing
     mm_processor_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Thinker: keyword arguments for every call of the checkpoint's processor on media (as vLLM's "
@@ -353,7 +353,7 @@ def _stopping(
             pacer.step_done()
             if before_next is not None:
                 before_next()
-                pacer.restart()
+                pacer.step_started()
             stop = cancelled.is_set() or (extra is not None and extra())
             return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 

@@ -20,10 +20,11 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from omni_serve.engines.base import StageEngine
 from omni_serve.engines.scheduler import SchedulerSnapshot
+from omni_serve.pacing import engine_config, min_step_field
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import (
     SAMPLING_EXTENSIONS,
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("ray.serve")
 
 TINY_MODEL = "tiny-qwen3"
+# Step pacing's worker and executor (omni_serve.platforms.paced_worker), named without importing vLLM.
+PACED_CPU_WORKER = "omni_serve.platforms.paced_worker.PacedCPUWorker"
+PACED_EXECUTOR = "omni_serve.platforms.paced_worker.PacedMultiprocExecutor"
 
 
 class EngineArgs(BaseModel):
@@ -90,6 +94,7 @@ class EngineArgs(BaseModel):
     enable_prefix_caching: bool | None = Field(None, description="Reuse KV blocks of shared prompt prefixes.")
     seed: int | None = Field(None, description="Engine seed (requests without a seed draw from it).")
     trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint.")
+    min_step_s: float = min_step_field()  # omni_serve.pacing; paced in the EngineCore's worker
     extra_engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Other vllm.AsyncEngineArgs fields, passed verbatim (names checked against vLLM at start).",
@@ -113,11 +118,29 @@ class EngineArgs(BaseModel):
             raise ValueError("distributed_executor_backend 'ray' loses the replica's placement group; use 'mp'")
         return extra
 
+    @model_validator(mode="after")
+    def _pacing_owns_the_worker(self) -> EngineArgs:
+        if self.min_step_s and "worker_cls" in self.extra_engine_args:
+            raise ValueError("min_step_s paces the engine in omni_serve's own worker class: drop worker_cls")
+        return self
+
     def vllm_kwargs(self, model_path: str) -> dict[str, Any]:
-        """Keyword arguments of ``vllm.AsyncEngineArgs``; unset optional fields are left to vLLM."""
-        typed = self.model_dump(exclude={"model", "chat_template", "extra_engine_args"}, exclude_none=True)
+        """Keyword arguments of ``vllm.AsyncEngineArgs``; unset optional fields are left to vLLM.
+
+        ``min_step_s`` becomes vLLM's CPU worker with step pacing (``worker_cls``) under vLLM's ``mp``
+        executor made not to spin while it waits (the CPU platform's executor anyway), the value
+        travelling to the EngineCore process in ``additional_config`` (:mod:`omni_serve.platforms.paced`).
+        """
+        typed = self.model_dump(
+            exclude={"model", "chat_template", "extra_engine_args", "min_step_s"}, exclude_none=True
+        )
+        kwargs = {"model": model_path, "disable_log_stats": True, **typed, **self.extra_engine_args}
+        if self.min_step_s:
+            kwargs["worker_cls"] = PACED_CPU_WORKER
+            kwargs["distributed_executor_backend"] = PACED_EXECUTOR
+            kwargs["additional_config"] = engine_config(self.min_step_s, kwargs.get("additional_config"))
         # Per-step stat logging is off; a stat logger of our own still receives scheduler stats.
-        return {"model": model_path, "disable_log_stats": True, **typed, **self.extra_engine_args}
+        return kwargs
 
 
 # ---- pure mapping: omni_serve <-> vLLM ---------------------------------------------------------------
@@ -186,6 +209,7 @@ class VLLMEngine(StageEngine):
     async def start(self) -> None:
         import vllm
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         model = self.args.model
@@ -194,6 +218,11 @@ class VLLMEngine(StageEngine):
 
             model = str(await asyncio.to_thread(ensure_tiny_qwen3))
         kwargs = self.args.vllm_kwargs(model)
+        if self.args.min_step_s and not current_platform.is_cpu():
+            raise ValueError(
+                "engine_args.min_step_s: step pacing models an accelerator on a CPU machine; it runs on vLLM's CPU "
+                f"platform only (this replica has {current_platform.device_name})"
+            )
         known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

@@ -36,6 +36,8 @@ a full forward (the default request mode) runs to its end and the result is disc
 with ``step_execution: true`` the engine schedules one denoising step at a time and an
 abort takes effect at the next step. Qwen-Image does not implement vLLM-Omni's
 cooperative in-forward cancellation (``supports_request_cancellation``).
+Step pacing (``min_step_s``, :mod:`omni_serve.pacing`) needs that mode too: each scheduled
+denoising step then takes at least ``min_step_s`` in the engine's model runner.
 
 ``stats()`` reports ``waiting`` (submitted, not yet admitted by the diffusion scheduler)
 and ``running`` (admitted), from the engine's request-started events
@@ -61,6 +63,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from omni_serve.engines.base import StageEngine
 from omni_serve.engines.diffusers import prompt_of
 from omni_serve.models import image_params
+from omni_serve.pacing import engine_config, min_step_field
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import EngineError, FinishReason, ImageParams, InvalidStageInput, StageOutput, StageRequest
 
@@ -70,6 +73,8 @@ logger = logging.getLogger("ray.serve")
 SIZE_MULTIPLE = 16
 # The pipeline classes (model_index.json ``_class_name``) whose request mapping this family implements.
 QWEN_IMAGE_PIPELINES = frozenset({"QwenImagePipeline"})
+# omni_serve.platforms.paced_diffusion.PacedDiffusionModelRunner, named without importing vLLM-Omni.
+PACED_DIFFUSION_RUNNER = "omni_serve.platforms.paced_diffusion.PacedDiffusionModelRunner"
 
 
 class ParallelArgs(BaseModel):
@@ -164,9 +169,14 @@ class EngineArgs(BaseModel):
     max_pixels: int = Field(2048 * 2048, ge=256, description="Largest width * height a request may ask for.")
     max_inference_steps: int = Field(100, ge=1, description="Most denoising steps a request may ask for.")
     max_images: int = Field(4, ge=1, description="Most images (n) per request.")
+    min_step_s: float = min_step_field()  # omni_serve.pacing; per scheduled denoising step (needs step_execution)
 
     @model_validator(mode="after")
     def _check(self) -> EngineArgs:
+        if self.min_step_s and not self.step_execution:
+            raise ValueError(
+                "min_step_s paces the denoising steps the engine schedules one at a time: set step_execution: true"
+            )
         for name in ("default_width", "default_height"):
             if getattr(self, name) % SIZE_MULTIPLE:
                 raise ValueError(f"{name}: must be a multiple of {SIZE_MULTIPLE}")
@@ -185,7 +195,16 @@ def create(stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
 
 
 def diffusion_config_kwargs(args: EngineArgs) -> dict[str, Any]:
-    """``OmniDiffusionConfig.from_kwargs`` arguments for this stage."""
+    """``OmniDiffusionConfig.from_kwargs`` arguments for this stage.
+
+    ``min_step_s``: vLLM-Omni's model-runner override names omni_serve's paced runner, and the
+    value reaches it in ``additional_config`` (:mod:`omni_serve.platforms.paced`).
+    """
+    pacing = (
+        {"diffusion_model_runner_cls": PACED_DIFFUSION_RUNNER, "additional_config": engine_config(args.min_step_s)}
+        if args.min_step_s
+        else {}
+    )
     return {
         "model": args.model,
         "revision": args.revision,
@@ -202,6 +221,7 @@ def diffusion_config_kwargs(args: EngineArgs) -> dict[str, Any]:
         "enable_layerwise_offload": args.enable_layerwise_offload,
         "vae_use_slicing": args.vae_use_slicing,
         "vae_use_tiling": args.vae_use_tiling,
+        **pacing,
     }
 
 

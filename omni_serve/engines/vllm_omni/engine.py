@@ -116,6 +116,11 @@ class VllmOmniEngine(StageEngine):
         metadata = extract_legacy_stage_metadata(cfg)
         engine_args = build_engine_args_dict(cfg, model)
         vllm_config, executor_class = build_vllm_config(cfg, model, engine_args_dict=engine_args)
+        if self.args.min_step_s:
+            self._check_pacing(vllm_config)
+            from omni_serve.platforms.paced_worker import paced_executor
+
+            executor_class = paced_executor(executor_class)
         # The EngineCore's readiness handshake runs when launch_stage_replica's context exits, and the
         # client's constructor waits for a ready engine: the client must be made after leaving the
         # context, as vLLM-Omni's StageRuntime does (creating it inside deadlocks every stage start).
@@ -140,6 +145,22 @@ class VllmOmniEngine(StageEngine):
                 manager.shutdown()
             raise
         self._vllm_config = vllm_config
+
+    def _check_pacing(self, vllm_config: Any) -> None:
+        """``min_step_s`` is honoured by omni_serve's CPU workers (the platform's); refuse it where they do not run."""
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+
+        from omni_serve.pacing import configured_min_step
+        from omni_serve.platforms.paced import PacedSteps
+
+        worker = vllm_config.parallel_config.worker_cls
+        if not issubclass(resolve_obj_by_qualname(worker), PacedSteps):
+            raise EngineError(
+                f"stage {self.stage_name}: engine_args.min_step_s: step pacing models an accelerator on a CPU "
+                f"machine and runs in omni_serve's CPU platform workers; this stage's worker is {worker}"
+            )
+        if configured_min_step(vllm_config.additional_config) != self.args.min_step_s:  # stage_config() put it there
+            raise EngineError(f"stage {self.stage_name}: vLLM-Omni dropped engine.additional_config (step pacing)")
 
     def shutdown(self) -> None:
         """Stop the output loop and the EngineCore process."""

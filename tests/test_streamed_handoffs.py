@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterator
@@ -25,7 +26,7 @@ from omni_serve.engines import transformers as te
 from omni_serve.engines.base import StageEngine
 from omni_serve.graph.channel import MAX_BUFFERED_CHUNKS, Channels, ProducerFailed
 from omni_serve.graph.config import GraphConfig, GraphConfigError, load_graph
-from omni_serve.graph.orchestrator import OmniRequest, Orchestrator, StageFailed
+from omni_serve.graph.orchestrator import MAX_BUFFERED_OUTPUTS, OmniRequest, Orchestrator, StageFailed
 from omni_serve.graph.transport import CHANNELS_ACTOR_PREFIX, StageTransport
 from omni_serve.models import qwen3_omni as q
 from omni_serve.payload import HandoffPayload
@@ -345,6 +346,32 @@ def test_a_talker_that_ends_early_stops_the_feed() -> None:
     outputs = walk(stages)  # the thinker finishes; its later chunks are dropped, not queued
     assert stages.talker_read == [0, 1] and stages.thinker_outputs == 6
     assert outputs and stages._channels().open_channels() == 0
+
+
+def test_a_client_that_reads_slowly_holds_its_request_back_instead_of_buffering_it() -> None:
+    """What the walk buffers for one request is bounded (MAX_BUFFERED_OUTPUTS per queue, channel bound)."""
+    stages = StreamingFakes(words=400)
+    request = OmniRequest(
+        request_id="slow",
+        modalities={Modality.TEXT, Modality.AUDIO},
+        sampling={s.name: SamplingParams() for s in GRAPH.stages},
+        messages=HELLO,
+    )
+
+    async def go() -> tuple[int, int]:
+        read = 0
+        async with contextlib.aclosing(Orchestrator(GRAPH, stages).run(request)) as outputs:
+            async for _ in outputs:
+                read += 1
+                if read == 5:
+                    await asyncio.sleep(1.5)  # the client stops reading; the thinker could make all 400 meanwhile
+                    return read, stages.thinker_outputs
+        return read, stages.thinker_outputs
+
+    read, produced = asyncio.run(go())
+    # The merge queue (16), one code2wav sink (16) and the outputs in hand: the thinker is held back
+    # at a few dozen outputs past what the client read, not 400.
+    assert produced <= read + 3 * MAX_BUFFERED_OUTPUTS, f"{produced} thinker outputs made, {read} read"
 
 
 # ---- graph level (Ray, HTTP) ---------------------------------------------------------------------

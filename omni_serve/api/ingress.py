@@ -35,7 +35,7 @@ from omni_serve.api import playground
 from omni_serve.api.auth import check_auth
 from omni_serve.api.errors import from_failure, stage_bad_request
 from omni_serve.api.http import check_content_type, parse_json_object, read_body
-from omni_serve.api.openai.chat import ChatCompletionRequest, ChatReply
+from omni_serve.api.openai.chat import ChatCompletionRequest, ChatReply, StreamOptions
 from omni_serve.api.openai.errors import APIError, bad_request, from_validation, http_exception_handler
 from omni_serve.api.openai.images import ImageGenerationRequest, ImagesReply
 from omni_serve.api.openai.messages import MediaRules
@@ -267,13 +267,15 @@ class Ingress:
             voice=voice,
             return_prompt_text=bool(body.return_prompt_text),
         )
+        stream_options = body.stream_options or StreamOptions()
         reply = ChatReply(
             omni.request_id,
             self.graph.served_model_name,
             modalities,
             body.audio.container if body.audio else "wav",
             self.text_stage,
-            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            include_usage=stream_options.include_usage,
+            usage_on_every_chunk=stream_options.usage_on_every_chunk,
             prompt_text=omni.return_prompt_text,
         )
         return await self.serving.respond(omni, "chat", reply, stream=body.stream)

@@ -5,6 +5,10 @@ Audio in a stream: every audio chunk is its own SSE chunk with ``modality: "audi
 self-contained file in the requested format (a whole WAV/MP3/... per chunk, or raw 16-bit
 PCM for ``pcm16``, which is what OpenAI's own streaming audio sends). When text was not
 asked for, the text stage's deltas travel as ``delta.audio.transcript``, as OpenAI does.
+
+Usage in a stream, as vLLM's server does it: ``stream_options.include_usage`` adds a last chunk
+with ``choices: []``; ``continuous_usage_stats`` (only with ``include_usage``) puts the text stage's
+usage so far on every chunk, the role chunk counting the prompt and nothing generated.
 """
 
 from __future__ import annotations
@@ -40,7 +44,15 @@ class AudioOptions(_Strict):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool = Field(False, description="A last chunk (choices: []) with the request's usage.")
+    continuous_usage_stats: bool = Field(
+        False, description="vLLM's: every chunk also carries the usage so far; only together with include_usage."
+    )
+
+    @property
+    def usage_on_every_chunk(self) -> bool:
+        """vLLM's rule (``should_include_usage``): continuous usage needs ``include_usage`` too, else it is ignored."""
+        return self.include_usage and self.continuous_usage_stats
 
 
 class ChatCompletionRequest(_Strict):
@@ -188,7 +200,8 @@ class ChatResult:
     """The merged final outputs of one request.
 
     Usage and finish reason are the text stage's (the one whose ``final_output`` is text),
-    whether or not text was asked for; a graph without one finishes with ``stop``.
+    whether or not text was asked for; a graph without one finishes with ``stop``. ``usage`` is
+    the text stage's latest count: its outputs carry the usage so far, the finished one the total.
     """
 
     text_stage: str | None
@@ -208,12 +221,14 @@ class ChatResult:
             self.sample_rate = self.sample_rate or output.sample_rate
         self.images.extend(output.images)
         self.prompt_text = self.prompt_text or output.prompt_text
-        if output.stage == self.text_stage and output.finished:
+        if output.stage != self.text_stage:
+            return
+        if output.usage:
+            self.usage = output.usage
+        if output.finished:
             # The orchestrator never relays an aborted call as a finished output.
             assert output.finish_reason is not FinishReason.ABORT, "an aborted stage call reached the reply"
             self.finish_reason = output.finish_reason or FinishReason.STOP
-            if output.usage:
-                self.usage = output.usage
 
 
 def usage_json(usage: Usage) -> dict[str, int]:
@@ -271,6 +286,7 @@ def chunk(
     *,
     finish_reason: FinishReason | None = None,
     modality: Modality | None = None,
+    usage: Usage | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "id": f"chatcmpl-{request_id}",
@@ -281,6 +297,8 @@ def chunk(
     }
     if modality is not None:
         body["modality"] = modality.value
+    if usage is not None:
+        body["usage"] = usage_json(usage)
     return body
 
 
@@ -318,7 +336,8 @@ class ChatReply:
     modalities: set[Modality]
     audio_format: AudioFormat
     text_stage: str | None
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the usage (stream_options.include_usage)
+    usage_on_every_chunk: bool = False  # vLLM's continuous_usage_stats (StreamOptions.usage_on_every_chunk)
     prompt_text: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     media_type = "text/event-stream"
@@ -343,8 +362,16 @@ class ChatReply:
     async def stream(self, outputs: AsyncIterator[StageOutput]) -> AsyncIterator[str]:
         request_id, model, created, modalities = self.request_id, self.model, self.created, self.modalities
         result = ChatResult(self.text_stage)
+
+        def event(delta: dict[str, Any], modality: Modality | None = None, finish: FinishReason | None = None) -> str:
+            usage = result.usage if self.usage_on_every_chunk else None
+            return sse(chunk(request_id, model, created, delta, finish_reason=finish, modality=modality, usage=usage))
+
         first = await anext(outputs, None)
-        opening = chunk(request_id, model, created, {"role": "assistant", "content": ""})
+        counted = first.usage if first and first.stage == self.text_stage and first.usage else Usage()
+        # As vLLM's first chunk: the prompt counted, nothing generated yet.
+        usage = Usage(prompt_tokens=counted.prompt_tokens) if self.usage_on_every_chunk else None
+        opening = chunk(request_id, model, created, {"role": "assistant", "content": ""}, usage=usage)
         if self.prompt_text:  # vLLM's field, on the first chunk only
             opening["prompt_text"] = first.prompt_text if first else None
         yield sse(opening)
@@ -352,20 +379,17 @@ class ChatReply:
         while item is not None:
             result.add(item)
             if item.text and Modality.TEXT in modalities:
-                yield sse(chunk(request_id, model, created, {"content": item.text}, modality=Modality.TEXT))
+                yield event({"content": item.text}, Modality.TEXT)
             elif item.text and Modality.AUDIO in modalities:  # audio only: the text is its transcript
-                delta = transcript_delta(request_id, item.text)
-                yield sse(chunk(request_id, model, created, delta, modality=Modality.AUDIO))
+                yield event(transcript_delta(request_id, item.text), Modality.AUDIO)
             if item.audio is not None:
-                delta = audio_delta(request_id, item, self.audio_format)
-                yield sse(chunk(request_id, model, created, delta, modality=Modality.AUDIO))
+                yield event(audio_delta(request_id, item, self.audio_format), Modality.AUDIO)
             if item.images:  # content parts, as in the non-streamed message
                 from omni_serve.api.openai.images import content_parts
 
-                delta = {"content": content_parts(item.images)}
-                yield sse(chunk(request_id, model, created, delta, modality=Modality.IMAGE))
+                yield event({"content": content_parts(item.images)}, Modality.IMAGE)
             item = await anext(outputs, None)
-        yield sse(chunk(request_id, model, created, {}, finish_reason=result.finish_reason))
+        yield event({}, finish=result.finish_reason)
         if self.include_usage:
             yield sse(usage_chunk(request_id, model, created, result.usage))
         yield sse("[DONE]")

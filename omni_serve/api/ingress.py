@@ -48,6 +48,7 @@ from omni_serve.graph.metrics import RequestMetrics
 from omni_serve.graph.orchestrator import OmniRequest, Orchestrator, StageFailed
 from omni_serve.graph.readiness import ServeView
 from omni_serve.graph.stage import Stage
+from omni_serve.graph.stage_log import StageLog
 from omni_serve.graph.transport import LocalStage, RemoteStages, StageTransport
 from omni_serve.media import inputs as media_input
 from omni_serve.payload import payload_loads
@@ -254,11 +255,13 @@ class Ingress:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
+        arrived = time.perf_counter()  # vLLM-Omni's stage timings count from the request's arrival
         body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
         modalities = self._modalities(body)
         messages = self._chat_messages(body)
         voice = await self._voice(*body.requested_voice()) if Modality.AUDIO in modalities else None
+        stage_log = StageLog(self.graph, start=arrived) if body.return_stage_metrics else None
         omni = self._omni_request(
             request,
             modalities=modalities,
@@ -266,6 +269,7 @@ class Ingress:
             messages=messages,
             voice=voice,
             return_prompt_text=bool(body.return_prompt_text),
+            stage_log=stage_log,
         )
         stream_options = body.stream_options or StreamOptions()
         reply = ChatReply(
@@ -277,6 +281,7 @@ class Ingress:
             include_usage=stream_options.include_usage,
             usage_on_every_chunk=stream_options.usage_on_every_chunk,
             prompt_text=omni.return_prompt_text,
+            stage_log=stage_log,
         )
         return await self.serving.respond(omni, "chat", reply, stream=body.stream)
 

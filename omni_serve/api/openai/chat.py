@@ -9,6 +9,9 @@ asked for, the text stage's deltas travel as ``delta.audio.transcript``, as Open
 Usage in a stream, as vLLM's server does it: ``stream_options.include_usage`` adds a last chunk
 with ``choices: []``; ``continuous_usage_stats`` (only with ``include_usage``) puts the text stage's
 usage so far on every chunk, the role chunk counting the prompt and nothing generated.
+
+vLLM-Omni's ``return_stage_metrics`` adds its ``metrics`` object (:mod:`.stage_metrics`) to every chunk
+after the role chunk and to the non-streamed response.
 """
 
 from __future__ import annotations
@@ -17,15 +20,19 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from pydantic import Field, field_validator, model_validator
 
 from omni_serve.api.openai.errors import APIError, bad_request
 from omni_serve.api.openai.messages import MediaRules, Message, MMProcessorKwargs, _Strict
+from omni_serve.api.openai.stage_metrics import metrics_json
 from omni_serve.media.encode import EMPTY_AUDIO_SAMPLE_RATE, AudioFormat, b64, encode_audio
 from omni_serve.types import SAMPLING_EXTENSIONS, ChatMessage, FinishReason, Modality, StageOutput, Usage
+
+if TYPE_CHECKING:
+    from omni_serve.graph.stage_log import StageLog
 
 # Generation lengths above this are refused outright (stages also cap at their context).
 MAX_TOKENS_LIMIT = 1 << 20
@@ -96,6 +103,9 @@ class ChatCompletionRequest(_Strict):
     voice: str | None = Field(None, description="The voice, as vLLM-Omni accepts it at the top level.")
     speaker: str | None = Field(None, description="vLLM-Omni's name for voice.")
     return_prompt_text: bool | None = Field(None, description="Add the templated prompt as 'prompt_text'.")
+    return_stage_metrics: bool | None = Field(
+        None, description="vLLM-Omni's: per-stage metrics as 'metrics' on the response and on every streamed chunk."
+    )
     mm_processor_kwargs: MMProcessorKwargs | None = None
     # Accepted for vLLM-Omni clients; they do not change this graph's output: vLLM-Omni's Qwen3-Omni
     # path drops language and instructions too (they are read by its TTS-model paths).
@@ -212,8 +222,10 @@ class ChatResult:
     finish_reason: FinishReason = FinishReason.STOP
     usage: Usage = field(default_factory=Usage)
     prompt_text: str | None = None
+    last_stage: str | None = None  # the stage of the latest output
 
     def add(self, output: StageOutput) -> None:
+        self.last_stage = output.stage
         if output.text:
             self.text.append(output.text)
         if output.audio is not None:
@@ -339,6 +351,8 @@ class ChatReply:
     include_usage: bool = False  # a last chunk with the usage (stream_options.include_usage)
     usage_on_every_chunk: bool = False  # vLLM's continuous_usage_stats (StreamOptions.usage_on_every_chunk)
     prompt_text: bool = False
+    # vLLM-Omni's return_stage_metrics: the log the orchestrator records this request's stages into.
+    stage_log: StageLog | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     media_type = "text/event-stream"
 
@@ -349,7 +363,7 @@ class ChatReply:
         result = ChatResult(self.text_stage)
         async for item in outputs:
             result.add(item)
-        return completion(
+        body = completion(
             self.request_id,
             self.model,
             self.created,
@@ -358,6 +372,9 @@ class ChatReply:
             self.audio_format,
             prompt_text=self.prompt_text,
         )
+        if self.stage_log is not None:
+            body["metrics"] = metrics_json(self.stage_log, result.last_stage)
+        return body
 
     async def stream(self, outputs: AsyncIterator[StageOutput]) -> AsyncIterator[str]:
         request_id, model, created, modalities = self.request_id, self.model, self.created, self.modalities
@@ -365,7 +382,8 @@ class ChatReply:
 
         def event(delta: dict[str, Any], modality: Modality | None = None, finish: FinishReason | None = None) -> str:
             usage = result.usage if self.usage_on_every_chunk else None
-            return sse(chunk(request_id, model, created, delta, finish_reason=finish, modality=modality, usage=usage))
+            body = chunk(request_id, model, created, delta, finish_reason=finish, modality=modality, usage=usage)
+            return sse(self._with_metrics(body, result))
 
         first = await anext(outputs, None)
         counted = first.usage if first and first.stage == self.text_stage and first.usage else Usage()
@@ -391,8 +409,14 @@ class ChatReply:
             item = await anext(outputs, None)
         yield event({}, finish=result.finish_reason)
         if self.include_usage:
-            yield sse(usage_chunk(request_id, model, created, result.usage))
+            yield sse(self._with_metrics(usage_chunk(request_id, model, created, result.usage), result))
         yield sse("[DONE]")
+
+    def _with_metrics(self, body: dict[str, Any], result: ChatResult) -> dict[str, Any]:
+        """``body`` with vLLM-Omni's ``metrics`` as of now, when the request asked for them."""
+        if self.stage_log is not None:
+            body["metrics"] = metrics_json(self.stage_log, result.last_stage)
+        return body
 
     def in_band_error(self, error: APIError) -> str:
         """Headers are gone: the same error object as a JSON error, in band, and no ``[DONE]``, so

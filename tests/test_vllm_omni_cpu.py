@@ -259,6 +259,9 @@ def test_one_engine_takes_two_live_calls_with_one_request_id(graph) -> None:
         first, second = (c.result(timeout=120) for c in calls)
     assert [t for o in first for t in o.token_ids] == [t for o in second for t in o.token_ids]
     assert first[-1].usage.completion_tokens == second[-1].usage.completion_tokens == 200
+    for outputs in (first, second):  # each output (coalesced ones too) counts the tokens so far
+        counts = [len(o.token_ids) for o in outputs]
+        assert [o.usage.completion_tokens for o in outputs] == [sum(counts[: i + 1]) for i in range(len(counts))]
 
 
 # --- engine state --------------------------------------------------------------------------

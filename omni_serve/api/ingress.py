@@ -35,7 +35,7 @@ from omni_serve.api import playground
 from omni_serve.api.auth import check_auth
 from omni_serve.api.errors import from_failure, stage_bad_request
 from omni_serve.api.http import check_content_type, parse_json_object, read_body
-from omni_serve.api.openai.chat import ChatCompletionRequest, ChatReply
+from omni_serve.api.openai.chat import ChatCompletionRequest, ChatReply, StreamOptions
 from omni_serve.api.openai.errors import APIError, bad_request, from_validation, http_exception_handler
 from omni_serve.api.openai.images import ImageGenerationRequest, ImagesReply
 from omni_serve.api.openai.messages import MediaRules
@@ -48,6 +48,7 @@ from omni_serve.graph.metrics import RequestMetrics
 from omni_serve.graph.orchestrator import OmniRequest, Orchestrator, StageFailed
 from omni_serve.graph.readiness import ServeView
 from omni_serve.graph.stage import Stage
+from omni_serve.graph.stage_log import StageLog
 from omni_serve.graph.transport import LocalStage, RemoteStages, StageTransport
 from omni_serve.media import inputs as media_input
 from omni_serve.payload import payload_loads
@@ -254,11 +255,13 @@ class Ingress:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
+        arrived = time.perf_counter()  # vLLM-Omni's stage timings count from the request's arrival
         body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
         modalities = self._modalities(body)
         messages = self._chat_messages(body)
         voice = await self._voice(*body.requested_voice()) if Modality.AUDIO in modalities else None
+        stage_log = StageLog(self.graph, start=arrived) if body.return_stage_metrics else None
         omni = self._omni_request(
             request,
             modalities=modalities,
@@ -266,15 +269,19 @@ class Ingress:
             messages=messages,
             voice=voice,
             return_prompt_text=bool(body.return_prompt_text),
+            stage_log=stage_log,
         )
+        stream_options = body.stream_options or StreamOptions()
         reply = ChatReply(
             omni.request_id,
             self.graph.served_model_name,
             modalities,
             body.audio.container if body.audio else "wav",
             self.text_stage,
-            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            include_usage=stream_options.include_usage,
+            usage_on_every_chunk=stream_options.usage_on_every_chunk,
             prompt_text=omni.return_prompt_text,
+            stage_log=stage_log,
         )
         return await self.serving.respond(omni, "chat", reply, stream=body.stream)
 

@@ -484,16 +484,23 @@ class ThinkerEngine(_HFEngine):
 
         async with contextlib.aclosing(self._run(request.request_id, job)) as batches:
             async for batch in batches:
-                text = "".join(item[1] for item in batch if item[0] == "delta")
-                token_ids = [t for item in batch if item[0] == "delta" for t in item[2]]
+                deltas = [item for item in batch if item[0] == "delta"]
+                text = "".join(item[1] for item in deltas)
+                token_ids = [t for item in deltas for t in item[2]]
                 prompt = next((item[1] for item in batch if item[0] == "prompt"), None)
                 final = next((item for item in batch if item[0] == "final"), None)
                 # Streamed handoff: the rows this batch's steps ran, one chunk per output.
                 chunks = [item[1] for item in batch if item[0] == "rows"]
                 chunk = qwen3_omni.merge_thinker_chunks(chunks) if chunks else None
                 if final is None:
+                    usage = next((item[-1] for item in reversed(batch) if item[0] in ("delta", "prompt")), None)
                     yield StageOutput(
-                        stage=self.stage_name, text=text, token_ids=token_ids, prompt_text=prompt, handoff=chunk
+                        stage=self.stage_name,
+                        text=text,
+                        token_ids=token_ids,
+                        prompt_text=prompt,
+                        usage=usage,
+                        handoff=chunk,
                     )
                 else:
                     _, tail, reason, usage, payload = final
@@ -547,8 +554,9 @@ class ThinkerEngine(_HFEngine):
                 f"{self.context_len} tokens and generation needs at least one more",
                 "input" if request.reply is not None else "messages",
             )
+        # Every item but the final carries the usage so far (the final, the total).
         if request.return_prompt_text:
-            emit(("prompt", self.tokenizer.decode(input_ids[0], skip_special_tokens=False)))
+            emit(("prompt", self.tokenizer.decode(input_ids[0], skip_special_tokens=False), Usage(prompt_len)))
 
         if request.reply is not None:
             self._speak(request, input_ids, emit)
@@ -569,7 +577,8 @@ class ThinkerEngine(_HFEngine):
                     return
                 token = int(value.reshape(-1)[0])
                 generated.append(token)
-                emit(("delta", text.add(token), [token]))
+                so_far = Usage(prompt_tokens=prompt_len, completion_tokens=len(generated))
+                emit(("delta", text.add(token), [token], so_far))
 
             def end(self) -> None:
                 pass

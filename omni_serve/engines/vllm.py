@@ -284,6 +284,7 @@ class VLLMEngine(StageEngine):
                 async for out in outputs:
                     delta = out.outputs[0]
                     generated += len(delta.token_ids)
+                    usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=generated)  # so far
                     if out.finished:
                         call.finish()
                         yield StageOutput(
@@ -292,10 +293,12 @@ class VLLMEngine(StageEngine):
                             token_ids=list(delta.token_ids),
                             finished=True,
                             finish_reason=finish_reason(delta.finish_reason),
-                            usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=generated),
+                            usage=usage,
                         )
                     elif delta.text or delta.token_ids:
-                        yield StageOutput(stage=self.stage_name, text=delta.text, token_ids=list(delta.token_ids))
+                        yield StageOutput(
+                            stage=self.stage_name, text=delta.text, token_ids=list(delta.token_ids), usage=usage
+                        )
             finally:
                 await outputs.aclose()
 

@@ -35,7 +35,8 @@ def mergeable(output: StageOutput) -> bool:
 
 
 def merged(held: StageOutput, later: StageOutput) -> StageOutput:
-    """``held`` followed by ``later`` as one output (``later`` carries any final status, audio or handoff)."""
+    """``held`` followed by ``later`` as one output (``later`` carries any final status, audio or handoff,
+    and the usage so far, which counts ``held``'s tokens too)."""
     later.text = held.text + later.text
     later.token_ids = held.token_ids + later.token_ids
     return later

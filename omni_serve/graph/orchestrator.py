@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omni_serve.graph.config import GraphConfig, StageConfig
+from omni_serve.graph.stage_log import StageLog
 from omni_serve.graph.transport import Handoff, HandoffFeed, StageTransport
 from omni_serve.types import (
     ChatMessage,
@@ -104,6 +105,9 @@ class OmniRequest:
     client_request_id: str | None = None  # the client's X-Request-ID: a label for logs, never a key
     deadline: float | None = None  # time.monotonic() by which the whole walk must be done
     return_prompt_text: bool = False
+    # Every stage call's start and every output of every stage, recorded as they pass (vLLM-Omni's
+    # return_stage_metrics); None records nothing.
+    stage_log: StageLog | None = None
 
 
 @dataclass
@@ -187,12 +191,22 @@ class Orchestrator:
         self, stage: StageConfig, request: StageRequest, handoff: Handoff | HandoffFeed | None, walk: _Walk
     ) -> AsyncIterator[StageOutput]:
         """One stage call, started now (so it claims ``handoff`` before the producer moves on)."""
-        return self._checked(stage, self.transport.call(stage.name, request, handoff), walk.request.deadline)
+        log = walk.request.stage_log
+        if log is not None:
+            log.started(stage.name)
+        return self._checked(stage, self.transport.call(stage.name, request, handoff), walk.request.deadline, log)
 
     async def _checked(
-        self, stage: StageConfig, stream: AsyncGenerator[StageOutput, None], deadline: float | None
+        self,
+        stage: StageConfig,
+        stream: AsyncGenerator[StageOutput, None],
+        deadline: float | None,
+        log: StageLog | None,
     ) -> AsyncIterator[StageOutput]:
-        """The call's outputs under its time limits; every way it can fail becomes one StageFailed/StageTimeout."""
+        """The call's outputs under its time limits; every way it can fail becomes one StageFailed/StageTimeout.
+
+        Every output of every stage call passes here (intermediate stages' too): ``log`` records it on arrival.
+        """
         try:
             while True:
                 limit, by_deadline = self._time_limit(deadline)
@@ -209,6 +223,8 @@ class Orchestrator:
                     raise StageFailed(stage.name, err) from err
                 if output.finished and output.finish_reason is FinishReason.ABORT:
                     raise StageFailed(stage.name, AbortedStageCall(f"stage {stage.name} aborted the call"))
+                if log is not None:
+                    log.saw(stage.name, output)
                 yield output
                 if output.finished:
                     return

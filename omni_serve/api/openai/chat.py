@@ -5,6 +5,13 @@ Audio in a stream: every audio chunk is its own SSE chunk with ``modality: "audi
 self-contained file in the requested format (a whole WAV/MP3/... per chunk, or raw 16-bit
 PCM for ``pcm16``, which is what OpenAI's own streaming audio sends). When text was not
 asked for, the text stage's deltas travel as ``delta.audio.transcript``, as OpenAI does.
+
+Usage in a stream, as vLLM's server does it: ``stream_options.include_usage`` adds a last chunk
+with ``choices: []``; ``continuous_usage_stats`` (only with ``include_usage``) puts the text stage's
+usage so far on every chunk, the role chunk counting the prompt and nothing generated.
+
+vLLM-Omni's ``return_stage_metrics`` adds its ``metrics`` object (:mod:`.stage_metrics`) to every chunk
+after the role chunk and to the non-streamed response.
 """
 
 from __future__ import annotations
@@ -13,15 +20,19 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from pydantic import Field, field_validator, model_validator
 
 from omni_serve.api.openai.errors import APIError, bad_request
 from omni_serve.api.openai.messages import MediaRules, Message, MMProcessorKwargs, _Strict
+from omni_serve.api.openai.stage_metrics import metrics_json
 from omni_serve.media.encode import EMPTY_AUDIO_SAMPLE_RATE, AudioFormat, b64, encode_audio
 from omni_serve.types import SAMPLING_EXTENSIONS, ChatMessage, FinishReason, Modality, StageOutput, Usage
+
+if TYPE_CHECKING:
+    from omni_serve.graph.stage_log import StageLog
 
 # Generation lengths above this are refused outright (stages also cap at their context).
 MAX_TOKENS_LIMIT = 1 << 20
@@ -40,7 +51,15 @@ class AudioOptions(_Strict):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool = Field(False, description="A last chunk (choices: []) with the request's usage.")
+    continuous_usage_stats: bool = Field(
+        False, description="vLLM's: every chunk also carries the usage so far; only together with include_usage."
+    )
+
+    @property
+    def usage_on_every_chunk(self) -> bool:
+        """vLLM's rule (``should_include_usage``): continuous usage needs ``include_usage`` too, else it is ignored."""
+        return self.include_usage and self.continuous_usage_stats
 
 
 class ChatCompletionRequest(_Strict):
@@ -84,6 +103,9 @@ class ChatCompletionRequest(_Strict):
     voice: str | None = Field(None, description="The voice, as vLLM-Omni accepts it at the top level.")
     speaker: str | None = Field(None, description="vLLM-Omni's name for voice.")
     return_prompt_text: bool | None = Field(None, description="Add the templated prompt as 'prompt_text'.")
+    return_stage_metrics: bool | None = Field(
+        None, description="vLLM-Omni's: per-stage metrics as 'metrics' on the response and on every streamed chunk."
+    )
     mm_processor_kwargs: MMProcessorKwargs | None = None
     # Accepted for vLLM-Omni clients; they do not change this graph's output: vLLM-Omni's Qwen3-Omni
     # path drops language and instructions too (they are read by its TTS-model paths).
@@ -188,7 +210,8 @@ class ChatResult:
     """The merged final outputs of one request.
 
     Usage and finish reason are the text stage's (the one whose ``final_output`` is text),
-    whether or not text was asked for; a graph without one finishes with ``stop``.
+    whether or not text was asked for; a graph without one finishes with ``stop``. ``usage`` is
+    the text stage's latest count: its outputs carry the usage so far, the finished one the total.
     """
 
     text_stage: str | None
@@ -199,8 +222,10 @@ class ChatResult:
     finish_reason: FinishReason = FinishReason.STOP
     usage: Usage = field(default_factory=Usage)
     prompt_text: str | None = None
+    last_stage: str | None = None  # the stage of the latest output
 
     def add(self, output: StageOutput) -> None:
+        self.last_stage = output.stage
         if output.text:
             self.text.append(output.text)
         if output.audio is not None:
@@ -208,12 +233,14 @@ class ChatResult:
             self.sample_rate = self.sample_rate or output.sample_rate
         self.images.extend(output.images)
         self.prompt_text = self.prompt_text or output.prompt_text
-        if output.stage == self.text_stage and output.finished:
+        if output.stage != self.text_stage:
+            return
+        if output.usage:
+            self.usage = output.usage
+        if output.finished:
             # The orchestrator never relays an aborted call as a finished output.
             assert output.finish_reason is not FinishReason.ABORT, "an aborted stage call reached the reply"
             self.finish_reason = output.finish_reason or FinishReason.STOP
-            if output.usage:
-                self.usage = output.usage
 
 
 def usage_json(usage: Usage) -> dict[str, int]:
@@ -271,6 +298,7 @@ def chunk(
     *,
     finish_reason: FinishReason | None = None,
     modality: Modality | None = None,
+    usage: Usage | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "id": f"chatcmpl-{request_id}",
@@ -281,6 +309,8 @@ def chunk(
     }
     if modality is not None:
         body["modality"] = modality.value
+    if usage is not None:
+        body["usage"] = usage_json(usage)
     return body
 
 
@@ -318,8 +348,11 @@ class ChatReply:
     modalities: set[Modality]
     audio_format: AudioFormat
     text_stage: str | None
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the usage (stream_options.include_usage)
+    usage_on_every_chunk: bool = False  # vLLM's continuous_usage_stats (StreamOptions.usage_on_every_chunk)
     prompt_text: bool = False
+    # vLLM-Omni's return_stage_metrics: the log the orchestrator records this request's stages into.
+    stage_log: StageLog | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     media_type = "text/event-stream"
 
@@ -330,7 +363,7 @@ class ChatReply:
         result = ChatResult(self.text_stage)
         async for item in outputs:
             result.add(item)
-        return completion(
+        body = completion(
             self.request_id,
             self.model,
             self.created,
@@ -339,12 +372,24 @@ class ChatReply:
             self.audio_format,
             prompt_text=self.prompt_text,
         )
+        if self.stage_log is not None:
+            body["metrics"] = metrics_json(self.stage_log, result.last_stage)
+        return body
 
     async def stream(self, outputs: AsyncIterator[StageOutput]) -> AsyncIterator[str]:
         request_id, model, created, modalities = self.request_id, self.model, self.created, self.modalities
         result = ChatResult(self.text_stage)
+
+        def event(delta: dict[str, Any], modality: Modality | None = None, finish: FinishReason | None = None) -> str:
+            usage = result.usage if self.usage_on_every_chunk else None
+            body = chunk(request_id, model, created, delta, finish_reason=finish, modality=modality, usage=usage)
+            return sse(self._with_metrics(body, result))
+
         first = await anext(outputs, None)
-        opening = chunk(request_id, model, created, {"role": "assistant", "content": ""})
+        counted = first.usage if first and first.stage == self.text_stage and first.usage else Usage()
+        # As vLLM's first chunk: the prompt counted, nothing generated yet.
+        usage = Usage(prompt_tokens=counted.prompt_tokens) if self.usage_on_every_chunk else None
+        opening = chunk(request_id, model, created, {"role": "assistant", "content": ""}, usage=usage)
         if self.prompt_text:  # vLLM's field, on the first chunk only
             opening["prompt_text"] = first.prompt_text if first else None
         yield sse(opening)
@@ -352,23 +397,26 @@ class ChatReply:
         while item is not None:
             result.add(item)
             if item.text and Modality.TEXT in modalities:
-                yield sse(chunk(request_id, model, created, {"content": item.text}, modality=Modality.TEXT))
+                yield event({"content": item.text}, Modality.TEXT)
             elif item.text and Modality.AUDIO in modalities:  # audio only: the text is its transcript
-                delta = transcript_delta(request_id, item.text)
-                yield sse(chunk(request_id, model, created, delta, modality=Modality.AUDIO))
+                yield event(transcript_delta(request_id, item.text), Modality.AUDIO)
             if item.audio is not None:
-                delta = audio_delta(request_id, item, self.audio_format)
-                yield sse(chunk(request_id, model, created, delta, modality=Modality.AUDIO))
+                yield event(audio_delta(request_id, item, self.audio_format), Modality.AUDIO)
             if item.images:  # content parts, as in the non-streamed message
                 from omni_serve.api.openai.images import content_parts
 
-                delta = {"content": content_parts(item.images)}
-                yield sse(chunk(request_id, model, created, delta, modality=Modality.IMAGE))
+                yield event({"content": content_parts(item.images)}, Modality.IMAGE)
             item = await anext(outputs, None)
-        yield sse(chunk(request_id, model, created, {}, finish_reason=result.finish_reason))
+        yield event({}, finish=result.finish_reason)
         if self.include_usage:
-            yield sse(usage_chunk(request_id, model, created, result.usage))
+            yield sse(self._with_metrics(usage_chunk(request_id, model, created, result.usage), result))
         yield sse("[DONE]")
+
+    def _with_metrics(self, body: dict[str, Any], result: ChatResult) -> dict[str, Any]:
+        """``body`` with vLLM-Omni's ``metrics`` as of now, when the request asked for them."""
+        if self.stage_log is not None:
+            body["metrics"] = metrics_json(self.stage_log, result.last_stage)
+        return body
 
     def in_band_error(self, error: APIError) -> str:
         """Headers are gone: the same error object as a JSON error, in band, and no ``[DONE]``, so

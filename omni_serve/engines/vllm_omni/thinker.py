@@ -100,12 +100,16 @@ class ThinkerEngine(VllmOmniEngine):
         async for output in self._request(request, {"prompt_token_ids": prompt_ids}, params, mm_features):
             completion = output.outputs[0]
             token_ids.extend(completion.token_ids)
-            delta = StageOutput(stage=self.stage_name, text=completion.text, token_ids=list(completion.token_ids))
+            delta = StageOutput(
+                stage=self.stage_name,
+                text=completion.text,
+                token_ids=list(completion.token_ids),
+                usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(token_ids)),  # so far
+            )
             delta.prompt_text, prompt_text = prompt_text, None
             if output.finished:
                 delta.finished = True
                 delta.finish_reason = finish_reason(completion.finish_reason)
-                delta.usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(token_ids))
                 if request.wants_handoff:  # text-only requests: nobody would read the hidden states
                     delta.handoff = handoffs.thinker_handoff(
                         self.args.pipeline,

@@ -353,6 +353,7 @@ def main() -> None:
         help="the sweep's paced stages: min_step_s per stage, e.g. thinker=0.015,talker=0.012,code2wav=0.02",
     )
     parser.add_argument("--sweep-requests", type=int, nargs=2, default=[4, 16], help="requests at C=1 and at C>1")
+    parser.add_argument("--pacings", nargs="+", default=["paced", "unpaced"], choices=["paced", "unpaced"])
     args = parser.parse_args()
     if args.handoff_sweep:
         handoff_sweep(args)
@@ -411,7 +412,7 @@ def handoff_sweep(args: argparse.Namespace) -> None:
     rows: list[dict[str, Any]] = []
     port = int(args.url.rsplit(":", 1)[1])
     try:
-        for pace in (args.pace, {}):
+        for pace in [args.pace if p == "paced" else {} for p in args.pacings]:
             for streamed in (True, False):
                 edit = _graph_edit(args.replicas, streamed, pace)
                 deploy_graph_file("tiny_omni.yaml", ray.get_runtime_context().gcs_address, port, edit)

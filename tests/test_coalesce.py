@@ -97,3 +97,22 @@ def test_audio_images_handoffs_and_prompt_reports_are_never_merged_into_each_oth
 def test_text_held_when_the_engine_stops_without_a_final_output_is_still_sent() -> None:
     outputs = [StageOutput("llm", text="x"), StageOutput("llm", text="y"), StageOutput("llm", text="z")]
     assert [o.text for o in run(outputs, 1.0)] == ["x", "yz"]
+
+
+def test_a_streamed_handoffs_chunks_merge_when_the_engine_says_how() -> None:
+    outputs = [
+        StageOutput("thinker", text="a", handoff=[0]),
+        StageOutput("thinker", text="b", handoff=[1]),
+        StageOutput("thinker", text="c", handoff=[2]),
+        StageOutput("thinker", text="d"),
+        StageOutput("thinker", text="e", handoff=[3], finished=True, finish_reason=FinishReason.STOP),
+    ]
+    clock = Clock()
+
+    async def collect() -> list[StageOutput]:
+        joined = coalesced(engine(clock, outputs), lambda: 1.0, clock, merge_handoffs=lambda a, b: a + b)
+        return [o async for o in joined]
+
+    items = asyncio.run(collect())
+    # The first goes at once; the rest are held and joined in order, text and chunks alike.
+    assert [(o.text, o.handoff) for o in items] == [("a", [0]), ("bcde", [1, 2, 3])]

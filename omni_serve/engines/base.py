@@ -98,6 +98,11 @@ class StageEngine(abc.ABC):
     def shutdown(self) -> None:
         """Release what start() acquired (child processes, device memory); called when the replica stops."""
 
+    def merge_handoffs(self, first: HandoffPayload, later: HandoffPayload) -> HandoffPayload:
+        """Two consecutive chunks of a streamed handoff this engine yields, as one (the stage coalesces
+        them under load). Engines that stream no handoff never get asked."""
+        raise NotImplementedError(f"{type(self).__name__} streams no handoff to merge")
+
     def voices(self) -> list[str]:
         """The voice names this stage can speak with ([] = it has no voices).
 

@@ -516,6 +516,9 @@ class ThinkerEngine(_HFEngine):
                         prompt_text=prompt,
                     )
 
+    def merge_handoffs(self, first: HandoffPayload, later: HandoffPayload) -> HandoffPayload:
+        return qwen3_omni.merge_thinker_chunks([first, later])
+
     def _prompt(self, request: StageRequest) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         """Prompt ids [1, T]; with media also the processor's encoder inputs for ``generate`` and
         what the talker's RoPE needs of them (:func:`qwen3_omni.rope_inputs`)."""

@@ -11,7 +11,9 @@ the deltas' concatenation, in order.
 
 Never merged, never held: the first output (time to first token), the final output (it flushes
 what is held), and any output with audio, images or a handoff (audio chunks are self-contained
-files, and a handoff must stay one item). Nothing waits on a timer: held text goes out with the
+files, and a handoff must stay one item), except the chunks of a streamed handoff when the engine
+says how to join two (``StageEngine.merge_handoffs``: the thinker's rows), so a fast thinker sends
+its rows, like its text, in fewer and larger items under load. Nothing waits on a timer: held text goes out with the
 next engine output after the interval, so text is never later than one engine step past it.
 """
 
@@ -19,26 +21,37 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
 
 from omni_serve.types import StageOutput
 
+# Joins two consecutive handoff chunks of one streamed handoff into one (the engine family's
+# ``merge_handoffs``); None: the family's handoffs are never merged.
+MergeHandoffs = Callable[[Any, Any], Any] | None
 
-def mergeable(output: StageOutput) -> bool:
-    """Plain text progress: no audio, images, handoff, final status or prompt report."""
+
+def mergeable(output: StageOutput, merge_handoffs: MergeHandoffs = None) -> bool:
+    """Plain text progress: no audio, images, final status or prompt report, and no handoff unless
+    the engine can merge its handoff chunks (a streamed handoff's rows)."""
     return (
         not output.finished
         and output.audio is None
         and not output.images
-        and output.handoff is None
+        and (output.handoff is None or merge_handoffs is not None)
         and output.prompt_text is None
     )
 
 
-def merged(held: StageOutput, later: StageOutput) -> StageOutput:
+def merged(held: StageOutput, later: StageOutput, merge_handoffs: MergeHandoffs = None) -> StageOutput:
     """``held`` followed by ``later`` as one output (``later`` carries any final status, audio or handoff,
     and the usage so far, which counts ``held``'s tokens too)."""
     later.text = held.text + later.text
     later.token_ids = held.token_ids + later.token_ids
+    if held.handoff is not None:  # held only when the engine merges its chunks (mergeable)
+        if later.handoff is None:
+            later.handoff = held.handoff
+        elif merge_handoffs is not None:
+            later.handoff = merge_handoffs(held.handoff, later.handoff)
     return later
 
 
@@ -46,16 +59,18 @@ async def coalesced(
     outputs: AsyncIterator[StageOutput],
     interval: Callable[[], float],
     clock: Callable[[], float] = time.monotonic,
+    merge_handoffs: MergeHandoffs = None,
 ) -> AsyncGenerator[StageOutput, None]:
-    """``outputs`` with consecutive text deltas merged while the previous item is younger than ``interval()`` s."""
+    """``outputs`` with consecutive text deltas (and handoff chunks the engine can merge) merged while the
+    previous item is younger than ``interval()`` s."""
     held: StageOutput | None = None
     sent_at: float | None = None  # None: nothing sent yet, the first output goes at once
     async for output in outputs:
         if held is not None:
-            output = merged(held, output)
+            output = merged(held, output, merge_handoffs)
             held = None
         now = clock()
-        if sent_at is not None and mergeable(output) and now - sent_at < interval():
+        if sent_at is not None and mergeable(output, merge_handoffs) and now - sent_at < interval():
             held = output
             continue
         sent_at = now

@@ -95,7 +95,8 @@ class Stage:
             if handoff is not None and not isinstance(handoff, HandoffPayload):  # a streamed call's chunks
                 request.handoff_stream, handoff = handoff, None
             stream = self.engine.generate(request, handoff)  # aborts its engine work when cancelled
-            outputs = coalesced(stream, self._coalesce_interval)
+            merge = self.engine.merge_handoffs if request.stream_handoff else None
+            outputs = coalesced(stream, self._coalesce_interval, merge_handoffs=merge)
             padding = self.config.handoff_padding_bytes
             async for output in outputs:
                 self.metrics.output(output)

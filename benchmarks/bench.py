@@ -354,6 +354,7 @@ def main() -> None:
     )
     parser.add_argument("--sweep-requests", type=int, nargs=2, default=[4, 16], help="requests at C=1 and at C>1")
     parser.add_argument("--pacings", nargs="+", default=["paced", "unpaced"], choices=["paced", "unpaced"])
+    parser.add_argument("--ray-cpus", type=int, default=4, help="the sweep's Ray cluster: logical CPUs to schedule on")
     args = parser.parse_args()
     if args.handoff_sweep:
         handoff_sweep(args)
@@ -408,7 +409,8 @@ def handoff_sweep(args: argparse.Namespace) -> None:
     from omni_serve.cli.launch import deploy_graph_file, wait_healthy
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="serve", log_to_driver=False)
+    # Logical CPUs for Ray's scheduler: --replicas may ask for more replicas x num_cpus than 4.
+    ray.init(address="local", num_cpus=args.ray_cpus, include_dashboard=False, namespace="serve", log_to_driver=False)
     rows: list[dict[str, Any]] = []
     port = int(args.url.rsplit(":", 1)[1])
     try:

@@ -70,13 +70,13 @@ def send(base_url: str, i: int) -> dict[str, Any]:
         return {"stream": True, "status": 200, "headers": reply.headers, "events": events}
 
 
-def check_refusal(status: int, headers: Any, error: dict[str, Any]) -> None:
-    assert status in (429, 503), (status, error)
+def check_refusal(status: int | None, headers: Any, error: dict[str, Any]) -> None:
     assert error["type"] == "overloaded_error" and error["code"] == "overloaded", error
     assert "overloaded" in error["message"] and ("'thinker'" in error["message"] or "'talker'" in error["message"])
     if headers is not None:
         assert int(headers["retry-after"]) >= 1
-    assert status == (429 if "'talker'" in error["message"] else 503)  # each stage's own backpressure_config
+    if status is not None:  # each stage's own backpressure_config
+        assert status == (429 if "'talker'" in error["message"] else 503), (status, error)
 
 
 def test_more_requests_than_fit_are_refused_cleanly(graph) -> None:
@@ -92,7 +92,7 @@ def test_more_requests_than_fit_are_refused_cleanly(graph) -> None:
                 assert any('"modality":"audio"' in e for e in events)
             else:  # refused after the stream started (the talker was full): in-band error, no [DONE]
                 error = json.loads(events[-1])["error"]
-                check_refusal(error["code"], None, {**error, "code": "overloaded"})
+                check_refusal(None, None, error)  # no HTTP status of its own: the stream had started
                 refused += 1
         elif result["status"] == 200:
             served += 1

@@ -493,7 +493,7 @@ class ThinkerEngine(_HFEngine):
                 chunks = [item[1] for item in batch if item[0] == "rows"]
                 chunk = qwen3_omni.merge_thinker_chunks(chunks) if chunks else None
                 if final is None:
-                    usage = next((item[-1] for item in reversed(batch) if item[0] in ("delta", "prompt")), None)
+                    usage = next((item[-1] for item in reversed(batch) if item[0] in ("delta", "prompt", "rows")), None)
                     yield StageOutput(
                         stage=self.stage_name,
                         text=text,
@@ -590,7 +590,10 @@ class ThinkerEngine(_HFEngine):
         # prefill, then one reply position per step). Stop strings can take back tokens already run,
         # so a request with stop strings hands its rows over whole at the end.
         streamed = request.wants_handoff and request.stream_handoff and not s.stop
-        hook = self.thinker.register_forward_hook(self._rows_sender(input_ids, rope, emit)) if streamed else None
+        hook = None
+        if streamed:
+            so_far = lambda: Usage(prompt_tokens=prompt_len, completion_tokens=len(generated))  # noqa: E731
+            hook = self.thinker.register_forward_hook(self._rows_sender(input_ids, rope, emit, so_far))
         try:
             with _RNG_LOCK, torch.inference_mode():
                 torch.manual_seed(_seed(s))
@@ -626,8 +629,11 @@ class ThinkerEngine(_HFEngine):
         usage = Usage(prompt_tokens=prompt_len, completion_tokens=len(generated))
         emit(("final", text.finish(), reason, usage, payload))
 
-    def _rows_sender(self, input_ids: Any, rope: dict[str, Any], emit: Emit) -> Callable[..., None]:
-        """A forward hook on the thinker that emits each forward's rows: the prompt's payload, then rows chunks."""
+    def _rows_sender(
+        self, input_ids: Any, rope: dict[str, Any], emit: Emit, usage: Callable[[], Usage]
+    ) -> Callable[..., None]:
+        """A forward hook on the thinker that emits each forward's rows (the prompt's payload, then rows
+        chunks) with the usage so far: an output that carries only rows still reports it."""
         prompt_len = int(input_ids.shape[1])
         first = True
 
@@ -649,7 +655,7 @@ class ThinkerEngine(_HFEngine):
                 )
             else:
                 chunk = qwen3_omni.thinker_rows_chunk(embeds, hidden)
-            emit(("rows", chunk))
+            emit(("rows", chunk, usage()))
 
         return send
 

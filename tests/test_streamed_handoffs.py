@@ -478,3 +478,20 @@ def test_a_client_that_leaves_mid_reply_cancels_all_three_stages(served, graphs:
     wait_until(idle, 60, "every stage to drop the request after the disconnect")
     (actor,) = channel_actors()
     wait_until(lambda: open_channels(actor) == 0, 10, "the talker's channel to be closed")
+
+
+@pytest.mark.integration
+def test_a_lost_channels_actor_fails_only_the_requests_using_it_and_is_replaced(served, graphs: Any) -> None:
+    import ray
+
+    (actor,) = channel_actors()
+    ray.kill(actor, no_restart=True)
+    first = httpx.post(f"{graphs.base_url}/v1/chat/completions", json=BODY, timeout=120)
+    if first.status_code != 200:  # the request that found the actor dead: a clean 503 naming the streamed stage
+        error = first.json()["error"]
+        assert first.status_code == 503 and error["code"] == "stage_unavailable", first.text
+        assert "'talker'" in error["message"], first.text
+    # The next streamed call starts a new channels actor: the graph serves again.
+    assert reply(graphs.base_url) == served["streamed"]
+    (replacement,) = channel_actors()
+    assert replacement._actor_id != actor._actor_id

@@ -288,6 +288,12 @@ class Orchestrator:
             walk.tasks.append(asyncio.create_task(child_walk(child, child_request.request_id, child_stream, sink)))
             return sink
 
+        async def fed(child: StageConfig, feed: HandoffFeed, handoff: Handoff) -> bool:
+            try:
+                return await feed.put(handoff)
+            except Exception as err:  # the channel is gone (its actor died): the streamed call fails
+                raise StageFailed(child.name, err) from err
+
         async def produce() -> None:
             index = 0
             try:
@@ -298,12 +304,12 @@ class Orchestrator:
                         continue
                     for child in children:
                         if child.stream_input and child.name in feeds:
-                            await feeds[child.name].put(output.handoff)  # False: the call ended, chunk dropped
+                            await fed(child, feeds[child.name], output.handoff)  # False: call ended, chunk dropped
                             continue
                         await slots[child.name].acquire()
                         if child.stream_input:
                             feed = feeds[child.name] = self.transport.feed(f"{request_id}/{child.name}.{index}")
-                            await feed.put(output.handoff)  # the first chunk is there before the call starts
+                            await fed(child, feed, output.handoff)  # the first chunk is there before the call starts
                             await downstream.put(start(child, index, feed))
                         else:
                             await downstream.put(start(child, index, output.handoff))

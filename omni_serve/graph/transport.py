@@ -46,7 +46,7 @@ import dataclasses
 import enum
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from omni_serve.graph.channel import ChannelReader, Channels
@@ -174,16 +174,24 @@ class HandoffFeed:
     A write after the consumer's call ended returns False: its chunk is dropped here.
     """
 
-    def __init__(self, channels: Any, key: str):
+    def __init__(self, channels: Any, key: str, lost: Callable[[Any], None] | None = None):
         self.reader = ChannelReader(channels, key)
         self._first = True
+        self._lost = lost  # told when the channels actor turned out dead, so later calls get a new one
 
     async def _write(self, items: list[Any], **kwargs: Any) -> bool:
         channels, key = self.reader.channels, self.reader.key
         first, self._first = self._first, False
         if isinstance(channels, Channels):
             return await channels.write(key, items, first=first, **kwargs)
-        return await channels.write.remote(key, items, first=first, **kwargs)
+        from ray.exceptions import RayActorError
+
+        try:
+            return await channels.write.remote(key, items, first=first, **kwargs)
+        except RayActorError:
+            if self._lost is not None:
+                self._lost(channels)
+            raise
 
     async def put(self, handoff: Handoff) -> bool:
         claim = handoff.claim()
@@ -253,7 +261,10 @@ class StageTransport(abc.ABC):
 
     def feed(self, request_id: str) -> HandoffFeed:
         """A channel for the streamed call ``request_id``: put its first chunk, then start the call with it."""
-        return HandoffFeed(self._channels(), request_id)
+        return HandoffFeed(self._channels(), request_id, self._channels_lost)
+
+    def _channels_lost(self, channels: Any) -> None:
+        """``channels`` died (its node went away): the next streamed call starts a new one."""
 
     def _channels(self) -> Any:
         """Where streamed calls' channels live: here, in process (stages called in process, tests)."""
@@ -335,6 +346,12 @@ class RemoteStages(StageTransport):
         self.handles = {name: h.options(stream=True, _by_reference=True) for name, h in handles.items()}
         self.voice_handles = {name: h.options(method_name="voices") for name, h in handles.items()}
         self._channel_actor: Any = None
+        self._channel_generation = 0
+
+    def _channels_lost(self, channels: Any) -> None:
+        if self._channel_actor is channels:
+            logger.warning("the handoff channels actor died; streamed calls get a new one")
+            self._channel_actor = None
 
     async def voices(self, stage: str) -> list[str]:
         return await self.voice_handles[stage].remote()
@@ -342,20 +359,24 @@ class RemoteStages(StageTransport):
     def _channels(self) -> Any:
         """This replica's :class:`Channels` actor, started on the first streamed call.
 
-        No CPU, and on this node: every chunk write is a local RPC. It is owned by this replica's
-        process, so it dies with the replica, as do the requests its channels serve.
+        No CPU, and on this node (hard affinity: it shares this replica's fate, never another
+        node's): every chunk write is a local RPC. It is owned by this replica's process, so it dies
+        with the replica, as do the requests its channels serve. Should it die alone, the calls
+        using it fail and the next streamed call starts a new one (:meth:`_channels_lost`).
         """
         if self._channel_actor is None:
             import ray
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             context = ray.get_runtime_context()
-            here = NodeAffinitySchedulingStrategy(context.get_node_id(), soft=True)
+            here = NodeAffinitySchedulingStrategy(context.get_node_id(), soft=False)
+            self._channel_generation += 1
             self._channel_actor = (
                 ray.remote(Channels)
                 .options(
                     # Named after this replica's actor, so tests and operators can find it; not detached.
-                    name=f"{CHANNELS_ACTOR_PREFIX}{context.get_actor_id() or context.get_worker_id()}",
+                    name=f"{CHANNELS_ACTOR_PREFIX}{context.get_actor_id() or context.get_worker_id()}"
+                    f".{self._channel_generation}",
                     num_cpus=0,
                     scheduling_strategy=here,
                     max_concurrency=10_000,

@@ -23,7 +23,7 @@ yields the first handoff chunk; the rest of the chunks reach that running call t
 
 Why an actor: a running Serve call cannot be sent more input through its handle, and a handle
 call cannot be routed to the replica that runs a given call. The ingress replica starts one
-``Channels`` actor (no CPU, on its own node) and passes its handle, with the key, in the
+``Channels`` actor (no CPU, pinned to its own node) and passes its handle, with the key, in the
 consumer's request; the consumer pulls from it. The actor dies with the ingress replica that owns
 it, and with it every channel of that replica's requests, whose calls fail then anyway.
 """

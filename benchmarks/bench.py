@@ -393,12 +393,19 @@ def main() -> None:
             ray.shutdown()
     if args.baseline:
         rows.append(run_baseline(args))
+    report(args, rows)
+
+
+def report(args: argparse.Namespace, rows: list[dict[str, Any]], summary: str = "") -> None:
+    """Write the run's JSON (args, machine, load, rows) to ``--out`` and print the table."""
     load = os.getloadavg()
     result = {"args": vars(args), "machine": f"{os.cpu_count()} CPUs", "load_avg_at_end": load, "rows": rows}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(table(rows))
+    if summary:
+        print(summary)
     print(f"load average at the end (1/5/15 min): {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 
 
@@ -433,14 +440,7 @@ def handoff_sweep(args: argparse.Namespace) -> None:
 
         serve.shutdown()
         ray.shutdown()
-    load = os.getloadavg()
-    result = {"args": vars(args), "machine": f"{os.cpu_count()} CPUs", "load_avg_at_end": load, "rows": rows}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(table(rows))
-    print(sweep_targets(rows))
-    print(f"load average at the end (1/5/15 min): {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    report(args, rows, sweep_targets(rows))
 
 
 def sweep_targets(rows: list[dict[str, Any]]) -> str:

@@ -89,3 +89,23 @@ def test_talker_voices_and_unknown_voice() -> None:
     thinker = engine.create("thinker", ARGS)
     thinker._speakers = dict(talker._speakers)
     assert thinker.voices() == []  # only the talker takes a voice
+
+
+def test_streamed_input_is_the_graphs_setting_not_an_engine_arg() -> None:
+    """Only the Qwen3-Omni talker reads streamed input (vLLM-Omni's thinker -> talker async chunks); the
+    graph's stream_input builds its EngineCore for it, and no engine arg can turn that on alone (a talker
+    fed whole handoffs would wait for chunks that never come)."""
+    import pydantic
+
+    talker = {**ARGS, "stage_id": 1, "model_stage": "talker", "engine_input_source": [0]}
+    assert engine.reads_streamed_input(talker)
+    assert not engine.reads_streamed_input({**talker, "pipeline": "qwen2_5_omni"})
+    assert not engine.reads_streamed_input(ARGS)  # the thinker
+    args = engine.EngineArgs.model_validate(talker)
+    assert "async_chunk" not in engine.stage_config(args)["engine_args"]
+    streamed = engine.stage_config(args, stream_input=True)["engine_args"]
+    assert streamed["async_chunk"] is True
+    assert streamed["stage_connector_spec"] == {"name": "SharedMemoryConnector", "extra": {"role": "receiver"}}
+    with pytest.raises(pydantic.ValidationError, match="engine.async_chunk"):
+        engine.EngineArgs.model_validate({**talker, "engine": {"async_chunk": True}})
+    engine.EngineArgs.model_validate({**talker, "engine": {"async_chunk": False}})  # what generated graphs say

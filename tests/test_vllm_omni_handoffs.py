@@ -7,8 +7,10 @@ as the object store does between replicas.
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -95,6 +97,73 @@ def test_qwen3_thinker_to_talker_through_real_processors():
     worker_view = deserialize_additional_information(request.additional_information)
     assert torch.equal(worker_view["hidden_states"]["output"], info["hidden_states"]["output"])
     assert worker_view["embed"]["prefill"].dtype == torch.bfloat16
+
+
+def _engine_outputs(mm: dict, prompt_len: int, replies: int) -> list[dict]:
+    """The thinker's accumulated multimodal output after each engine step, as the real engine hands them
+    out (synchronous scheduling: the prefill's block, then a growing list of one-row parts, then one
+    consolidated tensor at the finish; the last sampled token's row is never computed)."""
+    layers = mm["hidden_states"]["layers"]
+
+    def parts(n: int) -> dict:
+        steps = range(prompt_len, prompt_len + n)
+        return {k: [v[:prompt_len], *(v[i : i + 1] for i in steps)] for k, v in layers.items()}
+
+    outputs = [{"hidden_states": {"layers": {k: v[:prompt_len] for k, v in layers.items()}}, "embed": mm["embed"]}]
+    outputs += [{"hidden_states": {"layers": parts(n)}, "embed": mm["embed"]} for n in range(1, replies - 1)]
+    final = {k: v[: prompt_len + replies - 1] for k, v in layers.items()}
+    return [*outputs, {"hidden_states": {"layers": final}, "embed": {k: v[0] for k, v in mm["embed"].items()}}]
+
+
+def _streamed(prompt: list[int], output: list[int], outputs: list[dict], read: list[int]) -> list[HandoffPayload]:
+    """The chunks ThinkerChunkTransfer cuts when the stage reads the outputs at the steps in ``read``
+    (a stage that reads late sees several steps in one output), each run through the object store."""
+    hf_config = SimpleNamespace(talker_config=SimpleNamespace(accept_hidden_layer=ACCEPT_LAYER))
+    transfer = handoffs.ThinkerChunkTransfer("qwen3_omni_moe", "r1", hf_config, prompt)
+    steps = []
+    for i in read:
+        run = transfer.push(outputs[i], output[: i + 1], finished=i == len(outputs) - 1)
+        if run is not None:
+            steps += handoffs.chunk_steps(through_object_store(run))
+    return steps
+
+
+def test_qwen3_thinker_chunks_are_vllm_omnis_async_chunks():
+    """The streamed thinker -> talker handoff: vLLM-Omni's thinker2talker_async_chunk run per engine step,
+    whatever steps the stage's reads merged: chunk 0 holds the prompt's rows and the first reply row
+    (with the ids and tts embeds), then one reply row a chunk, the last one marked finished."""
+    prompt, output = chat_prompt(user_len=12), [3, 4, 5, 6, 151645]
+    mm = thinker_output(prompt, output)
+    outputs = _engine_outputs(mm, len(prompt), len(output))
+    every_step = _streamed(prompt, output, outputs, read=list(range(len(outputs))))
+    late = _streamed(prompt, output, outputs, read=[0, 2, len(outputs) - 1])  # steps 1 and 3 read with 2 and 4
+
+    layer0, accept = mm["hidden_states"]["layers"][0], mm["hidden_states"]["layers"][ACCEPT_LAYER]
+    first = handoffs.from_handoff(every_step[0])
+    assert torch.equal(first["embed"]["prefill"], layer0[: len(prompt) + 1])
+    assert torch.equal(first["hidden_states"]["output"], accept[: len(prompt) + 1])
+    assert first["ids"]["prompt"] == prompt and torch.equal(first["embed"]["tts_pad"], mm["embed"]["tts_pad"][0])
+    decoded = [handoffs.from_handoff(step) for step in every_step[1:]]
+    # The reply's rows after the first, one a chunk, up to the last computed one (the stop token has none).
+    assert torch.equal(torch.cat([d["embed"]["decode"] for d in decoded]), layer0[len(prompt) + 1 : -1])
+    assert [bool(d["meta"]["finished"]) for d in decoded] == [False] * (len(decoded) - 1) + [True]
+
+    assert len(late) == len(every_step)
+    for a, b in zip(every_step, late, strict=True):
+        assert a.tensors.keys() == b.tensors.keys()
+        assert all(np.array_equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
+
+    # The stage may coalesce two runs (merge_handoffs): one run of the same chunks, in order.
+    hf_config = SimpleNamespace(talker_config=SimpleNamespace(accept_hidden_layer=ACCEPT_LAYER))
+    transfer = handoffs.ThinkerChunkTransfer("qwen3_omni_moe", "r2", hf_config, prompt)
+    runs = [transfer.push(o, output[: i + 1], i == len(outputs) - 1) for i, o in enumerate(outputs)]
+    merged = runs[1]
+    for run in runs[2:]:
+        merged = handoffs.merge_chunks(merged, run)
+    assert [s.tensors.keys() for s in handoffs.chunk_steps(merged)] == [s.tensors.keys() for s in every_step]
+
+    # The talker's placeholder prompt: as vLLM-Omni's async-chunk prewarm sizes it (user turn + 9).
+    assert handoffs.talker_chunk_prompt(every_step[0]) == {"prompt_token_ids": [0] * (12 + 9)}
 
 
 def test_qwen3_talker_to_code2wav_full_payload():
@@ -188,7 +257,7 @@ def test_codec_rows_returns_each_frame_once():
     then everything consolidated when it finishes."""
     prefill = torch.zeros(3, GROUPS, dtype=torch.long)
     frames = torch.arange(1, 5 * GROUPS + 1).reshape(5, GROUPS)
-    rows = engine.CodecRows()
+    rows = handoffs.NewRows(placeholders=True)
     assert rows.new(prefill) is None  # placeholders only
     assert torch.equal(rows.new([prefill, frames[0:1]]), frames[0:1])
     assert rows.new([prefill, frames[0:1]]) is None  # nothing new this step
@@ -240,3 +309,28 @@ def test_thinker_payload_keeps_every_computed_row():
         info = handoffs.from_handoff(qwen3_thinker_handoff(prompt, output, mm))
         assert info["embed"]["prefill"].shape[0] == info["hidden_states"]["output"].shape[0] == kept
         assert torch.equal(info["hidden_states"]["output"], mm["hidden_states"]["layers"][ACCEPT_LAYER][:kept])
+
+
+def test_merged_outputs_keep_the_newest_multimodal_output():
+    """A request's outputs merge when its reader falls behind (load): vLLM merges the tokens, the engine's
+    collector keeps the newest multimodal output (vLLM-Omni's accumulation: the thinker's last rows and,
+    at the finish, the consolidated tensors); vLLM's own kept the first one's."""
+    from vllm.outputs import CompletionOutput, RequestOutput
+    from vllm.sampling_params import RequestOutputKind
+
+    from omni_serve.engines.vllm_omni.engine import output_collector
+
+    def step(tokens: list[int], rows: int, finished: bool) -> RequestOutput:
+        completion = CompletionOutput(index=0, text="", token_ids=tokens, cumulative_logprob=None, logprobs=None)
+        completion.multimodal_output = {"hidden_states": {"layers": {0: torch.zeros(rows, HIDDEN)}}}
+        return RequestOutput("r", None, [1, 2], None, [completion], finished)
+
+    async def read(collector: Any) -> RequestOutput:
+        return await collector.get()
+
+    collector = output_collector()(RequestOutputKind.DELTA, "r")
+    for i, rows in enumerate((2, 3, 4)):
+        collector.put(step([10 + i], rows, finished=i == 2))
+    merged = asyncio.run(read(collector))
+    assert merged.finished and merged.outputs[0].token_ids == [10, 11, 12]
+    assert engine.multimodal_output(merged)["hidden_states"]["layers"][0].shape[0] == 4

@@ -39,6 +39,7 @@ from typing import Any
 
 import yaml
 
+from omni_serve.engines import reads_streamed_input
 from omni_serve.models.vllm_omni_handoffs import PIPELINES
 from omni_serve.types import SAMPLING_EXTENSIONS, SamplingParams
 
@@ -239,6 +240,9 @@ def generate(
         if (devices := _devices(s)) is not None:
             device_users[devices] = device_users.get(devices, 0) + 1
 
+    def streams(engine_args: dict[str, Any]) -> bool:
+        return reads_streamed_input("vllm_omni", engine_args)
+
     graph_stages: list[dict[str, Any]] = []
     deployments: list[dict[str, Any]] = [INGRESS]
     for s in stages:
@@ -274,6 +278,8 @@ def generate(
                 "engine": "vllm_omni",
                 **({"input": names[s.input_sources[0]]} if s.input_sources else {}),
                 "engine_args": {k: v for k, v in engine_args.items() if v is not None},
+                # vLLM-Omni's async_chunk streams the thinker into the talker: here the talker's stream_input.
+                **({"stream_input": True} if s.input_sources and deploy.async_chunk and streams(engine_args) else {}),
                 **({"final_output": s.final_output_type} if s.final_output else {}),
                 "default_sampling": sampling,
             }

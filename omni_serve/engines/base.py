@@ -34,6 +34,9 @@ class StageEngine(abc.ABC):
     def __init__(self, stage_name: str, engine_args: dict[str, Any]):
         self.stage_name = stage_name
         self.engine_args = engine_args
+        # Set by the stage before start() when the graph streams this stage's input (its ``stream_input``):
+        # an engine that must be built for streamed input (vLLM-Omni's async-chunk talker) reads it there.
+        self.stream_input = False
         # The engine requests (or job handles) of live calls: what abort() stops. Families that run
         # nothing detached from the caller never register anything.
         self.calls: LiveCalls[Any] = LiveCalls()

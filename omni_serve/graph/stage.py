@@ -57,6 +57,7 @@ class Stage:
         self.max_coalesce_s = self.config.max_coalesce_ms / 1000
         self.metrics = StageMetrics()
         self.engine = create_engine(self.config.engine, self.name, self.config.engine_args)
+        self.engine.stream_input = self.config.stream_input
 
     async def start(self) -> None:
         started = time.perf_counter()

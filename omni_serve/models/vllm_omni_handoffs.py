@@ -243,6 +243,175 @@ def talker_prompt(pipeline: str, handoff: HandoffPayload, *, request_id: str, vo
     return prompt
 
 
+class NewRows:
+    """New rows of one request's accumulating multimodal tensor, step by step, without re-concatenating old ones.
+
+    vLLM-Omni accumulates a stage's per-step tensors per request (a talker's ``codes.audio``, a
+    thinker's captured hidden-state layers): one tensor after the prefill step, then a growing list
+    of per-step tensors, and one consolidated tensor when the request finishes. ``new`` returns the
+    rows not seen before, from any of these shapes. ``placeholders``: the talker's codes hold an
+    all-zero placeholder row per prompt position, dropped here (vLLM-Omni's own codec chunker skips
+    those too).
+    """
+
+    def __init__(self, placeholders: bool = False) -> None:
+        self.placeholders = placeholders
+        self.rows = 0  # rows seen, placeholders included
+        self._parts = 0  # list parts already seen, and the rows they hold
+        self._parts_rows = 0
+
+    def new(self, value: Any) -> Any:
+        import torch
+
+        if isinstance(value, (list, tuple)):
+            if self._parts_rows > self.rows or len(value) < self._parts:
+                self._parts = self._parts_rows = 0
+            fresh = []
+            for part in value[self._parts :]:
+                part = part.reshape(-1, part.shape[-1])
+                skip = max(self.rows - self._parts_rows, 0)
+                if skip < len(part):
+                    fresh.append(part[skip:])
+                self._parts += 1
+                self._parts_rows += len(part)
+            rows = torch.cat(fresh) if fresh else None
+        elif isinstance(value, torch.Tensor):
+            rows = value.reshape(-1, value.shape[-1])[self.rows :]
+            self._parts = self._parts_rows = 0  # a list that follows is walked from its start once
+        else:
+            rows = None
+        if rows is None or len(rows) == 0:
+            return None
+        self.rows += len(rows)
+        if self.placeholders:
+            rows = rows[rows.any(dim=1)]
+        return rows.detach().cpu() if len(rows) else None
+
+
+THINKER2TALKER_CHUNKS = "thinker2talker_async_chunk"
+
+
+@dataclass
+class ThinkerChunkTransfer:
+    """Streams one thinker request's talker input as vLLM-Omni's async-chunk connector cuts it (Qwen3-Omni).
+
+    Wraps ``thinker2talker_async_chunk``, which vLLM-Omni runs on each engine step of the thinker:
+    the prompt's rows and the first reply row go out together (chunk 0, with the token ids and the
+    tts embeddings), then one chunk per reply row (``embed.decode``), the last one marked finished.
+    It keeps its per-request state on the ``transfer_manager`` it is given; this object plays that
+    part (chunks sent, the held chunk 0, the model config it reads the accepted layer from).
+
+    A streamed handoff here is a run of those chunks: :meth:`push` returns the chunks one engine
+    output completes (an output may carry several steps when the stage reads it late), as one
+    :class:`HandoffPayload` of numbered steps (:func:`chunk_steps` splits it, :func:`merge_chunks`
+    joins two), so the talker replays them to its EngineCore one by one, as the connector would.
+    """
+
+    pipeline: str
+    request_id: str
+    hf_config: Any
+    prompt_token_ids: Sequence[int]
+    put_req_chunk: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    request_payload: dict[str, Any] = field(default_factory=dict)
+    _rows: dict[int, NewRows] = field(default_factory=dict)  # per captured layer
+    _sent_rows: int = 0
+
+    @property
+    def config(self) -> SimpleNamespace:  # what the processor reads the talker's accepted layer from
+        return SimpleNamespace(hf_config=self.hf_config)
+
+    def push(
+        self, multimodal_output: Mapping[str, Any], output_token_ids: Sequence[int], finished: bool
+    ) -> HandoffPayload | None:
+        """One thinker engine output (its accumulated multimodal output); the chunks it completes, if any."""
+        layers = multimodal_output.get("hidden_states", {}).get("layers", {})
+        embed = {k: _first(v) for k, v in (multimodal_output.get("embed") or {}).items()}
+        fresh = {}
+        for layer, value in layers.items():
+            rows = self._rows.setdefault(int(layer), NewRows()).new(value)
+            fresh[int(layer)] = rows
+        counts = {len(r) for r in fresh.values() if r is not None}
+        if len(counts) > 1:
+            raise ValueError(f"thinker layers grew unevenly this step: {sorted(counts)} rows")
+        new = counts.pop() if counts else 0
+        # One processor call a row, as upstream's runner calls it a step: the prompt's rows accumulate in
+        # chunk 0 until the first reply row joins them (a prefill split over steps does the same), then one
+        # reply row a chunk. Synchronous scheduling: the step that computes reply row r samples token r + 1.
+        prompt = list(self.prompt_token_ids)
+        rows = [(i, i + 1) for i in range(new)] or ([(0, 0)] if finished else [])  # (0, 0): the end, no row
+        steps = []
+        for i, (a, b) in enumerate(rows):
+            self._sent_rows += b - a
+            replied = max(self._sent_rows - len(prompt), 0)
+            request = _stage_request(self.request_id, prompt, list(output_token_ids)[: replied + 1])
+            step_layers = {k: r[a:b] for k, r in fresh.items() if r is not None}
+            last = finished and i == len(rows) - 1
+            payload = processors(self.pipeline).thinker2talker_async_chunk(
+                self, {"hidden_states": {"layers": step_layers}, "embed": embed}, request, last
+            )
+            if payload is None:  # chunk 0 held until the first reply row joins it, as upstream does
+                continue
+            self.put_req_chunk[self.request_id] += 1  # what the transfer manager does after a put
+            steps.append(to_handoff(kind(self.pipeline, THINKER2TALKER_CHUNKS), payload))
+        return _as_steps(steps) if steps else None
+
+
+def whole_as_chunks(pipeline: str, whole: HandoffPayload, hf_config: Any) -> HandoffPayload:
+    """A whole thinker -> talker handoff as the async chunks streaming sends: what a talker built for streamed
+    input reads when its thinker handed over whole (stop strings, or a caller with a finished handoff)."""
+    expect(whole, pipeline, THINKER2TALKER)
+    payload = from_handoff(whole)
+    accept = int(hf_config.talker_config.accept_hidden_layer)
+    embed = payload["embed"]
+    layers = {0: embed["prefill"], accept: payload["hidden_states"]["output"]}
+    tts = {k: v for k, v in embed.items() if k.startswith("tts_")}
+    transfer = ThinkerChunkTransfer(pipeline, "whole", hf_config, whole.meta["prompt_token_ids"])
+    chunks = transfer.push({"hidden_states": {"layers": layers}, "embed": tts}, whole.meta["output_token_ids"], True)
+    if chunks is None:
+        raise ValueError(f"{whole.kind}: no rows to speak")
+    return chunks
+
+
+def talker_chunk_prompt(first: HandoffPayload) -> dict[str, Any]:
+    """A streamed talker's placeholder prompt, from the thinker's chunk 0, as vLLM-Omni's async-chunk
+    prewarm sizes it (``compute_talker_prompt_ids_length`` of the thinker's prompt); the chunks bring the
+    rest through the connector."""
+    from vllm_omni.distributed.omni_connectors.adapter import compute_talker_prompt_ids_length
+
+    prompt_ids = [int(i) for i in first.tensors.get("ids.prompt", ())]
+    if not prompt_ids:
+        raise ValueError(f"{first.kind}: the first chunk carries no prompt ids (ids.prompt)")
+    return {"prompt_token_ids": [0] * max(1, compute_talker_prompt_ids_length(prompt_ids))}
+
+
+def _first(value: Any) -> Any:
+    """The thinker's tts embeddings come again with every step (a list, or one tensor of them once
+    consolidated): the first one."""
+    if isinstance(value, (list, tuple)):
+        return value[0] if value else None
+    return value[:1] if getattr(value, "ndim", 0) == 3 else value
+
+
+def _as_steps(steps: Sequence[HandoffPayload]) -> HandoffPayload:
+    tensors = {f"{i}/{k}": v for i, step in enumerate(steps) for k, v in step.tensors.items()}
+    return HandoffPayload(steps[0].kind, tensors, {"steps": [step.meta for step in steps]})
+
+
+def merge_chunks(first: HandoffPayload, later: HandoffPayload) -> HandoffPayload:
+    """Two consecutive runs of thinker chunks as one (the stage coalesces them under load)."""
+    return _as_steps([*chunk_steps(first), *chunk_steps(later)])
+
+
+def chunk_steps(chunks: HandoffPayload) -> list[HandoffPayload]:
+    """A run of thinker chunks, one payload per connector chunk, in order."""
+    expect(chunks, "qwen3_omni_moe", THINKER2TALKER_CHUNKS)
+    steps = [HandoffPayload(chunks.kind, {}, meta) for meta in chunks.meta["steps"]]
+    for key, value in chunks.tensors.items():
+        index, _, name = key.partition("/")
+        steps[int(index)].tensors[name] = value
+    return steps
+
+
 # ---------------------------------------------------------------------------
 # talker -> code2wav
 # ---------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from omni_serve.engines.base import StageEngine, engine_for_role
 from omni_serve.engines.vllm_omni.args import CodecChunkArgs, EngineArgs, stage_config
 from omni_serve.types import Modality
 
-__all__ = ["CodecChunkArgs", "EngineArgs", "create", "input_modalities", "stage_config"]
+__all__ = ["CodecChunkArgs", "EngineArgs", "create", "input_modalities", "reads_streamed_input", "stage_config"]
 
 
 def create(stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
@@ -36,6 +36,11 @@ def create(stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
     args = EngineArgs.model_validate(engine_args)
     roles = {"thinker": ThinkerEngine, "talker": TalkerEngine, "code2wav": Code2WavEngine}
     return engine_for_role(roles, args.model_stage, stage_name, engine_args)
+
+
+def reads_streamed_input(engine_args: dict[str, Any]) -> bool:
+    """The Qwen3-Omni talker reads its thinker's handoff as vLLM-Omni's async chunks (``stream_input``)."""
+    return engine_args.get("model_stage") == "talker" and engine_args.get("pipeline") == "qwen3_omni_moe"
 
 
 def input_modalities(args: EngineArgs) -> set[Modality]:

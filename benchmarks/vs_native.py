@@ -36,7 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -109,23 +109,32 @@ def server(argv: list[str], ready_url: str, log: Path) -> Iterator[subprocess.Po
         stop(proc)
 
 
-def serve_omni(port: int, ingress: str) -> None:
-    """Child process: a private Ray cluster serving the graph with 1 fixed replica, until SIGTERM.
+def fixed_replicas(config: dict[str, Any]) -> None:
+    """A graph config with autoscaling off: one replica per deployment that autoscaled."""
+    app = config["applications"][0]
+    app.pop("autoscaling_policy", None)
+    for deployment in app["deployments"]:
+        if deployment.pop("autoscaling_config", None) is not None:
+            deployment["num_replicas"] = 1
+
+
+def serve_omni(
+    port: int,
+    ingress: str,
+    graph_file: str = GRAPH,
+    mutate: Callable[[dict[str, Any]], None] = fixed_replicas,
+    stats_stage: str | None = STAGE,
+) -> None:
+    """Child process: a private Ray cluster serving ``graph_file`` (1 fixed replica a stage), until SIGTERM.
 
     ``ingress="haproxy"``: the cluster runs Serve's HAProxy ingress (``RAY_SERVE_ENABLE_HA_PROXY=1``),
     HTTP goes straight to the ingress replica; ``"proxy"``: Serve's Python proxy in between.
+    ``stats_stage``: the stage whose counters the parent may ask for (:func:`stage_counters`).
     """
     import ray
     from ray import serve
 
     from omni_serve.cli.launch import deploy_graph_file, wait_healthy
-
-    def fixed(config: dict[str, Any]) -> None:
-        app = config["applications"][0]
-        app.pop("autoscaling_policy", None)
-        for deployment in app["deployments"]:
-            if deployment.pop("autoscaling_config", None) is not None:
-                deployment["num_replicas"] = 1
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if ingress == "haproxy":  # read by every Ray process at start: set before the cluster starts
@@ -140,11 +149,14 @@ def serve_omni(port: int, ingress: str) -> None:
     signal.signal(signal.SIGTERM, on_term)
     asked, answer = stats_files(port)
     try:
-        deploy_graph_file(GRAPH, ray.get_runtime_context().gcs_address, port, fixed)
-        wait_healthy(f"http://127.0.0.1:{port}", timeout_s=600)  # the stage's deployment exists once it is healthy
-        stage = serve.get_deployment_handle(graph().deployment(STAGE), app_name="omni").options(method_name="stats")
+        deploy_graph_file(graph_file, ray.get_runtime_context().gcs_address, port, mutate)
+        wait_healthy(f"http://127.0.0.1:{port}", timeout_s=900)  # the stage's deployment exists once it is healthy
+        stage = None
+        if stats_stage is not None:
+            deployment = graph().deployment(stats_stage)
+            stage = serve.get_deployment_handle(deployment, app_name="omni").options(method_name="stats")
         while not stopping:
-            if asked.exists():  # the parent wants the stage's counters (items and calls so far)
+            if stage is not None and asked.exists():  # the parent wants the stage's counters (items, calls)
                 answer.write_text(json.dumps(stage.remote().result()))
                 asked.unlink()
             time.sleep(0.2)
@@ -277,13 +289,20 @@ def bench_serve(
     }
 
 
-def bench_load(args: argparse.Namespace, port: int, num_prompts: int, concurrency: int) -> list[str]:
+def bench_load(
+    args: argparse.Namespace,
+    port: int,
+    num_prompts: int,
+    concurrency: int,
+    backend: str = "openai-chat",
+    model: str = "tiny-qwen3",
+) -> list[str]:
     """`vllm bench serve` arguments for the load both runs send: streaming chat, random dataset."""
     return [
-        "--backend", "openai-chat",
+        "--backend", backend,
         "--endpoint", "/v1/chat/completions",
         "--base-url", f"http://127.0.0.1:{port}",
-        "--model", "tiny-qwen3",
+        "--model", model,
         "--tokenizer", args.model_path,
         "--dataset-name", "random",
         "--random-input-len", str(args.input_len),

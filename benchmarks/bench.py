@@ -64,6 +64,7 @@ class Sample:
     e2e: float = 0.0
     audio_s: float = 0.0
     prompt_tokens: int | None = None  # as the server counts them (non-streamed requests)
+    stage_s: dict[str, float] = field(default_factory=dict)  # each stage's first call to last output
     error: str | None = None
 
 
@@ -103,12 +104,24 @@ class Scenario:
             "audio_s_p50": pct([s.audio_s for s in ok], 50),
             "prompt_tokens_p50": pct([s.prompt_tokens for s in ok if s.prompt_tokens is not None], 50),
             "req_per_s": len(ok) / self.wall_s if self.wall_s else None,
+            # Per stage, seconds from its first call to its last output in one request (the reply's
+            # return_stage_metrics, stage_gen_time_ms): benchmarks/capacity.py's stage costs.
+            "stage_s_p50": {
+                stage: pct([s.stage_s[stage] for s in ok if stage in s.stage_s], 50)
+                for stage in sorted({stage for s in ok for stage in s.stage_s})
+            },
         }
 
 
 def _audio_seconds(b64: str) -> float:
     data, rate = sf.read(io.BytesIO(base64.b64decode(b64)), dtype="float32")
     return len(data) / rate
+
+
+def _stage_seconds(metrics: dict[str, Any] | None) -> dict[str, float]:
+    """Stage name -> seconds, from a reply's or chunk's ``metrics`` (return_stage_metrics)."""
+    stages = (metrics or {}).get("stage_metrics", {})
+    return {m["stage_name"]: m["stage_gen_time_ms"] / 1000 for m in stages.values()}
 
 
 def _body(args: argparse.Namespace, sc: Scenario, seed: int) -> dict[str, Any]:
@@ -123,6 +136,7 @@ def _body(args: argparse.Namespace, sc: Scenario, seed: int) -> dict[str, Any]:
         "seed": seed,
         "stream": stream,
         "stage_sampling": stage_sampling or None,
+        "return_stage_metrics": True,
     }
     if audio:
         body.update(modalities=["text", "audio"], audio={"format": "wav"})
@@ -146,6 +160,7 @@ async def _one(client: httpx.AsyncClient, args: argparse.Namespace, sc: Scenario
             sample.e2e = sample.ttft = sample.ttfa = time.perf_counter() - start
             reply = response.json()
             sample.prompt_tokens = reply["usage"]["prompt_tokens"]
+            sample.stage_s = _stage_seconds(reply.get("metrics"))
             audio = reply["choices"][0]["message"].get("audio")
             sample.audio_s = _audio_seconds(audio["data"]) if audio else 0.0
             if not sc.audio:
@@ -159,6 +174,7 @@ async def _one(client: httpx.AsyncClient, args: argparse.Namespace, sc: Scenario
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     raise RuntimeError(chunk["error"]["message"])
+                sample.stage_s |= _stage_seconds(chunk.get("metrics"))
                 delta = chunk["choices"][0]["delta"] if chunk.get("choices") else {}
                 now = time.perf_counter() - start
                 if delta.get("content") and sample.ttft is None:

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from tests.conftest import HTTP_PORT, wait_until
+from tests.haproxy import served_by_ingress_replicas
 
 REPO = Path(__file__).resolve().parent.parent
 SERVE_PORT = HTTP_PORT + 2  # +1 is the session cluster's metrics port
@@ -60,7 +61,15 @@ def test_make_serve_prints_one_ready_line_and_stops_on_sigterm(tmp_path: Path) -
     (stamps / "install").touch()
     # As from a fresh shell: its own Ray cluster, and no outer make's recursion state (`make test` runs this).
     fresh_shell = {"RAY_ADDRESS", "MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES"}
-    env = {k: v for k, v in os.environ.items() if k not in fresh_shell}
+    env = {k: v for k, v in os.environ.items() if k not in fresh_shell and k != "RAY_SERVE_ENABLE_HA_PROXY"}
+    # make serve runs Serve's HAProxy ingress by default: its own ports next to the test's, not Serve's
+    # defaults (8404, 9101, 30000+), which another cluster on the machine may hold.
+    env |= {
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(SERVE_PORT + 1),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(SERVE_PORT + 2),
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(SERVE_PORT + 3),
+        "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(SERVE_PORT + 6),
+    }
     cli = ["make", "serve", f"PYTHON={sys.executable}", f"STAMPS={stamps}", f"PORT={SERVE_PORT}", "ARGS=--no-dashboard"]
     # Its own process group, signalled as a whole below, as timeout(1) or systemd do.
     make = subprocess.Popen(
@@ -86,6 +95,8 @@ def test_make_serve_prints_one_ready_line_and_stops_on_sigterm(tmp_path: Path) -
         assert f"API {url}/v1 | playground {url}/ | tiny-qwen3-omni: thinker -> talker -> code2wav" in line
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200  # the line comes after /health is green
         assert httpx.get(f"{url}/", follow_redirects=True, timeout=30).headers["content-type"].startswith("text/html")
+        # Serve's HAProxy ingress by default: the ingress replica, not the backup proxy, served these.
+        served_by_ingress_replicas(lambda: httpx.get(f"{url}/v1/models", timeout=30), stats_port=SERVE_PORT + 1)
     finally:
         os.killpg(make.pid, signal.SIGTERM)
         make.wait(timeout=120)

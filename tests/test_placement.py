@@ -227,22 +227,50 @@ def test_cluster_launcher_node_types_advertise_the_pins_and_fit_the_stages():
     on_shared = [deployments[s]["ray_actor_options"]["num_gpus"] for s, k in PINS.items() if k == SHARED]
     assert sum(on_shared) <= 1  # talker + code2wav share one GPU of a gpu_shared node
     assert not set(types[config["head_node_type"]].get("resources", {})) & {BIG, SHARED}
+    # Every node's Ray starts with Serve's HAProxy ingress (read when Ray's processes start).
+    for commands in (config["head_start_ray_commands"], config["worker_start_ray_commands"]):
+        starts = [c for c in commands if "ray start" in c]
+        assert starts and all(c.startswith("RAY_SERVE_ENABLE_HA_PROXY=1 ray start") for c in starts), commands
 
 
 def test_kuberay_service_serves_the_qwen3_graph_on_the_same_node_types():
-    import json
+    """deploy/kuberay.yaml read as KubeRay's in-tree autoscaler reads it, pod templates by Kubernetes' schemas.
+
+    No PyPI package ships the RayService CRD's OpenAPI schema (KubeRay publishes it in its Helm chart
+    only). What the autoscaler sidecar makes of ``rayClusterConfig`` is Ray's own code
+    (``ray.autoscaler._private.kuberay.autoscaling_config``, which ends in the same
+    ``validate_config`` as ``ray up``); the pod templates KubeRay hands to Kubernetes are checked,
+    unknown fields rejected, against the Kubernetes JSON schemas kubernetes-validate ships (PyPI).
+    """
+    import kubernetes_validate
+    from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
 
     service = yaml.safe_load((ROOT / "deploy" / "kuberay.yaml").read_text())
-    assert service["kind"] == "RayService"
+    assert (service["apiVersion"], service["kind"]) == ("ray.io/v1", "RayService")
     graph = yaml.safe_load((GRAPHS / "qwen3_omni.yaml").read_text())
-    assert yaml.safe_load(service["spec"]["serveConfigV2"]) == graph
+    assert yaml.safe_load(service["spec"]["serveConfigV2"]) == graph  # one source: the graph file
+
     cluster = service["spec"]["rayClusterConfig"]
-    advertised = {}
-    for group in cluster["workerGroupSpecs"]:
-        # KubeRay passes rayStartParams.resources to `ray start --resources` as a quoted JSON string.
-        resources = json.loads(json.loads(group["rayStartParams"]["resources"]))
-        gpus = int(group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
-        for kind in resources:
-            advertised[kind] = gpus
-    assert advertised == {BIG: 4, SHARED: 1}
-    assert "resources" not in cluster["headGroupSpec"]["rayStartParams"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for group in groups:
+        for container in group["template"]["spec"]["containers"]:  # Serve's HAProxy ingress on every pod
+            assert {"name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "1"} in container.get("env", []), group
+        pod = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": group["template"]}
+        kubernetes_validate.validate(pod, kubernetes_validate.latest_version(), strict=True)
+
+    ray_cr = {"metadata": {"name": service["metadata"]["name"], "namespace": "default"}, "spec": cluster}
+    kuberay = _derive_autoscaling_config_from_ray_cr(ray_cr)["available_node_types"]
+    launcher = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    launcher_types = launcher["available_node_types"]
+
+    def shape(node_type: dict) -> tuple:
+        resources = node_type["resources"]
+        markers = sorted((k, v) for k, v in resources.items() if k in (BIG, SHARED))
+        return markers, resources.get("GPU", 0), node_type["min_workers"], node_type["max_workers"]
+
+    head = launcher["head_node_type"]
+    assert sorted(shape(t) for name, t in kuberay.items() if name != "headgroup") == sorted(
+        shape(t) for name, t in launcher_types.items() if name != head
+    )
+    assert shape(kuberay["headgroup"])[:2] == ([], 0)  # no stage lands on the head

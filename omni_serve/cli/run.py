@@ -8,8 +8,10 @@ Serve with the file's HTTP options; deploy the file's applications) and three th
 - Quiet unless ``--verbose``: Serve's controller and proxy log errors only, the application's
   replicas warnings and errors (no access-log line per request or health probe), transformers
   errors and vLLM warnings only, no progress bars. Failures still show, and a failed deployment
-  ends the run. With ``RAY_SERVE_ENABLE_HA_PROXY=1`` in its environment the cluster it starts runs
-  Serve's HAProxy ingress (README, "Where the time goes").
+  ends the run.
+- The cluster it starts runs Serve's HAProxy ingress (``RAY_SERVE_ENABLE_HA_PROXY=1`` unless the
+  environment says otherwise; ``=0``: Serve's Python proxy): not slower on the tiny omni graph and
+  faster under load (benchmarks/ingress.py; README, "Serve's HAProxy ingress by default").
 - One ready line once ``/health`` answers 200 (see :mod:`omni_serve.api.ready_line`).
 - SIGTERM stops it like Ctrl-C: the applications are deleted (replicas stop gracefully), then Ray
   shuts down; exit status 0. Without this, Ray's C++ failure-signal handler (installed on the
@@ -158,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         for app in config["applications"]:
             if "logging_config" in app:
                 app["logging_config"] = {**QUIET_APP_LOGGING, **app["logging_config"]}
+    if "RAY_ADDRESS" not in os.environ:
+        # A cluster this launcher starts: Serve's HAProxy ingress unless told otherwise. Ray's
+        # processes read the switch when they start; ray.serve (which reads it too) is not imported yet.
+        os.environ.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")
     if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
         # Serve's HAProxy ingress keeps a stopping ingress replica draining 30 s so that load balancers
         # in front notice; this launcher stops the whole local cluster, so nobody is left to notice.

@@ -23,7 +23,7 @@ import time
 import uuid
 from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve._private.http_util import parse_request_timeout_header
@@ -41,6 +41,7 @@ from omni_serve.api.openai.images import ImageGenerationRequest, ImagesReply
 from omni_serve.api.openai.messages import MediaRules
 from omni_serve.api.openai.speech import SpeechReply, SpeechRequest
 from omni_serve.api.openai.voices import resolve_voice, voices_json
+from omni_serve.api.realtime.session import SessionGraph, serve_session
 from omni_serve.api.sampling import StageSampling
 from omni_serve.api.serving import Serving
 from omni_serve.graph.config import DEADLINE_MARGIN_S, GraphConfig, check_timeouts, load_graph
@@ -102,6 +103,18 @@ class Ingress:
         )
         self._voices: list[str] | None = None  # asked from the stages once, on first need
         playground.configure(self.graph, self._check_auth, self.serve_view)
+        self.session_graph = SessionGraph(
+            model=self.graph.served_model_name,
+            outputs=self.serving.outputs,
+            sampling=self.sampling.for_chat,
+            voice=self._voice,
+            text_stage=self.text_stage,
+            speaks=Modality.AUDIO in self.graph.modalities,
+            takes_audio=Modality.AUDIO in self.graph.input_modalities,
+            max_audio_parts=self.graph.media_input.max_parts,
+            max_audio_bytes=self.graph.media_input.max_bytes,
+            limits=self.graph.realtime,
+        )
 
     # ---- the engine in this replica (engine_in_ingress): Serve's hooks, handle methods, shutdown ------
     async def check_health(self) -> None:
@@ -284,6 +297,11 @@ class Ingress:
             stage_log=stage_log,
         )
         return await self.serving.respond(omni, "chat", reply, stream=body.stream)
+
+    @api.websocket("/v1/realtime")
+    async def realtime(self, websocket: WebSocket) -> None:
+        """OpenAI's Realtime API (:mod:`omni_serve.api.realtime`): a session lives on this replica."""
+        await serve_session(websocket, self.session_graph, self.api_key)
 
     @api.post("/v1/audio/speech")
     async def audio_speech(self, request: Request) -> Response:

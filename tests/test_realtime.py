@@ -214,3 +214,147 @@ def test_barge_in_cancels_every_stage_and_truncates_the_reply(graph) -> None:
     assert settled["thinker"]["requests_total"] == before["thinker"]["requests_total"] + 2
     made = settled["code2wav"]["requests_total"] - before["code2wav"]["requests_total"]
     assert made < 4000 // 25 // 2, f"{made} code2wav calls: the talker was not aborted early"
+
+
+# ---- bad input: an error event naming the event and the field; the session goes on --------------------
+
+
+class Raw:
+    """A raw websocket session (``websockets``): sends what the official client would refuse to send."""
+
+    def __init__(self, ws: Any):
+        self.ws = ws
+
+    async def send(self, event: dict[str, Any] | str) -> None:
+        await self.ws.send(event if isinstance(event, str) else json.dumps(event))
+
+    async def recv(self) -> dict[str, Any]:
+        return json.loads(await self.ws.recv())
+
+    async def until(self, last: str, timeout: float = 120) -> list[dict[str, Any]]:
+        return await events_until(self.recv, last, timeout)
+
+    async def error_for(self, event: dict[str, Any] | str) -> dict[str, Any]:
+        await self.send(event)
+        return (await self.until("error"))[-1]["error"]
+
+    async def reply(self, text: str, **response: Any) -> list[dict[str, Any]]:
+        item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+        await self.send({"type": "conversation.item.create", "item": item})
+        await self.send({"type": "response.create", "response": response})
+        return await self.until("response.done")
+
+
+def realtime_url(graph: Any) -> str:
+    return f"{graph.base_url.replace('http', 'ws', 1)}/v1/realtime?model={MODEL}"
+
+
+def test_bad_events_get_error_events_and_the_session_goes_on(graph) -> None:
+    import websockets
+
+    wav = io.BytesIO()
+    sf.write(wav, np.zeros(2400, dtype=np.float32), RATE, format="WAV")
+
+    async def talk() -> None:
+        async with websockets.connect(realtime_url(graph), max_size=None) as ws:
+            s = Raw(ws)
+            await s.until("session.created")
+            error = await s.error_for("{not json")
+            assert "not valid JSON" in error["message"] and error["event_id"] is None
+            error = await s.error_for({"type": "session.nonsense", "event_id": "e1"})
+            assert error["param"] == "type" and error["event_id"] == "e1" and error["code"] == "unknown_event"
+            truncate = {"type": "conversation.item.truncate", "event_id": "e2", "item_id": "x", "audio_end_ms": 0}
+            error = await s.error_for(truncate)
+            assert error["param"] == "content_index" and "required" in error["message"] and error["event_id"] == "e2"
+            error = await s.error_for({"type": "input_audio_buffer.append", "event_id": "e3", "audio": "@@no"})
+            assert error["param"] == "audio" and "base64" in error["message"] and error["event_id"] == "e3"
+            wav_event = {"type": "input_audio_buffer.append", "event_id": "e4", "audio": b64(wav.getvalue())}
+            error = await s.error_for(wav_event)
+            assert error["param"] == "audio" and "wav" in error["message"] and "audio/pcm" in error["message"]
+            error = await s.error_for({"type": "input_audio_buffer.append", "audio": b64(b"\x01\x02\x03")})
+            assert error["param"] == "audio" and "odd number of bytes" in error["message"]
+            # One event over max_event_bytes (15 MiB), under the websocket's own 16 MiB frame limit.
+            big = {"type": "input_audio_buffer.append", "event_id": "e5", "audio": "A" * (15 << 20)}
+            error = await s.error_for(big)
+            assert error["code"] == "event_too_large", error
+            # The buffer's bound (120 s): manual turns, so the VAD does not trim silence away.
+            await s.send({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+            assert (await s.until("session.updated"))[-1]["session"]["audio"]["input"]["turn_detection"] is None
+            ten_s = b64(silence(10_000))
+            for _ in range(12):
+                await s.send({"type": "input_audio_buffer.append", "audio": ten_s})
+            error = await s.error_for({"type": "input_audio_buffer.append", "event_id": "e6", "audio": ten_s})
+            assert error["code"] == "input_audio_buffer_full" and error["event_id"] == "e6", error
+            await s.send({"type": "input_audio_buffer.clear"})
+            await s.until("input_audio_buffer.cleared")
+            # A second response while one runs.
+            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}
+            await s.send({"type": "conversation.item.create", "item": item})
+            await s.send({"type": "response.create", "response": {"stage_sampling": LONG_TALK}})
+            response_id = (await s.until("response.created"))[-1]["response"]["id"]
+            error = await s.error_for({"type": "response.create", "event_id": "e7"})
+            assert error["code"] == "conversation_already_has_active_response" and error["event_id"] == "e7"
+            await s.send({"type": "response.cancel", "response_id": response_id})
+            done = (await s.until("response.done"))[-1]["response"]
+            assert done["status"] == "cancelled" and done["status_details"]["reason"] == "client_cancelled"
+            error = await s.error_for({"type": "conversation.item.truncate", "item_id": "item_nope", "content_index": 0,
+                                       "audio_end_ms": 0, "event_id": "e8"})  # fmt: skip
+            assert error["param"] == "item_id" and "item_nope" in error["message"] and error["event_id"] == "e8"
+            # Faster than events_per_second (100/s, bursts of 200): the excess is refused, one error each.
+            for _ in range(260):
+                await s.send({"type": "input_audio_buffer.clear"})
+            answers = [await s.recv() for _ in range(260)]
+            limited = [a for a in answers if a["type"] == "error"]
+            assert limited and all(a["error"]["code"] == "rate_limit_exceeded" for a in limited)
+            assert len(limited) + len(of(answers, "input_audio_buffer.cleared")) == 260
+            await asyncio.sleep(2.5)  # the bucket refills
+            # Still a working session: a text reply.
+            events = await s.reply("Say something.", output_modalities=["text"])
+            assert events[-1]["response"]["status"] in ("completed", "incomplete"), events[-1]
+            assert of(events, "response.output_text.delta") and not of(events, "response.output_audio.delta")
+
+    asyncio.run(talk())
+
+
+# ---- isolation: one session's cancel, bad event and disconnect leave another's reply intact -----------
+
+
+def test_parallel_sessions_are_isolated(graph) -> None:
+    import websockets
+
+    seeded = {"seed": 11}
+
+    async def reply() -> tuple[str, bytes]:
+        async with websockets.connect(realtime_url(graph), max_size=None) as ws:
+            s = Raw(ws)
+            await s.until("session.created")
+            events = await s.reply("Tell me about the sea.", **seeded)
+            assert events[-1]["response"]["status"] in ("completed", "incomplete"), events[-1]
+            text = "".join(e["delta"] for e in of(events, "response.output_audio_transcript.delta"))
+            audio = b"".join(base64.b64decode(e["delta"]) for e in of(events, "response.output_audio.delta"))
+            return text, audio
+
+    async def disruptive() -> None:
+        async with websockets.connect(realtime_url(graph), max_size=None) as ws:
+            s = Raw(ws)
+            await s.until("session.created")
+            await s.error_for("][")
+            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Go on."}]}
+            await s.send({"type": "conversation.item.create", "item": item})
+            await s.send({"type": "response.create", "response": {"stage_sampling": LONG_TALK}})
+            await s.until("response.output_audio.delta")
+            await s.send({"type": "response.cancel"})
+            await s.until("response.done")
+            await s.send({"type": "response.create", "response": {"stage_sampling": LONG_TALK}})
+            await s.until("response.output_audio.delta")
+        # ... and left mid-response.
+
+    async def both() -> tuple[tuple[str, bytes], tuple[str, bytes]]:
+        alone = await reply()
+        together, _ = await asyncio.gather(reply(), disruptive())
+        return alone, together
+
+    alone, together = asyncio.run(both())
+    assert alone[0] and alone[1]
+    assert together == alone, "a parallel session changed this session's reply"
+    wait_until(lambda: idle(graph), 90, "every stage to drop the disconnected session's response")

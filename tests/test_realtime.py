@@ -103,7 +103,10 @@ def test_spoken_turn_with_the_openai_client(graph) -> None:
                     "instructions": "Answer briefly.",
                     "output_modalities": ["audio"],
                     "audio": {
-                        "input": {"turn_detection": {"type": "server_vad", "silence_duration_ms": 400}},
+                        "input": {
+                            "turn_detection": {"type": "server_vad", "silence_duration_ms": 400},
+                            "transcription": {"model": MODEL, "language": "en"},
+                        },
                         "output": {"voice": "alloy"},
                     },
                 }
@@ -114,7 +117,10 @@ def test_spoken_turn_with_the_openai_client(graph) -> None:
             audio = silence(lead) + speech + silence(1200)
             for start in range(0, len(audio), CHUNK):
                 await conn.input_audio_buffer.append(audio=b64(audio[start : start + CHUNK]))
-            return await events_until(recv, "response.done")
+            events = await events_until(recv, "response.done")
+            if not of(events, "conversation.item.input_audio_transcription.completed"):
+                events += await events_until(recv, "conversation.item.input_audio_transcription.completed")
+            return events
 
     events = asyncio.run(talk())
     kinds = [e["type"] for e in events]
@@ -136,7 +142,12 @@ def test_spoken_turn_with_the_openai_client(graph) -> None:
     assert kinds.index("response.output_audio_transcript.delta") < kinds.index("response.output_audio_transcript.done")
     samples = decode_pcm(deltas)
     assert len(samples) >= 1920 and float(np.sqrt(np.mean(samples**2))) > 1e-4, "the reply's audio is silent"
-    done = events[-1]["response"]
+    # input_audio_transcription: the transcription route's request over the committed turn.
+    (heard,) = of(events, "conversation.item.input_audio_transcription.completed")
+    said = "".join(e["delta"] for e in of(events, "conversation.item.input_audio_transcription.delta"))
+    assert heard["item_id"] == committed["item_id"] and heard["transcript"] == said and said
+    assert heard["usage"]["input_tokens"] > 20
+    done = of(events, "response.done")[0]["response"]
     # The tiny random thinker rarely samples EOS: its reply ends at max_tokens, which OpenAI calls incomplete.
     length = {"type": "incomplete", "reason": "max_output_tokens"}
     assert done["status"] == "completed" or done["status_details"] == length, done

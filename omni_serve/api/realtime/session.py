@@ -28,6 +28,8 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from omni_serve.api.auth import api_key_matches
 from omni_serve.api.openai.chat import ChatCompletionRequest
 from omni_serve.api.openai.errors import APIError, bad_request
+from omni_serve.api.openai.transcriptions import transcription_messages
+from omni_serve.api.openai.transcriptions import usage_json as transcription_usage
 from omni_serve.api.realtime import events as ev
 from omni_serve.api.realtime.conversation import (
     Conversation,
@@ -42,7 +44,7 @@ from omni_serve.api.realtime.vad import SpeechDetector
 from omni_serve.graph.config import RealtimeConfig
 from omni_serve.graph.orchestrator import OmniRequest
 from omni_serve.media.encode import b64, encode_audio
-from omni_serve.types import FinishReason, Modality, SamplingParams, StageOutput, Usage
+from omni_serve.types import FinishReason, MediaPart, Modality, SamplingParams, StageOutput, Usage
 
 logger = logging.getLogger("ray.serve")
 
@@ -109,6 +111,7 @@ class Session:
         self.spoke = False  # the voice is fixed once audio went out (OpenAI's rule)
         self._tokens = 2 * self.limits.events_per_second  # the rate limit's bucket
         self._refilled = time.monotonic()
+        self._transcriptions: set[asyncio.Task[None]] = set()
 
     # ---- sending ------------------------------------------------------------------------------
     async def send(self, kind: str, **fields: Any) -> None:
@@ -329,7 +332,44 @@ class Session:
         previous = self.conversation.items[-1].id if self.conversation.items else None
         await self.send("input_audio_buffer.committed", previous_item_id=previous, item_id=item.id)
         await self._add_item(item, None)
+        if self.settings.transcription is not None:
+            task = asyncio.create_task(self._transcribe(item, self.settings.transcription))
+            self._transcriptions.add(task)
+            task.add_done_callback(self._transcriptions.discard)
         return True
+
+    async def _transcribe(self, item: ConversationItem, options: ev.Transcription) -> None:
+        """``input_audio_transcription``: the transcription route's request, run beside the conversation."""
+        (audio,) = [p for p in item.chat_message().content if isinstance(p, MediaPart)]
+        request = OmniRequest(
+            request_id=uuid.uuid4().hex,
+            modalities={Modality.TEXT},
+            sampling=self.graph.sampling(ChatCompletionRequest.model_construct(messages=[])),
+            messages=transcription_messages(audio, options.language, options.prompt),
+        )
+        where = {"item_id": item.id, "content_index": 0}
+        transcript, usage = "", Usage()
+        outputs = self.graph.outputs(request, "transcriptions")
+        try:
+            async for output in outputs:
+                if output.text:
+                    transcript += output.text
+                    await self.send("conversation.item.input_audio_transcription.delta", **where, delta=output.text)
+                if output.stage == self.graph.text_stage and output.usage:
+                    usage = output.usage
+        except APIError as err:
+            error = err.body()["error"]
+            await self.send("conversation.item.input_audio_transcription.failed", **where, error=error)
+            return
+        finally:
+            await outputs.aclose()  # type: ignore[attr-defined]
+        item.parts[0].text = transcript
+        await self.send(
+            "conversation.item.input_audio_transcription.completed",
+            **where,
+            transcript=transcript,
+            usage=transcription_usage(usage),
+        )
 
     def _check_room(self) -> None:
         if len(self.conversation.items) >= self.limits.max_items:
@@ -480,6 +520,9 @@ class Session:
 
     async def close(self) -> None:
         await self.cancel("client_cancelled")
+        for task in list(self._transcriptions):
+            task.cancel()
+        await asyncio.gather(*self._transcriptions, return_exceptions=True)
 
 
 # ---- the websocket ------------------------------------------------------------------------------

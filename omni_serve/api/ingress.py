@@ -21,6 +21,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request, WebSocket
@@ -181,9 +182,13 @@ class Ingress:
 
     def _deadline(self, request: Request) -> float | None:
         """Serve's limit for this request (its header override included), less a margin, as a monotonic time."""
-        headers = {k.encode("latin-1"): v.encode("latin-1") for k, v in request.headers.items()}
-        timeout = parse_request_timeout_header(headers, self.request_timeout_s)
+        timeout = self._serve_timeout_s(request.headers)
         return None if timeout is None else time.monotonic() + max(0.0, timeout - DEADLINE_MARGIN_S)
+
+    def _serve_timeout_s(self, headers: Mapping[str, str]) -> float | None:
+        """Serve's request_timeout_s for a request with these headers (its per-request header override included)."""
+        raw = {k.encode("latin-1"): v.encode("latin-1") for k, v in headers.items()}
+        return parse_request_timeout_header(raw, self.request_timeout_s)
 
     async def _graph_voices(self) -> list[str]:
         """The voices the graph's stages declare (asked once; the graph's stages never change under an ingress).
@@ -348,7 +353,9 @@ class Ingress:
     @api.websocket("/v1/realtime")
     async def realtime(self, websocket: WebSocket) -> None:
         """OpenAI's Realtime API (:mod:`omni_serve.api.realtime`): a session lives on this replica."""
-        await serve_session(websocket, self.session_graph, self.api_key)
+        timeout = self._serve_timeout_s(websocket.headers)
+        serve_limit = None if timeout is None else max(1.0, timeout - DEADLINE_MARGIN_S)
+        await serve_session(websocket, self.session_graph, self.api_key, serve_limit)
 
     @api.post("/v1/audio/speech")
     async def audio_speech(self, request: Request) -> Response:

@@ -558,8 +558,15 @@ def _refusal(websocket: WebSocket, graph: SessionGraph, api_key: str | None) -> 
     return None
 
 
-async def serve_session(websocket: WebSocket, graph: SessionGraph, api_key: str | None) -> None:
-    """Run one session on ``websocket`` until the client leaves or a limit ends it."""
+async def serve_session(
+    websocket: WebSocket, graph: SessionGraph, api_key: str | None, serve_limit_s: float | None
+) -> None:
+    """Run one session on ``websocket`` until the client leaves or a limit ends it.
+
+    ``serve_limit_s``: Serve's proxy applies ``http_options.request_timeout_s`` to a websocket's whole
+    life (Ray 2.60, ``ProxyResponseGenerator``'s ``timeout_s``) and then drops it without a close frame;
+    the session ends itself before that, with its error event and close code.
+    """
     protocols = [p.strip() for p in websocket.headers.get("sec-websocket-protocol", "").split(",")]
     await websocket.accept(subprotocol="realtime" if "realtime" in protocols else None)
     lock = asyncio.Lock()
@@ -576,16 +583,20 @@ async def serve_session(websocket: WebSocket, graph: SessionGraph, api_key: str 
         return
     session = Session(graph, send)
     await session.send("session.created", session=session.session_json())
-    ends = time.monotonic() + graph.limits.max_session_minutes * 60
+    limit_s = graph.limits.max_session_minutes * 60
+    if serve_limit_s is not None and serve_limit_s < limit_s:
+        limit_s, limit_name = serve_limit_s, "Serve's http_options.request_timeout_s, less a margin"
+    else:
+        limit_name = "realtime.max_session_minutes"
+    ends = time.monotonic() + limit_s
     try:
         while True:
             try:
                 message = await asyncio.wait_for(websocket.receive(), max(0.0, ends - time.monotonic()))
             except TimeoutError:
-                minutes = graph.limits.max_session_minutes
                 expired = APIError(
                     400,
-                    f"the session reached its maximum duration of {minutes:g} minutes (realtime.max_session_minutes)",
+                    f"the session reached its maximum duration of {limit_s:.0f} s ({limit_name})",
                     type="invalid_request_error",
                     code="session_expired",
                 )

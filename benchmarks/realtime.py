@@ -72,6 +72,10 @@ async def one_session(args: argparse.Namespace, speech: bytes, seed: int) -> Ses
             barge = args.barge_in and t == args.turns - 1
             sender = asyncio.create_task(_stream(ws, speech + silence))
             speech_end = time.monotonic() + len(speech) / (2 * RATE)
+            if barge:  # a long reply (the greedy tiny talker does not stop by itself), to be interrupted
+                params = {"stage_sampling": {"talker": {"temperature": 0.0, "max_tokens": 4000}}}
+                update = {"audio": {"input": {"turn_detection": {**turn, "create_response": False}}}}
+                await ws.send(json.dumps({"type": "session.update", "session": update}))
             first_audio = last_audio = None
             barge_start: float | None = None
             while True:
@@ -79,13 +83,15 @@ async def one_session(args: argparse.Namespace, speech: bytes, seed: int) -> Ses
                 kind = event["type"]
                 if kind == "error":
                     out.errors.append(event["error"]["message"])
+                elif kind == "input_audio_buffer.committed" and barge and barge_start is None:
+                    await ws.send(json.dumps({"type": "response.create", "response": params}))
                 elif kind == "response.output_audio.delta":
                     last_audio = time.monotonic()
                     if first_audio is None:
                         first_audio = last_audio
                         out.voice_to_voice.append(first_audio - speech_end)
-                        if barge:
-                            await sender
+                        if barge and barge_start is None:  # speak over the reply now
+                            sender.cancel()
                             barge_start = time.monotonic()
                             sender = asyncio.create_task(_stream(ws, speech + silence))
                 elif kind == "response.done":
@@ -94,11 +100,10 @@ async def one_session(args: argparse.Namespace, speech: bytes, seed: int) -> Ses
                         out.errors.append(str(event["response"]["status_details"]))
                     if barge_start is not None and status == "cancelled" and last_audio is not None:
                         out.barge_in.append(last_audio - barge_start)
-                        barge = False
-                        first_audio = None  # the interrupting turn's reply follows
-                        continue
                     break
-            await sender
+            await asyncio.gather(sender, return_exceptions=True)
+        if args.barge_in:  # the interrupting turn is left unanswered (create_response off)
+            await ws.send(json.dumps({"type": "input_audio_buffer.clear"}))
     return out
 
 
@@ -166,7 +171,10 @@ def main() -> None:
                 deploy_graph_file("tiny_omni.yaml", ray.get_runtime_context().gcs_address, port, edit)
                 wait_healthy(args.url)
             for k in args.sessions:
-                row = summary(pacing, k, asyncio.run(run_sessions(args, k, speech)))
+                sessions = asyncio.run(run_sessions(args, k, speech))
+                row = summary(pacing, k, sessions)
+                for error in sorted({e for s in sessions for e in s.errors})[:3]:
+                    print(f"  error: {error[:300]}", flush=True)
                 rows.append(row)
                 print(row, flush=True)
     finally:
@@ -176,7 +184,7 @@ def main() -> None:
 
             serve.shutdown()
             ray.shutdown()
-    report(args, rows)
+    report(args, rows, cols=list(rows[0]) if rows else None)
 
 
 if __name__ == "__main__":

@@ -254,7 +254,7 @@ class Session:
             s.transcription = audio.input.transcription
         if turn_set and audio.input is not None:
             s.turn = audio.input.turn_detection
-            self.detector = SpeechDetector(s.turn) if s.turn is not None else None
+            self.detector = SpeechDetector(s.turn, self.appended_ms) if s.turn is not None else None
             self.speech_item = None
         await self.send("session.updated", session=self.session_json())
 
@@ -313,6 +313,8 @@ class Session:
         speech = bytes(self.buffer[start:end])
         del self.buffer[:end]
         self.speech_item = None
+        if not speech:  # nothing of it left in the buffer (cleared or committed while speaking)
+            return
         if await self._commit(speech, item_id) and turn.create_response and self.response is None:
             await self._respond(ev.ResponseParams())
 

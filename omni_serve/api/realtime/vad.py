@@ -27,7 +27,8 @@ class SpeechEdge:
 
 
 class SpeechDetector:
-    def __init__(self, turn: TurnDetection):
+    def __init__(self, turn: TurnDetection, clock_ms: float = 0.0):
+        """``clock_ms``: the session's audio already appended (a detector made by ``session.update`` starts late)."""
         import av
         from silero_vad import VADIterator, load_silero_vad
 
@@ -43,8 +44,8 @@ class SpeechDetector:
             speech_pad_ms=0,
         )
         self._pending: np.ndarray = np.zeros(0, dtype=np.float32)
-        self._offset = 0  # 16 kHz samples fed before the iterator's last reset
-        self._fed = 0  # 16 kHz samples fed in all
+        self._fed = round(clock_ms * VAD_RATE / 1000)  # 16 kHz samples on the session's clock
+        self._offset = self._fed  # where the iterator's own count starts (its last reset)
         self._in_pts = 0
         self.speaking = False
 

@@ -10,7 +10,8 @@ then silence, and the server VAD (Silero) ends the turn. Per turn:
   voice agent's does;
 - barge-in latency (the last turn of each session, --barge-in): the session speaks again once the
   reply's first audio arrived; from the start of that speech to the last audio delta of the cancelled
-  response (what the client would still have to drop).
+  response (what the client would still have to drop; 0 when none came after the speech began), and
+  ``cancelled``: from the start of that speech to the cancelled response's ``response.done``.
 
 ``--pacings paced`` deploys the graph with each stage's engine steps paced like an accelerator
 (bench.py's ``H100_PACE``), ``unpaced`` runs the engines as fast as the shared cores allow.
@@ -43,6 +44,7 @@ CHUNK = RATE * 2 // 10  # 100 ms
 class Session:
     voice_to_voice: list[float] = field(default_factory=list)
     barge_in: list[float] = field(default_factory=list)
+    cancelled_in: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
 
@@ -99,7 +101,9 @@ async def one_session(args: argparse.Namespace, speech: bytes, seed: int) -> Ses
                     if status == "failed":
                         out.errors.append(str(event["response"]["status_details"]))
                     if barge_start is not None and status == "cancelled" and last_audio is not None:
-                        out.barge_in.append(last_audio - barge_start)
+                        # 0: no audio of the reply arrived after the interrupting speech began.
+                        out.barge_in.append(max(0.0, last_audio - barge_start))
+                        out.cancelled_in.append(time.monotonic() - barge_start)
                     break
             await asyncio.gather(sender, return_exceptions=True)
         if args.barge_in:  # the interrupting turn is left unanswered (create_response off)
@@ -123,6 +127,7 @@ def pct(values: list[float], q: float) -> float | None:
 def summary(label: str, k: int, sessions: list[Session]) -> dict[str, Any]:
     v2v = [x for s in sessions for x in s.voice_to_voice]
     barge = [x for s in sessions for x in s.barge_in]
+    cancelled = [x for s in sessions for x in s.cancelled_in]
     return {
         "name": label,
         "sessions": k,
@@ -131,6 +136,8 @@ def summary(label: str, k: int, sessions: list[Session]) -> dict[str, Any]:
         "v2v_p99": pct(v2v, 99),
         "barge_in_p50": pct(barge, 50),
         "barge_in_p99": pct(barge, 99),
+        "cancelled_p50": pct(cancelled, 50),
+        "cancelled_p99": pct(cancelled, 99),
         "errors": sum(len(s.errors) for s in sessions),
     }
 

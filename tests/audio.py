@@ -60,8 +60,11 @@ def spoken(text: str, rate: int = 24000) -> bytes:
     """``text`` spoken by Debian's espeak-ng (a real voice: a VAD hears speech), as pcm16 mono at ``rate``."""
     import av
 
+    from tests import deps
+
     espeak = shutil.which("espeak-ng")
-    assert espeak, "espeak-ng is not installed (.ci/install-debian-tools.sh installs it)"
+    if espeak is None:
+        deps.missing("espeak-ng", "make test installs it (.ci/install-debian-tools.sh)")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "speech.wav"
         subprocess.run([espeak, "-w", str(path), text], check=True, capture_output=True)

@@ -201,6 +201,17 @@ def test_barge_in_cancels_every_stage_and_truncates_the_reply(graph) -> None:
             retrieved = (await events_until(recv, "conversation.item.retrieved"))[-1]["item"]
             # The VAD's turn then gets its own response (the talker's default length: it ends).
             nxt = await events_until(recv, "response.done")
+            # The client's own truncation (what it played): half the audio that was sent.
+            sent_ms = len(base64.b64decode(retrieved["content"][0]["audio"])) * 1000 // (RATE * 2)
+            cut = {"type": "conversation.item.truncate", "item_id": reply_id, "content_index": 0}
+            await send({**cut, "audio_end_ms": sent_ms // 2})
+            truncated = (await events_until(recv, "conversation.item.truncated"))[-1]
+            assert truncated["audio_end_ms"] == sent_ms // 2 and truncated["item_id"] == reply_id
+            await send({"type": "conversation.item.retrieve", "item_id": reply_id})
+            halved = (await events_until(recv, "conversation.item.retrieved"))[-1]["item"]["content"][0]
+            assert len(base64.b64decode(halved["audio"])) == sent_ms // 2 * RATE // 1000 * 2
+            words = retrieved["content"][0]["transcript"].split()
+            assert (halved["transcript"] or "").split() == words[: len(words) * (sent_ms // 2) // sent_ms]
             return first + cancelled, retrieved, nxt
 
     events, retrieved, nxt = asyncio.run(talk())

@@ -248,8 +248,8 @@ def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    cols = [
+def table(rows: list[dict[str, Any]], cols: list[str] | None = None) -> str:
+    cols = cols or [
         "scenario",
         "requests",
         "errors",
@@ -415,14 +415,16 @@ def main() -> None:
     report(args, rows)
 
 
-def report(args: argparse.Namespace, rows: list[dict[str, Any]], summary: str = "") -> None:
+def report(
+    args: argparse.Namespace, rows: list[dict[str, Any]], summary: str = "", cols: list[str] | None = None
+) -> None:
     """Write the run's JSON (args, machine, load, rows) to ``--out`` and print the table."""
     load = os.getloadavg()
     result = {"args": vars(args), "machine": f"{os.cpu_count()} CPUs", "load_avg_at_end": load, "rows": rows}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    print(table(rows))
+    print(table(rows, cols))
     if summary:
         print(summary)
     print(f"load average at the end (1/5/15 min): {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")

@@ -54,3 +54,22 @@ def _decode_aac(data: bytes) -> tuple[np.ndarray, int]:
     factor = faad_rate // header.sample_rate
     assert faad_rate == factor * header.sample_rate and factor in (1, 2), (faad_rate, header.sample_rate)
     return samples[::factor], header.sample_rate
+
+
+def spoken(text: str, rate: int = 24000) -> bytes:
+    """``text`` spoken by Debian's espeak-ng (a real voice: a VAD hears speech), as pcm16 mono at ``rate``."""
+    import av
+
+    from tests import deps
+
+    espeak = shutil.which("espeak-ng")
+    if espeak is None:
+        deps.missing("espeak-ng", "make test installs it (.ci/install-debian-tools.sh)")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "speech.wav"
+        subprocess.run([espeak, "-w", str(path), text], check=True, capture_output=True)
+        with av.open(str(path)) as container:
+            resampler = av.AudioResampler(format="s16", layout="mono", rate=rate)
+            frames = [out for frame in container.decode(audio=0) for out in resampler.resample(frame)]
+            frames += resampler.resample(None)
+    return b"".join(f.to_ndarray().astype("<i2").tobytes() for f in frames)

@@ -186,6 +186,53 @@ def test_speech_streams_into_the_player(tiny_omni, page) -> None:
     assert page.is_visible("#speech-download")
 
 
+def test_talk_hears_the_microphone_and_plays_the_reply(tiny_omni, tmp_path) -> None:
+    """The Talk panel over /v1/realtime: Chromium's fake microphone speaks a WAV (espeak-ng), the
+    server's VAD ends the turn, and the page plays every audio delta the websocket carried."""
+    from playwright.sync_api import sync_playwright
+
+    from tests.audio import spoken
+
+    if CHROMIUM is None:
+        deps.missing("chromium", TOOLS)
+    mic = tmp_path / "mic.wav"
+    speech = np.frombuffer(spoken("Hello, can you hear me?", rate=48000), "<i2")
+    sf.write(mic, np.concatenate([np.zeros(24000, "<i2"), speech, np.zeros(96000, "<i2")]), 48000, subtype="PCM_16")
+    fake_mic = ["--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream"]
+    with sync_playwright() as driver:
+        browser = driver.chromium.launch(
+            executable_path=CHROMIUM, args=[*fake_mic, f"--use-file-for-fake-audio-capture={mic}%noloop"]
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1000, "height": 900})
+            errors: list[str] = []
+            page.on("pageerror", lambda err: errors.append(str(err)))
+            events: list[dict[str, Any]] = []
+            page.on("websocket", lambda ws: ws.on("framereceived", lambda frame: events.append(json.loads(frame))))
+            open_playground(page, tiny_omni.base_url, ["thinker", "talker", "code2wav"])
+            assert page.is_visible("#talk")
+            page.click("#talk-button")
+            data = report(page, "#talk-metrics")
+            lines = page.locator("#talk-transcript .message").all_inner_texts()
+            SHOTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=SHOTS / "talk.png", full_page=True)
+            assert not errors, f"JavaScript errors in the page: {errors}"
+        finally:
+            browser.close()
+    kinds = [e["type"] for e in events]
+    assert "input_audio_buffer.speech_started" in kinds and "input_audio_buffer.committed" in kinds
+    first_done = kinds.index("response.done")
+    deltas = [base64.b64decode(e["delta"]) for e in events[:first_done] if e["type"] == "response.output_audio.delta"]
+    transcript = "".join(
+        e["delta"] for e in events[:first_done] if e["type"] == "response.output_audio_transcript.delta"
+    )
+    assert deltas and transcript
+    # The page scheduled every sample the server sent, and shows the reply's transcript.
+    assert int(data["audioSamples"]) == sum(len(d) // 2 for d in deltas) and int(data["audioChunks"]) == len(deltas)
+    assert data["replies"] == "1" and "1 replies" in data["shown"]
+    assert lines and lines[0] == transcript
+
+
 def test_omni_input_parts_once_the_card_lists_input_modalities(tiny_omni, page, tmp_path) -> None:
     """The upload UI appears only for graphs that take media; it sends OpenAI content parts."""
 

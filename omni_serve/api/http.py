@@ -34,6 +34,35 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+async def read_form(request: Request, limit: int) -> tuple[dict[str, str], dict[str, bytes]]:
+    """A ``multipart/form-data`` body (OpenAI's audio uploads): its text fields and its files' bytes.
+
+    Refused with 415 in another Content-Type and 413 past ``limit`` bytes (declared or read).
+    """
+    media = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
+    if media != "multipart/form-data":
+        shown = media or "none"
+        raise APIError(
+            415, f"Content-Type must be multipart/form-data (got '{shown:.60}')", type="invalid_request_error"
+        )
+    too_large = APIError(413, f"request body over {limit} bytes", type="invalid_request_error")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    fields: dict[str, str] = {}
+    files: dict[str, bytes] = {}
+    async with request.form(max_files=4, max_fields=32) as form:
+        for key, value in form.multi_items():
+            if isinstance(value, str):
+                fields[key] = value
+                continue
+            data = await value.read(limit + 1)
+            if len(data) > limit:
+                raise too_large
+            files[key] = data
+    return fields, files
+
+
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     """Decode a JSON object body; every malformed body is a 400 naming what is wrong."""
     try:

@@ -21,9 +21,10 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve._private.http_util import parse_request_timeout_header
@@ -34,13 +35,15 @@ from starlette.responses import JSONResponse, Response
 from omni_serve.api import playground
 from omni_serve.api.auth import check_auth
 from omni_serve.api.errors import from_failure, stage_bad_request
-from omni_serve.api.http import check_content_type, parse_json_object, read_body
+from omni_serve.api.http import check_content_type, parse_json_object, read_body, read_form
 from omni_serve.api.openai.chat import ChatCompletionRequest, ChatReply, StreamOptions
 from omni_serve.api.openai.errors import APIError, bad_request, from_validation, http_exception_handler
 from omni_serve.api.openai.images import ImageGenerationRequest, ImagesReply
 from omni_serve.api.openai.messages import MediaRules
 from omni_serve.api.openai.speech import SpeechReply, SpeechRequest
+from omni_serve.api.openai.transcriptions import TranscriptionReply, TranscriptionRequest, transcription_messages
 from omni_serve.api.openai.voices import resolve_voice, voices_json
+from omni_serve.api.realtime.session import SessionGraph, serve_session
 from omni_serve.api.sampling import StageSampling
 from omni_serve.api.serving import Serving
 from omni_serve.graph.config import DEADLINE_MARGIN_S, GraphConfig, check_timeouts, load_graph
@@ -52,7 +55,7 @@ from omni_serve.graph.stage_log import StageLog
 from omni_serve.graph.transport import LocalStage, RemoteStages, StageTransport
 from omni_serve.media import inputs as media_input
 from omni_serve.payload import payload_loads
-from omni_serve.types import ChatMessage, InvalidStageInput, Modality
+from omni_serve.types import ChatMessage, InvalidStageInput, MediaPart, Modality
 
 logger = logging.getLogger("ray.serve")
 
@@ -102,6 +105,18 @@ class Ingress:
         )
         self._voices: list[str] | None = None  # asked from the stages once, on first need
         playground.configure(self.graph, self._check_auth, self.serve_view)
+        self.session_graph = SessionGraph(
+            model=self.graph.served_model_name,
+            outputs=self.serving.outputs,
+            sampling=self.sampling.for_chat,
+            voice=self._voice,
+            text_stage=self.text_stage,
+            speaks=Modality.AUDIO in self.graph.modalities,
+            takes_audio=Modality.AUDIO in self.graph.input_modalities,
+            max_audio_parts=self.graph.media_input.max_parts,
+            max_audio_bytes=self.graph.media_input.max_bytes,
+            limits=self.graph.realtime,
+        )
 
     # ---- the engine in this replica (engine_in_ingress): Serve's hooks, handle methods, shutdown ------
     async def check_health(self) -> None:
@@ -167,9 +182,13 @@ class Ingress:
 
     def _deadline(self, request: Request) -> float | None:
         """Serve's limit for this request (its header override included), less a margin, as a monotonic time."""
-        headers = {k.encode("latin-1"): v.encode("latin-1") for k, v in request.headers.items()}
-        timeout = parse_request_timeout_header(headers, self.request_timeout_s)
+        timeout = self._serve_timeout_s(request.headers)
         return None if timeout is None else time.monotonic() + max(0.0, timeout - DEADLINE_MARGIN_S)
+
+    def _serve_timeout_s(self, headers: Mapping[str, str]) -> float | None:
+        """Serve's request_timeout_s for a request with these headers (its per-request header override included)."""
+        raw = {k.encode("latin-1"): v.encode("latin-1") for k, v in headers.items()}
+        return parse_request_timeout_header(raw, self.request_timeout_s)
 
     async def _graph_voices(self) -> list[str]:
         """The voices the graph's stages declare (asked once; the graph's stages never change under an ingress).
@@ -284,6 +303,59 @@ class Ingress:
             stage_log=stage_log,
         )
         return await self.serving.respond(omni, "chat", reply, stream=body.stream)
+
+    @api.post("/v1/audio/transcriptions")
+    async def audio_transcriptions(self, request: Request) -> Response:
+        """OpenAI's transcription API on a graph whose thinker takes audio: the thinker alone transcribes."""
+        self._check_auth(request)
+        limit = max(self.graph.max_request_bytes, self.graph.media_input.max_bytes + (64 << 10))
+        fields, files = await read_form(request, limit)
+        try:
+            body = TranscriptionRequest.model_validate(fields)
+        except ValidationError as err:
+            raise from_validation(err) from None
+        self._check_model(body.model)
+        if Modality.AUDIO not in self.graph.input_modalities:
+            raise bad_request(f"model '{self.graph.served_model_name}' does not take audio input", "file")
+        audio, fmt = self._audio_file(files.get("file"))
+        omni = self._omni_request(
+            request,
+            modalities={Modality.TEXT},
+            sampling=self.sampling.for_chat(
+                ChatCompletionRequest.model_construct(messages=[], temperature=body.temperature)
+            ),
+            messages=transcription_messages(audio, body.language, body.prompt),
+        )
+        reply = TranscriptionReply(body.response_format, body.stream, self.text_stage, body.language)
+        if body.response_format == "verbose_json" and not body.stream:
+            reply.duration_s = self._media_check(media_input.audio_seconds, audio.data, fmt, "file")
+        streamed = body.stream or body.response_format == "text"
+        return await self.serving.respond(omni, "transcriptions", reply, stream=streamed)
+
+    def _audio_file(self, data: bytes | None) -> tuple[MediaPart, str]:
+        """The upload as an audio media part: its format sniffed and allowed, its size bounded; not decoded."""
+        if data is None:
+            raise bad_request("file: an audio file is required (multipart field 'file')", "file")
+        limit = self.graph.media_input.max_bytes
+        if len(data) > limit:
+            message = f"file: audio over the limit of {limit} bytes"
+            raise APIError(413, message, type="invalid_request_error", param="file")
+        fmt = self._media_check(media_input.check_format, data, "audio", "file")
+        return MediaPart(type="audio", param="file", data=data), fmt
+
+    @staticmethod
+    def _media_check(check: Any, *args: Any) -> Any:
+        try:
+            return check(*args)
+        except InvalidStageInput as err:
+            raise stage_bad_request(err) from None
+
+    @api.websocket("/v1/realtime")
+    async def realtime(self, websocket: WebSocket) -> None:
+        """OpenAI's Realtime API (:mod:`omni_serve.api.realtime`): a session lives on this replica."""
+        timeout = self._serve_timeout_s(websocket.headers)
+        serve_limit = None if timeout is None else max(1.0, timeout - DEADLINE_MARGIN_S)
+        await serve_session(websocket, self.session_graph, self.api_key, serve_limit)
 
     @api.post("/v1/audio/speech")
     async def audio_speech(self, request: Request) -> Response:

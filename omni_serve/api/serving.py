@@ -10,7 +10,7 @@ a JSON reply collects everything first; a streamed one waits for the first outpu
 failure after that is the reply builder's to report in band (the same error object as an SSE event),
 or it cuts the body short (audio), which a client sees as a broken transfer, never a complete file.
 
-Failures are classified once, where the graph's outputs come out (:meth:`Serving._observed`), by
+Failures are classified once, where the graph's outputs come out (:meth:`Serving.outputs`), by
 :func:`omni_serve.api.errors.from_failure`; the request metrics record that status.
 """
 
@@ -72,7 +72,7 @@ class Serving:
         self.metrics = metrics
 
     async def respond(self, request: OmniRequest, route: str, reply: Reply, *, stream: bool) -> Response:
-        outputs = self._observed(request, route)
+        outputs = self.outputs(request, route)
         if not stream:
             try:
                 return JSONResponse(await reply.json(outputs))
@@ -85,7 +85,7 @@ class Serving:
             raise
         return ServeStreamingResponse(_body(head, outputs, reply), media_type=reply.media_type)
 
-    async def _observed(self, request: OmniRequest, route: str) -> AsyncGenerator[StageOutput, None]:
+    async def outputs(self, request: OmniRequest, route: str) -> AsyncGenerator[StageOutput, None]:
         """The graph's outputs for one request, timed; any failure leaves as the one APIError it maps to."""
         timer = self.metrics.timer(route)
         status = 499  # the client left before the end

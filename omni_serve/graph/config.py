@@ -72,6 +72,27 @@ class StageConfig(BaseModel):
         return name
 
 
+class RealtimeConfig(BaseModel):
+    """Bounds of one ``/v1/realtime`` session (each ingress replica holds its sessions' state)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_session_minutes: float = Field(60.0, gt=0, description="A session is closed (1008) after this long.")
+    max_buffered_audio_s: float = Field(
+        120.0, gt=0, description="Uncommitted input audio a session may hold; an append beyond it is refused."
+    )
+    max_items: int = Field(256, ge=2, description="Conversation items a session may hold.")
+    max_event_bytes: int = Field(
+        15 << 20, ge=1024, description="One client event's size (OpenAI's 15 MiB append limit); larger is refused."
+    )
+    events_per_second: float = Field(
+        100.0, gt=0, description="Client events per second (bursts of twice this); faster ones are refused."
+    )
+    allowed_origins: list[str] | None = Field(
+        None, description="Browser Origins allowed to open a session (None: any; clients without Origin always)."
+    )
+
+
 class GraphConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -99,6 +120,9 @@ class GraphConfig(BaseModel):
     )
     media_input: MediaInputConfig = Field(
         default_factory=MediaInputConfig, description="Per-request limits on media parts; video sampling."
+    )
+    realtime: RealtimeConfig = Field(
+        default_factory=RealtimeConfig, description="Limits of /v1/realtime sessions; the Origin allow-list."
     )
     engine_in_ingress: bool = Field(
         False,

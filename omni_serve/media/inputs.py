@@ -211,6 +211,12 @@ def _open_container(data: bytes, fmt: str, param: str) -> Any:
         raise _refused(param, f"not a valid {fmt} file ({type(err).__name__})") from None
 
 
+def audio_seconds(data: bytes, fmt: str, param: str) -> float | None:
+    """The audio's length from its container's header (no samples decoded), or None when it does not say."""
+    with _open_container(data, fmt, param) as container:
+        return None if container.duration is None else container.duration / 1e6
+
+
 def _decode_track(container: Any, stream: Any, rate: int, max_seconds: float, param: str, what: str) -> np.ndarray:
     import av
 

@@ -62,7 +62,7 @@ class MediaPolicy(BaseModel):
     )
     allowed_schemes: list[Literal["http", "https"]] = Field(
         default_factory=lambda: ["https"],  # type: ignore[arg-type]  # a list of the literal; mypy infers list[str]
-        description="Remote URL schemes accepted (plain http only if listed)."
+        description="Remote URL schemes accepted (plain http only if listed).",
     )
     allowed_addresses: list[str] = Field(
         default_factory=list,

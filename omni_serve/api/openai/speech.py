@@ -43,7 +43,8 @@ class SpeechRequest(BaseModel):
     response_format: SpeechFormat = "mp3"
     # typing's Literal takes no floats; pydantic accepts 1 and 1.0 here and refuses any other speed.
     speed: Literal[1, 1.0] = Field(  # type: ignore[valid-type]
-       1.0, description="Only 1.0: the talker has no speed control.")
+        1.0, description="Only 1.0: the talker has no speed control."
+    )
     stream_format: Literal["audio"] = Field("audio", description="Raw audio bytes as they are produced.")
     instructions: str | None = Field(None, max_length=4096, description="Sent to the model as a system message.")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Same seed, same audio (vLLM-Omni's field).")

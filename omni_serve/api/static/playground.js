@@ -1,5 +1,6 @@
 // The omni_serve playground: talks to the graph that serves it through the public HTTP API only
-// (/v1/models, /v1/chat/completions streamed, /v1/audio/speech, /v1/images/generations, /health, /stages).
+// (/v1/models, /v1/chat/completions streamed, /v1/audio/speech, /v1/images/generations, /health, /stages,
+// and the /v1/realtime websocket for the Talk panel).
 // Audio is played with Web Audio as chunks arrive, each chunk scheduled to start where the previous ends.
 // Every panel reports what it measured on its <output> element, as text and as data-* attributes.
 
@@ -83,6 +84,15 @@ class AudioPlayer {
     this.samples = 0;
     this.seconds = 0;
     this.gaps = 0; // chunks that arrived after the audio before them had finished playing
+    this.sources = [];
+  }
+
+  /** Barge-in: stop what is playing and scheduled, and drop what is still being decoded. */
+  interrupt() {
+    this.sources.forEach((source) => source.stop());
+    const counts = { chunks: this.chunks, samples: this.samples, seconds: this.seconds, gaps: this.gaps };
+    this.reset();
+    Object.assign(this, counts); // what was played stays counted
   }
 
   /** Call from a click handler: browsers start audio only after a user gesture. */
@@ -110,6 +120,8 @@ class AudioPlayer {
     source.buffer = buffer;
     source.connect(this.ctx.destination);
     source.start(start);
+    this.sources.push(source);
+    source.onended = () => { this.sources = this.sources.filter((s) => s !== source); };
     this.nextTime = start + buffer.duration;
     this.chunks += 1;
     this.samples += buffer.length;
@@ -192,6 +204,89 @@ async function busy(button, work) {
   } finally {
     button.disabled = false;
   }
+}
+
+// ---- talk: a /v1/realtime voice session ------------------------------------------------------
+
+let talk = null; // the session in progress: {ws, stop}
+
+function pcm16Base64(samples) {
+  const bytes = new Uint8Array(samples.length * 2);
+  const view = new DataView(bytes.buffer);
+  samples.forEach((s, i) => view.setInt16(i * 2, Math.max(-1, Math.min(1, s)) * 32767, true));
+  let text = "";
+  for (let i = 0; i < bytes.length; i += 0x8000) text += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
+  return btoa(text);
+}
+
+/** Microphone -> pcm16 24 kHz appends; the server's VAD ends each turn; audio deltas play as they arrive. */
+async function toggleTalk() {
+  if (talk) {
+    talk.stop();
+    return;
+  }
+  await player.start(); // the click is the gesture that lets audio play
+  player.reset();
+  const stream = await navigator.mediaDevices.getUserMedia({ audio: { channelCount: 1 } });
+  const url = new URL("v1/realtime", BASE);
+  url.protocol = url.protocol === "https:" ? "wss:" : "ws:";
+  url.searchParams.set("model", card.id);
+  const key = $("#api-key").value.trim(); // browsers cannot set headers on a websocket: OpenAI's subprotocol
+  const ws = new WebSocket(url, key ? ["realtime", `openai-insecure-api-key.${key}`] : ["realtime"]);
+  const report = new Report($("#talk-metrics"));
+  let replies = 0;
+  let line = null; // the assistant's transcript line being written
+  // The context runs at 24 kHz, so the browser resamples the microphone to the session's rate.
+  const mic = player.ctx.createMediaStreamSource(stream);
+  const tap = player.ctx.createScriptProcessor(2048, 1, 1);
+  tap.onaudioprocess = (event) => {
+    if (ws.readyState !== WebSocket.OPEN) return;
+    const audio = pcm16Base64(event.inputBuffer.getChannelData(0));
+    ws.send(JSON.stringify({ type: "input_audio_buffer.append", audio }));
+  };
+  const stop = () => {
+    tap.disconnect();
+    mic.disconnect();
+    stream.getTracks().forEach((track) => track.stop());
+    ws.close();
+    talk = null;
+    $("#talk-button").textContent = "● Start talking";
+  };
+  ws.onopen = () => {
+    mic.connect(tap);
+    tap.connect(player.ctx.destination); // a ScriptProcessor runs only when connected; it outputs silence
+  };
+  ws.onmessage = (message) => {
+    const event = JSON.parse(message.data);
+    if (event.type === "input_audio_buffer.speech_started") {
+      player.interrupt(); // barge-in: the server cancels the response, the page stops playing it
+      report.set({ heard: "speech" });
+    } else if (event.type === "response.created") {
+      line = document.createElement("div");
+      line.className = "message assistant";
+      $("#talk-transcript").append(line);
+    } else if (event.type === "response.output_audio_transcript.delta" || event.type === "response.output_text.delta") {
+      report.mark("ttft");
+      if (line) line.textContent += event.delta;
+    } else if (event.type === "response.output_audio.delta") {
+      report.mark("ttfa");
+      player.push(base64Bytes(event.delta), "pcm");
+    } else if (event.type === "response.done") {
+      replies += 1;
+      player.queue.then(() => {
+        const [data, parts] = audioReport();
+        report.done({ ...data, replies, status: event.response.status }, [`${replies} replies`, ...parts]);
+      });
+    } else if (event.type === "error") {
+      showError(new Error(event.error.message));
+    }
+  };
+  ws.onclose = (event) => {
+    if (event.code !== 1000 && event.code !== 1005) showError(new Error(`session closed: ${event.code} ${event.reason}`));
+    if (talk) stop();
+  };
+  talk = { ws, stop };
+  $("#talk-button").textContent = "■ Stop";
 }
 
 // ---- chat -----------------------------------------------------------------------------------
@@ -430,6 +525,7 @@ async function loadCard() {
   $("#speak-option").hidden = !outputs.has("audio");
   document.querySelectorAll(".audio-only").forEach((el) => { el.hidden = !outputs.has("audio"); });
   $("#speech").hidden = !outputs.has("audio");
+  $("#talk").hidden = !outputs.has("audio") || !inputs.has("audio") || !navigator.mediaDevices;
   $("#images").hidden = !outputs.has("image");
   const voices = (card.voices ?? []).map((v) => (typeof v === "string" ? v : v.id ?? v.name));
   $("#voice-select").hidden = voices.length === 0;
@@ -506,6 +602,7 @@ function main() {
     event.target.value = "";
   }));
   $("#record").addEventListener("click", () => toggleRecording().catch(showError));
+  $("#talk-button").addEventListener("click", () => toggleTalk().catch(showError));
   $("#speech-form").addEventListener("submit", (event) => {
     event.preventDefault();
     busy($("#speak-button"), speak);

@@ -1,0 +1,185 @@
+"""A session's conversation: its items (OpenAI's ``realtime.item`` messages) and the thinker's turns made from them.
+
+User audio is kept as the pcm16 the client sent and goes to the entry stage as a WAV media part,
+through the same media path (by reference, decoded by the entry stage) as a chat request's
+``input_audio``. An assistant turn becomes its text: the thinker takes text for its own past turns.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from omni_serve import types
+from omni_serve.api.errors import stage_bad_request
+from omni_serve.api.openai.errors import bad_request
+from omni_serve.api.realtime.events import PCM_RATE, Item
+from omni_serve.media import inputs as media_input
+from omni_serve.media.encode import b64, encode_audio
+from omni_serve.types import ChatMessage, InvalidStageInput
+
+Role = Literal["user", "assistant", "system"]
+_CONTENT_TYPES: dict[str, set[str]] = {
+    "user": {"input_text", "input_audio"},
+    "system": {"input_text"},
+    "assistant": {"output_text", "output_audio", "text", "audio"},
+}
+
+
+_FILE_FORMATS = {"wav", "flac", "ogg", "webm", "mp4"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:20]}"
+
+
+def pcm16_bytes(text: str, param: str, max_bytes: int) -> bytes:
+    """Base64 audio in the session's format (pcm16 24 kHz mono): whole samples, not a file in another format."""
+    try:
+        data = media_input.base64_bytes(text, param, max_bytes)
+    except InvalidStageInput as err:
+        raise stage_bad_request(err) from None
+    # Only files with a magic number: raw PCM may start like an MP3/AAC frame sync (0xFFFx).
+    container = media_input.sniff(data[:64])
+    if container in _FILE_FORMATS or data.startswith(b"ID3"):
+        raise bad_request(
+            f"{param}: this is {container} audio; the session's input format is audio/pcm "
+            "(raw 16-bit little-endian mono at 24 kHz)",
+            param,
+        )
+    if len(data) % 2:
+        raise bad_request(f"{param}: audio/pcm is 16-bit: an odd number of bytes ({len(data)})", param)
+    return data
+
+
+def pcm16_ms(pcm: bytes) -> int:
+    return len(pcm) // 2 * 1000 // PCM_RATE
+
+
+@dataclass
+class Part:
+    type: str
+    text: str = ""  # text, or the audio's transcript
+    audio: bytes = b""  # pcm16 24 kHz
+
+
+@dataclass
+class ConversationItem:
+    id: str
+    role: Role
+    parts: list[Part]
+    status: Literal["completed", "incomplete", "in_progress"] = "completed"
+
+    def json(self, with_audio: bool = False) -> dict[str, Any]:
+        content = []
+        for part in self.parts:
+            body: dict[str, Any] = {"type": part.type}
+            if part.type in ("input_audio", "output_audio", "audio"):
+                body["transcript"] = part.text or None
+                if with_audio:
+                    body["audio"] = b64(part.audio)
+            else:
+                body["text"] = part.text
+            content.append(body)
+        return {
+            "id": self.id,
+            "type": "message",
+            "object": "realtime.item",
+            "status": self.status,
+            "role": self.role,
+            "content": content,
+        }
+
+    def chat_message(self) -> ChatMessage:
+        """This item as one of the thinker's turns (assistant audio: its transcript)."""
+        if self.role != "user":
+            return ChatMessage(role=self.role, content="".join(p.text for p in self.parts))
+        content: list[types.TextPart | types.MediaPart] = []
+        for j, part in enumerate(self.parts):
+            if part.type == "input_audio":
+                wav = encode_audio(np.frombuffer(part.audio, dtype="<i2").astype(np.float32) / 32768.0, PCM_RATE, "wav")
+                content.append(types.MediaPart(type="audio", param=f"item.{self.id}.content.{j}", data=wav))
+            else:
+                content.append(types.TextPart(text=part.text))
+        return ChatMessage(role="user", content=content)
+
+    def truncate(self, content_index: int, audio_end_ms: int) -> None:
+        """Keep ``audio_end_ms`` of the part's audio and the share of its transcript that audio spoke."""
+        part = self.parts[content_index]
+        total = pcm16_ms(part.audio)
+        if audio_end_ms > total:
+            raise bad_request(f"audio_end_ms: {audio_end_ms} is past the audio's end ({total} ms)", "audio_end_ms")
+        keep = audio_end_ms * PCM_RATE // 1000 * 2
+        words = part.text.split()
+        part.text = " ".join(words[: len(words) * audio_end_ms // total]) if total else ""
+        part.audio = part.audio[:keep]
+
+
+def item_from_client(item: Item, max_audio_bytes: int, takes_audio: bool) -> ConversationItem:
+    """A client's ``conversation.item.create`` item, its content checked against its role."""
+    parts = []
+    for j, content in enumerate(item.content):
+        param = f"item.content.{j}"
+        if content.type not in _CONTENT_TYPES[item.role]:
+            allowed = sorted(_CONTENT_TYPES[item.role])
+            raise bad_request(f"{param}.type: a {item.role} message takes {allowed}, not {content.type!r}", param)
+        if content.type == "input_audio":
+            if not takes_audio:
+                raise bad_request(f"{param}: this graph's thinker does not take audio input", param)
+            if content.audio is None:
+                raise bad_request(f"{param}.audio: input_audio needs audio", f"{param}.audio")
+            pcm = pcm16_bytes(content.audio, f"{param}.audio", max_audio_bytes)
+            parts.append(Part(content.type, content.transcript or "", pcm))
+        elif content.type in ("output_audio", "audio"):
+            parts.append(Part(content.type, content.transcript or ""))
+        else:
+            if content.text is None:
+                raise bad_request(f"{param}.text: {content.type} needs text", f"{param}.text")
+            parts.append(Part(content.type, content.text))
+    return ConversationItem(item.id or new_id("item"), item.role, parts)
+
+
+@dataclass
+class Conversation:
+    items: list[ConversationItem] = field(default_factory=list)
+
+    def find(self, item_id: str, param: str = "item_id") -> ConversationItem:
+        for item in self.items:
+            if item.id == item_id:
+                return item
+        raise bad_request(f"{param}: no item {item_id!r} in the conversation", param)
+
+    def add(self, item: ConversationItem, previous_item_id: str | None = None) -> str | None:
+        """Insert ``item`` after ``previous_item_id`` (the end when None); returns the item before it."""
+        if any(i.id == item.id for i in self.items):
+            raise bad_request(f"item.id: an item {item.id!r} already exists", "item.id")
+        if previous_item_id is None:
+            at = len(self.items)
+        elif previous_item_id == "root":
+            at = 0
+        else:
+            at = self.items.index(self.find(previous_item_id, "previous_item_id")) + 1
+        self.items.insert(at, item)
+        return self.items[at - 1].id if at else None
+
+    def delete(self, item_id: str) -> None:
+        self.items.remove(self.find(item_id))
+
+    def chat_messages(self, instructions: str | None, max_audio_parts: int) -> list[ChatMessage]:
+        """The thinker's turns. A request carries at most ``max_audio_parts`` media parts
+        (``media_input.max_parts``): older user audio beyond them goes as its transcript, if it has one."""
+        audio_items = [i for i in self.items if i.role == "user" and any(p.type == "input_audio" for p in i.parts)]
+        as_text = {i.id for i in audio_items[: max(0, len(audio_items) - max_audio_parts)]}
+        head = [ChatMessage(role="system", content=instructions)] if instructions else []
+        turns = []
+        for item in self.items:
+            if item.id in as_text:
+                text = " ".join(p.text for p in item.parts if p.text)
+                if text:
+                    turns.append(ChatMessage(role="user", content=text))
+            elif item.role == "user" or any(p.text for p in item.parts):  # not an empty, cancelled reply
+                turns.append(item.chat_message())
+        return head + turns

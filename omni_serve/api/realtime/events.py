@@ -1,0 +1,214 @@
+"""The Realtime protocol's events, as OpenAI's GA API names and shapes them.
+
+The reference is the official ``openai`` package's ``openai.types.realtime`` (client events in
+``realtime_client_event.py``, server events in ``realtime_server_event.py``). Client events are
+validated here with pydantic models of the fields omni_serve reads; a field it does not read (tools,
+tracing, noise reduction, ...) is accepted and ignored, as OpenAI ignores what a model does not use.
+Server events are plain dicts built by :func:`server_event`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from omni_serve.api.openai.errors import APIError, bad_request, from_validation
+
+# OpenAI's only rate for audio/pcm; the thinker's input and code2wav's output rate of Qwen3-Omni.
+PCM_RATE = 24000
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class AudioFormat(_Lenient):
+    type: Literal["audio/pcm"] = Field(
+        "audio/pcm", description="Only 16-bit little-endian mono PCM (audio/pcmu and audio/pcma are refused)."
+    )
+    rate: Literal[24000] = Field(24000, description="Only 24 kHz.")
+
+
+class TurnDetection(_Lenient):
+    type: Literal["server_vad"] = Field("server_vad", description="semantic_vad is refused (no semantic model).")
+    threshold: float = Field(0.5, ge=0.0, le=1.0, description="Silero's speech probability threshold.")
+    prefix_padding_ms: int = Field(300, ge=0, le=10_000, description="Audio kept before detected speech.")
+    silence_duration_ms: int = Field(500, ge=0, le=10_000, description="Silence that ends a turn.")
+    create_response: bool = Field(True, description="Start a response when a turn ends.")
+    interrupt_response: bool = Field(True, description="Speech during a response cancels it (barge-in).")
+
+
+class Transcription(_Lenient):
+    model: str | None = None
+    language: str | None = None
+    prompt: str | None = None
+
+
+class AudioInput(_Lenient):
+    format: AudioFormat | None = None
+    turn_detection: TurnDetection | None = None  # null: manual turns (commit + response.create)
+    transcription: Transcription | None = None
+
+
+class AudioOutput(_Lenient):
+    format: AudioFormat | None = None
+    voice: str | None = None
+
+
+class SessionAudio(_Lenient):
+    input: AudioInput | None = None
+    output: AudioOutput | None = None
+
+
+Modalities = Annotated[list[Literal["text", "audio"]], Field(min_length=1, max_length=1)]
+MaxTokens = int | Literal["inf"]
+
+
+class SessionConfig(_Lenient):
+    type: Literal["realtime"] = "realtime"
+    model: str | None = None
+    instructions: str | None = None
+    output_modalities: Modalities | None = None
+    audio: SessionAudio | None = None
+    max_output_tokens: MaxTokens | None = None
+
+
+class ContentPart(_Lenient):
+    type: Literal["input_text", "input_audio", "output_text", "output_audio", "text", "audio"]
+    text: str | None = None
+    audio: str | None = None  # base64 pcm16 24 kHz
+    transcript: str | None = None
+
+
+class Item(_Lenient):
+    id: str | None = Field(None, max_length=64)
+    type: Literal["message"] = Field(description="Only messages (function calls are not supported).")
+    role: Literal["user", "assistant", "system"]
+    content: list[ContentPart] = Field(min_length=1)
+
+
+class AudioOutputOverride(_Lenient):
+    voice: str | None = None
+    format: AudioFormat | None = None
+
+
+class ResponseAudio(_Lenient):
+    output: AudioOutputOverride | None = None
+
+
+class ResponseParams(_Lenient):
+    instructions: str | None = None
+    output_modalities: Modalities | None = None
+    max_output_tokens: MaxTokens | None = None
+    audio: ResponseAudio | None = None
+    conversation: Literal["auto", "none"] = "auto"
+    metadata: dict[str, str] | None = None
+    # omni_serve's extensions, with their chat-completions meaning (benchmarks and tests pin sampling).
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Every stage's seed.")
+    stage_sampling: dict[str, dict[str, Any]] | None = Field(
+        None, description="Per-stage sampling overrides by stage name, as in chat completions."
+    )
+
+
+class _Event(_Lenient):
+    event_id: str | None = Field(None, max_length=512)
+
+
+class SessionUpdate(_Event):
+    type: Literal["session.update"]
+    session: SessionConfig
+
+
+class BufferAppend(_Event):
+    type: Literal["input_audio_buffer.append"]
+    audio: str
+
+
+class BufferCommit(_Event):
+    type: Literal["input_audio_buffer.commit"]
+
+
+class BufferClear(_Event):
+    type: Literal["input_audio_buffer.clear"]
+
+
+class ItemCreate(_Event):
+    type: Literal["conversation.item.create"]
+    previous_item_id: str | None = None
+    item: Item
+
+
+class ItemTruncate(_Event):
+    type: Literal["conversation.item.truncate"]
+    item_id: str
+    content_index: int = Field(ge=0)
+    audio_end_ms: int = Field(ge=0)
+
+
+class ItemDelete(_Event):
+    type: Literal["conversation.item.delete"]
+    item_id: str
+
+
+class ItemRetrieve(_Event):
+    type: Literal["conversation.item.retrieve"]
+    item_id: str
+
+
+class ResponseCreate(_Event):
+    type: Literal["response.create"]
+    response: ResponseParams | None = None
+
+
+class ResponseCancel(_Event):
+    type: Literal["response.cancel"]
+    response_id: str | None = None
+
+
+class OutputAudioClear(_Event):
+    type: Literal["output_audio_buffer.clear"]
+
+
+ClientEvent = (
+    SessionUpdate
+    | BufferAppend
+    | BufferCommit
+    | BufferClear
+    | ItemCreate
+    | ItemTruncate
+    | ItemDelete
+    | ItemRetrieve
+    | ResponseCreate
+    | ResponseCancel
+    | OutputAudioClear
+)
+_BY_TYPE: dict[str, type[_Event]] = {get_args(m.model_fields["type"].annotation)[0]: m for m in get_args(ClientEvent)}
+CLIENT_EVENT_TYPES = sorted(_BY_TYPE)
+
+
+def parse_client_event(data: Any) -> ClientEvent:
+    """One decoded JSON value as a client event; an :class:`APIError` naming the field otherwise."""
+    if not isinstance(data, dict):
+        raise bad_request("an event is a JSON object")
+    model = _BY_TYPE.get(data.get("type"))  # type: ignore[arg-type]
+    if model is None:
+        shown = f"{data.get('type')!r:.80}" if "type" in data else "missing"
+        raise APIError(
+            400, f"type: unknown event type ({shown})", type="invalid_request_error", param="type", code="unknown_event"
+        )
+    try:
+        return model.model_validate(data)  # type: ignore[return-value]
+    except ValidationError as err:
+        raise from_validation(err) from None
+
+
+def server_event(kind: str, **fields: Any) -> dict[str, Any]:
+    return {"type": kind, "event_id": f"event_{uuid.uuid4().hex[:20]}", **fields}
+
+
+def error_event(error: APIError, client_event_id: str | None) -> dict[str, Any]:
+    """OpenAI's ``error`` event: the error object, naming the client's ``event_id`` and the field."""
+    body = error.body()["error"]
+    return server_event("error", error={**body, "event_id": client_event_id})

@@ -238,6 +238,66 @@ def test_barge_in_cancels_every_stage_and_truncates_the_reply(graph) -> None:
     assert made < 4000 // 25 // 2, f"{made} code2wav calls: the talker was not aborted early"
 
 
+# ---- the next turn sees the truncated history ----------------------------------------------------------
+
+
+def test_the_next_turn_sees_the_truncated_history(graph) -> None:
+    """After ``conversation.item.truncate``, the next response's thinker prompt holds the truncated reply.
+
+    The prompt is observed without a hook in the session: a chat completion over the same turns (the
+    truncated transcript as the assistant's turn) with ``return_prompt_text`` shows the prompt those
+    turns make, and the session's seeded next reply matches it token for token and in prompt length.
+    """
+    import websockets
+    from openai import OpenAI
+
+    pinned = {"seed": 5, "max_output_tokens": 8, "output_modalities": ["text"]}
+
+    async def talk() -> tuple[str, int, str, list[dict[str, Any]]]:
+        async with websockets.connect(realtime_url(graph), max_size=None) as ws:
+            s = Raw(ws)
+            await s.until("session.created")
+            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell a story."}]}
+            await s.send({"type": "conversation.item.create", "item": item})
+            await s.send({"type": "response.create", "response": {"stage_sampling": LONG_TALK}})
+            reply_id = (await s.until("response.output_audio.delta"))[-1]["item_id"]
+            await s.send({"type": "response.cancel"})
+            await s.until("response.done")
+            await s.send({"type": "conversation.item.retrieve", "item_id": reply_id})
+            full = (await s.until("conversation.item.retrieved"))[-1]["item"]["content"][0]
+            sent_ms = len(base64.b64decode(full["audio"])) * 1000 // (RATE * 2)
+            cut = {"type": "conversation.item.truncate", "item_id": reply_id, "content_index": 0}
+            await s.send({**cut, "audio_end_ms": sent_ms // 2})
+            await s.until("conversation.item.truncated")
+            await s.send({"type": "conversation.item.retrieve", "item_id": reply_id})
+            kept = (await s.until("conversation.item.retrieved"))[-1]["item"]["content"][0]["transcript"]
+            return full["transcript"], sent_ms, kept, await s.reply("Go on.", **pinned)
+
+    full, sent_ms, kept, events = asyncio.run(talk())
+    words = full.split()
+    assert kept and kept.split() == words[: len(words) * (sent_ms // 2) // sent_ms], (full, kept)
+    said = "".join(e["delta"] for e in of(events, "response.output_text.delta"))
+    usage = events[-1]["response"]["usage"]
+    turns = [
+        {"role": "user", "content": "Tell a story."},
+        {"role": "assistant", "content": kept},
+        {"role": "user", "content": "Go on."},
+    ]
+    client = OpenAI(base_url=f"{graph.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    reference = client.chat.completions.create(
+        model=MODEL,
+        messages=turns,  # type: ignore[arg-type]
+        modalities=["text"],
+        seed=5,
+        max_completion_tokens=8,
+        extra_body={"return_prompt_text": True},
+    )
+    prompt = reference.model_extra["prompt_text"]
+    assert kept in prompt and " ".join(words[: len(kept.split()) + 1]) not in prompt, prompt
+    assert usage["input_tokens"] == reference.usage.prompt_tokens, (usage, reference.usage)
+    assert said == reference.choices[0].message.content
+
+
 # ---- bad input: an error event naming the event and the field; the session goes on --------------------
 
 

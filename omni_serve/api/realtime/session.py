@@ -88,6 +88,7 @@ class Response:
     item: ConversationItem
     modalities: list[str]
     in_conversation: bool
+    metadata: dict[str, str] | None = None  # the client's, echoed (LiveKit matches its generate_reply by it)
     task: asyncio.Task[None] | None = None
     cancel_reason: str | None = None
     usage: Usage = field(default_factory=Usage)
@@ -426,7 +427,7 @@ class Session:
         )
         kind = "output_audio" if modalities == ["audio"] else "output_text"
         item = ConversationItem(new_id("item"), "assistant", [Part(kind)], status="in_progress")
-        response = Response(f"resp_{request.request_id[:20]}", item, modalities, in_conversation)
+        response = Response(f"resp_{request.request_id[:20]}", item, modalities, in_conversation, params.metadata)
         self.response = response
         await self.send("response.created", response=self._response_json(response, "in_progress"))
         response.task = asyncio.create_task(self._relay(response, request))
@@ -502,6 +503,7 @@ class Session:
             "output": [response.item.json()] if status != "in_progress" else [],
             "output_modalities": response.modalities,
             "conversation_id": self.id if response.in_conversation else None,
+            "metadata": response.metadata,
             "usage": {
                 "total_tokens": u.prompt_tokens + u.completion_tokens,
                 "input_tokens": u.prompt_tokens,

@@ -76,8 +76,13 @@ def test_graph_args_turn_the_playground_off() -> None:
 # ---- in the browser -------------------------------------------------------------------------------
 
 
+FAKE_MIC = ["--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream"]
+
+
 @pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
+def driver() -> Iterator[Any]:
+    """One Playwright for the module: its sync API runs an event loop while it is open, so a test cannot
+    open a second one beside it (tests that need other browser flags launch from this one)."""
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
@@ -85,12 +90,15 @@ def browser() -> Iterator[Any]:
     if sync_playwright is None or CHROMIUM is None:
         deps.missing("the playwright package" if sync_playwright is None else "chromium", TOOLS)
     with sync_playwright() as driver:
-        # The fake devices give the microphone a test tone; no autoplay flag: audio starts from the click.
-        browser = driver.chromium.launch(
-            executable_path=CHROMIUM, args=["--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream"]
-        )
-        yield browser
-        browser.close()
+        yield driver
+
+
+@pytest.fixture(scope="module")
+def browser(driver) -> Iterator[Any]:
+    # The fake devices give the microphone a test tone; no autoplay flag: audio starts from the click.
+    browser = driver.chromium.launch(executable_path=CHROMIUM, args=FAKE_MIC)
+    yield browser
+    browser.close()
 
 
 @pytest.fixture
@@ -186,39 +194,34 @@ def test_speech_streams_into_the_player(tiny_omni, page) -> None:
     assert page.is_visible("#speech-download")
 
 
-def test_talk_hears_the_microphone_and_plays_the_reply(tiny_omni, tmp_path) -> None:
+def test_talk_hears_the_microphone_and_plays_the_reply(tiny_omni, driver, tmp_path) -> None:
     """The Talk panel over /v1/realtime: Chromium's fake microphone speaks a WAV (espeak-ng), the
     server's VAD ends the turn, and the page plays every audio delta the websocket carried."""
-    from playwright.sync_api import sync_playwright
-
     from tests.audio import spoken
 
-    if CHROMIUM is None:
-        deps.missing("chromium", TOOLS)
     mic = tmp_path / "mic.wav"
     speech = np.frombuffer(spoken("Hello, can you hear me?", rate=48000), "<i2")
     sf.write(mic, np.concatenate([np.zeros(24000, "<i2"), speech, np.zeros(96000, "<i2")]), 48000, subtype="PCM_16")
-    fake_mic = ["--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream"]
-    with sync_playwright() as driver:
-        browser = driver.chromium.launch(
-            executable_path=CHROMIUM, args=[*fake_mic, f"--use-file-for-fake-audio-capture={mic}%noloop"]
-        )
-        try:
-            page = browser.new_page(viewport={"width": 1000, "height": 900})
-            errors: list[str] = []
-            page.on("pageerror", lambda err: errors.append(str(err)))
-            events: list[dict[str, Any]] = []
-            page.on("websocket", lambda ws: ws.on("framereceived", lambda frame: events.append(json.loads(frame))))
-            open_playground(page, tiny_omni.base_url, ["thinker", "talker", "code2wav"])
-            assert page.is_visible("#talk")
-            page.click("#talk-button")
-            data = report(page, "#talk-metrics")
-            lines = page.locator("#talk-transcript .message").all_inner_texts()
-            SHOTS.mkdir(parents=True, exist_ok=True)
-            page.screenshot(path=SHOTS / "talk.png", full_page=True)
-            assert not errors, f"JavaScript errors in the page: {errors}"
-        finally:
-            browser.close()
+    # The browser this test launches, with the WAV as its microphone.
+    browser = driver.chromium.launch(
+        executable_path=CHROMIUM, args=[*FAKE_MIC, f"--use-file-for-fake-audio-capture={mic}%noloop"]
+    )
+    try:
+        page = browser.new_page(viewport={"width": 1000, "height": 900})
+        errors: list[str] = []
+        page.on("pageerror", lambda err: errors.append(str(err)))
+        events: list[dict[str, Any]] = []
+        page.on("websocket", lambda ws: ws.on("framereceived", lambda frame: events.append(json.loads(frame))))
+        open_playground(page, tiny_omni.base_url, ["thinker", "talker", "code2wav"])
+        assert page.is_visible("#talk")
+        page.click("#talk-button")
+        data = report(page, "#talk-metrics")
+        lines = page.locator("#talk-transcript .message").all_inner_texts()
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=SHOTS / "talk.png", full_page=True)
+        assert not errors, f"JavaScript errors in the page: {errors}"
+    finally:
+        browser.close()
     kinds = [e["type"] for e in events]
     assert "input_audio_buffer.speech_started" in kinds and "input_audio_buffer.committed" in kinds
     first_done = kinds.index("response.done")

@@ -541,3 +541,14 @@ def test_engine_core_death_answers_503_engine_dead_and_serve_replaces_the_replic
     client = openai.OpenAI(base_url=f"{graph.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
     again = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
     assert again.choices[0].message.content and again.usage.completion_tokens == 4
+
+
+def test_vllm_omni_benchmark_client_against_this_family(graph, tmp_path) -> None:
+    """vLLM-Omni's own benchmark client, unmodified, against the vllm_omni graph (streamed handoffs): it sends
+    vLLM's extra sampling parameters (``ignore_eos``) and continuous usage stats; every request got a 400
+    before this family declared vLLM's parameters honoured. Audio is measured for every request."""
+    from tests.test_compat import run_benchmark_client
+
+    result, printed = run_benchmark_client(graph.base_url, tmp_path)
+    assert result["num_audio_ttfp_samples"] == result["completed"], printed
+    assert result["total_audio_duration_s"] > 0, printed

@@ -22,9 +22,17 @@ from typing import Any
 
 from omni_serve.engines.base import StageEngine, engine_for_role
 from omni_serve.engines.vllm_omni.args import CodecChunkArgs, EngineArgs, stage_config
-from omni_serve.types import Modality
+from omni_serve.types import SAMPLING_EXTENSIONS, Modality
 
-__all__ = ["CodecChunkArgs", "EngineArgs", "create", "input_modalities", "reads_streamed_input", "stage_config"]
+__all__ = [
+    "CodecChunkArgs",
+    "EngineArgs",
+    "create",
+    "honoured_sampling",
+    "input_modalities",
+    "reads_streamed_input",
+    "stage_config",
+]
 
 
 def create(stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
@@ -36,6 +44,11 @@ def create(stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
     args = EngineArgs.model_validate(engine_args)
     roles = {"thinker": ThinkerEngine, "talker": TalkerEngine, "code2wav": Code2WavEngine}
     return engine_for_role(roles, args.model_stage, stage_name, engine_args)
+
+
+def honoured_sampling(engine_args: dict[str, Any]) -> frozenset[str]:
+    """Every stage is a vLLM engine: vLLM's own extra sampling parameters pass through (mapping)."""
+    return frozenset(SAMPLING_EXTENSIONS)
 
 
 def reads_streamed_input(engine_args: dict[str, Any]) -> bool:

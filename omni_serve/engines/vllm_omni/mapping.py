@@ -13,7 +13,7 @@ import numpy as np
 
 from omni_serve.media.inputs import Audio, Decoded, Video
 from omni_serve.models import qwen3_omni
-from omni_serve.types import EngineError, FinishReason, InvalidStageInput, SamplingParams
+from omni_serve.types import SAMPLING_EXTENSIONS, EngineError, FinishReason, InvalidStageInput, SamplingParams
 
 
 def vllm_sampling_params(sampling: SamplingParams, constraints: Mapping[str, Any], output_kind: Any) -> Any:
@@ -30,6 +30,8 @@ def vllm_sampling_params(sampling: SamplingParams, constraints: Mapping[str, Any
         "seed": sampling.seed,
         "stop": list(sampling.stop) or None,
         "stop_token_ids": list(sampling.stop_token_ids),
+        # vLLM's own extra sampling parameters (ignore_eos, min_tokens, ...): vLLM-Omni's stages are vLLM engines.
+        **{name: getattr(sampling, name) for name in SAMPLING_EXTENSIONS},
     }
     merged = merge_sampling_constraints(values, constraints)
     return VllmSamplingParams(**merged, output_kind=output_kind)

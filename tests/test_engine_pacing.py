@@ -256,6 +256,27 @@ def test_worker_does_not_pace_empty_steps_or_when_off() -> None:
     assert time.monotonic() - started < 0.1
 
 
+def test_omni_cpu_worker_waits_out_an_empty_step_and_runs_full_ones_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from omni_serve.platforms import quiet
+    from omni_serve.platforms.quiet import IDLE_STEP_S, QuietIdleSteps
+
+    class Worker(QuietIdleSteps, _FakeWorker):
+        pass
+
+    worker = Worker(engine_config(0.0))
+    with measured([psutil.Process()]) as usage:
+        for _ in range(50):  # a streamed talker waiting for its next chunk: 50 empty steps
+            assert _step(worker, tokens=0) == "nothing to run"
+    assert usage.wall >= 50 * IDLE_STEP_S and usage.cpu < 0.5 * usage.wall  # waited, not spun
+    waits: list[float] = []
+    monkeypatch.setattr(quiet.time, "sleep", waits.append)
+    for _ in range(10):
+        assert _step(worker, tokens=8) == "sampled"
+    assert waits == []  # a step with work never waits
+    _step(worker, tokens=0)
+    assert waits == [IDLE_STEP_S]
+
+
 def test_diffusion_runner_paces_each_scheduled_denoising_step() -> None:
     from omni_serve.platforms.paced import PacedStepwise
 

@@ -44,9 +44,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("ray.serve")
 
 TINY_MODEL = "tiny-qwen3"
-# Step pacing's worker and executor (omni_serve.platforms.paced_worker), named without importing vLLM.
+# Step pacing's worker and executor (omni_serve.platforms.paced_worker, .quiet), named without importing vLLM.
 PACED_CPU_WORKER = "omni_serve.platforms.paced_worker.PacedCPUWorker"
-PACED_EXECUTOR = "omni_serve.platforms.paced_worker.PacedMultiprocExecutor"
+PACED_EXECUTOR = "omni_serve.platforms.quiet.QuietMultiprocExecutor"
 
 
 class EngineArgs(BaseModel):

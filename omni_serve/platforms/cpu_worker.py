@@ -7,8 +7,9 @@ generation); vLLM's ``CPUModelRunner`` turns ``GPUModelRunner`` into a CPU runne
 kernels). Both extend ``GPUModelRunner``, so the composition's MRO runs vLLM-Omni's
 layer first and the CPU layer beneath it. The workers are vLLM's ``CPUWorker`` plus
 vLLM-Omni's ``OmniWorkerMixin``, with the runner replaced after ``init_device`` as
-vLLM-Omni's own XPU workers do, and step pacing (engine arg ``min_step_s``; inert without it) from
-:class:`~omni_serve.platforms.paced.PacedSteps`.
+vLLM-Omni's own XPU workers do, step pacing (engine arg ``min_step_s``; inert without it) from
+:class:`~omni_serve.platforms.paced.PacedSteps`, and empty steps that wait instead of spinning
+(:class:`~omni_serve.platforms.quiet.QuietIdleSteps`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from vllm_omni.worker.gpu_generation_model_runner import GPUGenerationModelRunne
 from vllm_omni.worker.mixins import OmniWorkerMixin
 
 from omni_serve.platforms.paced import PacedSteps
+from omni_serve.platforms.quiet import QuietIdleSteps
 
 
 class _NoGraphSizes:
@@ -46,7 +48,7 @@ class CPUGenerationModelRunner(_NoGraphSizes, GPUGenerationModelRunner, CPUModel
     """Code2wav (non-autoregressive generation) runner on CPU."""
 
 
-class _OmniCPUWorker(PacedSteps, OmniWorkerMixin, CPUWorker):
+class _OmniCPUWorker(QuietIdleSteps, PacedSteps, OmniWorkerMixin, CPUWorker):
     model_runner_cls: type[CPUModelRunner]
 
     def init_device(self) -> None:

@@ -159,9 +159,9 @@ class VllmOmniEngine(StageEngine):
         vllm_config, executor_class = build_vllm_config(cfg, model, engine_args_dict=engine_args)
         if self.args.min_step_s:
             self._check_pacing(vllm_config)
-            from omni_serve.platforms.paced_worker import paced_executor
+            from omni_serve.platforms.quiet import quiet_executor
 
-            executor_class = paced_executor(executor_class)
+            executor_class = quiet_executor(executor_class)
         # The EngineCore's readiness handshake runs when launch_stage_replica's context exits, and the
         # client's constructor waits for a ready engine: the client must be made after leaving the
         # context, as vLLM-Omni's StageRuntime does (creating it inside deadlocks every stage start).

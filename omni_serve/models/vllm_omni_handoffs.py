@@ -334,11 +334,14 @@ class ThinkerChunkTransfer:
         if len(counts) > 1:
             raise ValueError(f"thinker layers grew unevenly this step: {sorted(counts)} rows")
         new = counts.pop() if counts else 0
-        # One processor call a row, as upstream's runner calls it a step: the prompt's rows accumulate in
-        # chunk 0 until the first reply row joins them (a prefill split over steps does the same), then one
-        # reply row a chunk. Synchronous scheduling: the step that computes reply row r samples token r + 1.
+        # One processor call a step, as upstream's runner makes them: the prompt's rows in one call (the
+        # prefill's; the processor holds them in chunk 0, re-concatenating what it holds on each call, so not
+        # one call a prompt row), then one reply row a call, the first joining chunk 0. An output read late
+        # may carry several steps. Synchronous scheduling: the step that computes reply row r samples token r + 1.
         prompt = list(self.prompt_token_ids)
-        rows = [(i, i + 1) for i in range(new)] or ([(0, 0)] if finished else [])  # (0, 0): the end, no row
+        in_prompt = min(max(len(prompt) - self._sent_rows, 0), new)  # this output's rows still of the prompt
+        rows = ([(0, in_prompt)] if in_prompt else []) + [(i, i + 1) for i in range(in_prompt, new)]
+        rows = rows or ([(0, 0)] if finished else [])  # (0, 0): the end, no row
         steps = []
         for i, (a, b) in enumerate(rows):
             self._sent_rows += b - a

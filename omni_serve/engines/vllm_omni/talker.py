@@ -127,9 +127,9 @@ class TalkerEngine(VllmOmniEngine):
             raise InvalidStageInput(f"stage {self.stage_name}: the thinker's stream ended before its first chunk")
         try:
             steps = self._steps(first)
+            prompt = handoffs.talker_chunk_prompt(steps[0])
         except (KeyError, ValueError) as err:
             raise InvalidStageInput(f"stage {self.stage_name}: {err}") from None
-        prompt = handoffs.talker_chunk_prompt(steps[0])
         upstream = str(self.args.stage_id - 1)  # the adapter reads the chunks of stage_id - 1
 
         async def feed(engine_request_id: str) -> None:
@@ -166,7 +166,6 @@ class TalkerEngine(VllmOmniEngine):
 
         return prompt, feed
 
-
     def _drain_marker(self, engine_request_id: str) -> None:
         """Read the end marker a streamed request's EngineCore sends on, so its shared memory is unlinked.
 
@@ -187,7 +186,6 @@ class TalkerEngine(VllmOmniEngine):
         task = asyncio.get_running_loop().create_task(drain())
         self._drains.add(task)
         task.add_done_callback(self._drains.discard)
-
 
     def _steps(self, chunk: HandoffPayload) -> list[HandoffPayload]:
         """The connector chunks in one input chunk (a whole handoff: all of them)."""

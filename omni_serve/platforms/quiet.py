@@ -10,8 +10,10 @@ fast as the two processes can spin. On a CPU host where three stages' six engine
 two cores, both spins take the cores the other stages compute on.
 
 - :class:`QuietMultiprocExecutor`: the EngineCore waits for its workers' replies on the queue's
-  notification socket (about 0.1 ms more a step). The CPU graphs name it as their
-  ``distributed_executor_backend``; paced engines always run under it (their steps are waits).
+  notification socket (about 0.1 ms more a step). Paced engines run under it (their steps are
+  waits). Unpaced CPU engines do not: under vs_vllm_omni's load it made native vLLM-Omni's c=1 e2e
+  1.4 -> 9.0 s, stalls that look like a notification lost until vLLM's 5 s recheck
+  (``SHM_READER_RECHECK_INTERVAL_MS``); no upstream issue found.
 - :class:`QuietIdleSteps` (in omni_serve's CPU workers, :mod:`.cpu_worker`): a step with nothing
   scheduled returns after 1 ms, so a waiting stage polls its input at 1 kHz (the back-off vLLM-Omni's
   own connector receive loop uses, ``transfer_adapter/base.py``) instead of spinning two processes.

@@ -215,7 +215,7 @@ class Orchestrator:
                         output = await anext(stream)
                 except StopAsyncIteration:
                     raise StageFailed(stage.name, IncompleteStageStream("ended before its final output")) from None
-                except TimeoutError:
+                except asyncio.TimeoutError:  # not the builtin before Python 3.11
                     raise StageTimeout(stage.name, limit, deadline=by_deadline) from None
                 except asyncio.CancelledError:
                     raise

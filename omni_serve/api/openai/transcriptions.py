@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -27,12 +27,17 @@ from omni_serve.types import ChatMessage, StageOutput, Usage
 TranscriptionFormat = Literal["json", "text", "verbose_json"]
 
 
+# What the thinker's ASR instruction takes (this route's form and realtime's input_audio_transcription).
+Language = Annotated[str, Field(pattern=r"^[a-zA-Z]{2,3}(-[a-zA-Z]{2})?$", description="ISO-639-1, e.g. 'en'.")]
+Prompt = Annotated[str, Field(max_length=4096, description="Text the speech continues or its vocabulary.")]
+
+
 class TranscriptionRequest(_Strict):
     """The form's fields but ``file``."""
 
     model: str | None = None
-    language: str | None = Field(None, pattern=r"^[a-zA-Z]{2,3}(-[a-zA-Z]{2})?$", description="ISO-639-1, e.g. 'en'.")
-    prompt: str | None = Field(None, max_length=4096, description="Text the speech continues or its vocabulary.")
+    language: Language | None = None
+    prompt: Prompt | None = None
     response_format: TranscriptionFormat = Field("json", description="srt and vtt are refused (no timestamps).")
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     stream: bool = False

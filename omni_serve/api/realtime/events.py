@@ -12,9 +12,11 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
+from omni_serve.api.openai.chat import MAX_TOKENS_LIMIT
 from omni_serve.api.openai.errors import APIError, bad_request, from_validation
+from omni_serve.api.openai.transcriptions import Language, Prompt
 
 # OpenAI's only rate for audio/pcm; the thinker's input and code2wav's output rate of Qwen3-Omni.
 PCM_RATE = 24000
@@ -42,8 +44,8 @@ class TurnDetection(_Lenient):
 
 class Transcription(_Lenient):
     model: str | None = None
-    language: str | None = None
-    prompt: str | None = None
+    language: Language | None = None
+    prompt: Prompt | None = None
 
 
 class AudioInput(_Lenient):
@@ -63,7 +65,15 @@ class SessionAudio(_Lenient):
 
 
 Modalities = Annotated[list[Literal["text", "audio"]], Field(min_length=1, max_length=1)]
-MaxTokens = int | Literal["inf"]
+
+
+def _max_tokens(value: int | str) -> int | str:
+    if isinstance(value, int) and not 1 <= value <= MAX_TOKENS_LIMIT:  # the chat route's bounds
+        raise ValueError(f"must be 'inf' or from 1 to {MAX_TOKENS_LIMIT}")
+    return value
+
+
+MaxTokens = Annotated[int | Literal["inf"], AfterValidator(_max_tokens)]
 
 
 class SessionConfig(_Lenient):

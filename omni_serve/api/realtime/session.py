@@ -91,6 +91,7 @@ class Response:
     metadata: dict[str, str] | None = None  # the client's, echoed (LiveKit matches its generate_reply by it)
     task: asyncio.Task[None] | None = None
     cancel_reason: str | None = None
+    finishing: bool = False  # its outputs are done: it is sending its closing events (never cancelled then)
     usage: Usage = field(default_factory=Usage)
 
 
@@ -113,6 +114,7 @@ class Session:
         self._tokens = 2 * self.limits.events_per_second  # the rate limit's bucket
         self._refilled = time.monotonic()
         self._transcriptions: set[asyncio.Task[None]] = set()
+        self._transcribing = asyncio.Semaphore(1)  # one transcription request in the graph per session
 
     # ---- sending ------------------------------------------------------------------------------
     async def send(self, kind: str, **fields: Any) -> None:
@@ -240,7 +242,8 @@ class Session:
                 raise bad_request("session.audio.output.voice: the voice cannot change once audio was sent", "voice")
             await self.graph.voice(voice, "session.audio.output.voice")
         turn_set = audio.input is not None and "turn_detection" in audio.input.model_fields_set
-        if turn_set and audio.input is not None and audio.input.turn_detection is not None and not self.detector:
+        turn_on = turn_set and audio.input is not None and audio.input.turn_detection is not None
+        if turn_on and not self.graph.takes_audio:
             raise bad_request("session.audio.input.turn_detection: this graph takes no audio", "turn_detection")
         # Validated whole: now applied.
         if config.instructions is not None:
@@ -342,7 +345,12 @@ class Session:
         return True
 
     async def _transcribe(self, item: ConversationItem, options: ev.Transcription) -> None:
-        """``input_audio_transcription``: the transcription route's request, run beside the conversation."""
+        """``input_audio_transcription``: the transcription route's request, run beside the conversation
+        (one at a time: a session that commits faster than the thinker transcribes queues here, not in the graph)."""
+        async with self._transcribing:
+            await self._transcribe_now(item, options)
+
+    async def _transcribe_now(self, item: ConversationItem, options: ev.Transcription) -> None:
         (audio,) = [p for p in item.chat_message().content if isinstance(p, MediaPart)]
         request = OmniRequest(
             request_id=uuid.uuid4().hex,
@@ -471,7 +479,11 @@ class Session:
             status, details = "cancelled", {"type": "cancelled", "reason": response.cancel_reason or "client_cancelled"}
         except APIError as err:
             status, details = "failed", {"type": "failed", "error": err.body()["error"]}
+        except Exception as err:  # a stage's or the socket's failure: the response still ends with response.done
+            error = APIError(500, f"the response failed ({type(err).__name__})", type="server_error").body()["error"]
+            status, details = "failed", {"type": "failed", "error": error}
         finally:
+            response.finishing = True  # from here cancel() waits for response.done instead of cutting it off
             await outputs.aclose()  # type: ignore[attr-defined]
         item.status = "completed" if status == "completed" else "incomplete"
         try:
@@ -519,8 +531,13 @@ class Session:
         if response is None or response.task is None:
             return
         response.cancel_reason = reason
-        response.task.cancel()
+        if not response.finishing:
+            response.task.cancel()
         await asyncio.gather(response.task, return_exceptions=True)
+        if self.response is response:  # cancelled before its relay ran: it sent only response.created
+            self.response = None
+            details = {"type": "cancelled", "reason": reason}
+            await self.send("response.done", response=self._response_json(response, "cancelled", details))
 
     async def close(self) -> None:
         await self.cancel("client_cancelled")
@@ -597,7 +614,7 @@ async def serve_session(
         while True:
             try:
                 message = await asyncio.wait_for(websocket.receive(), max(0.0, ends - time.monotonic()))
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not the builtin before Python 3.11
                 expired = APIError(
                     400,
                     f"the session reached its maximum duration of {limit_s:.0f} s ({limit_name})",

@@ -1,0 +1,145 @@
+"""A realtime session's response lifecycle against a scripted graph (no Ray): every response ends with
+``response.done``, whenever its cancel comes, and the session takes the next one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from omni_serve.api.realtime.session import Session, SessionGraph
+from omni_serve.graph.config import RealtimeConfig
+from omni_serve.types import StageOutput, Usage
+
+CREATE = json.dumps({"type": "response.create", "response": {"output_modalities": ["text"]}})
+
+
+def graph(outputs: Callable[[Any, str], AsyncIterator[StageOutput]]) -> SessionGraph:
+    async def voice(name: str, param: str) -> str | None:
+        return None
+
+    return SessionGraph(
+        model="m",
+        outputs=outputs,
+        sampling=lambda request: {},
+        voice=voice,
+        text_stage="thinker",
+        speaks=False,
+        takes_audio=False,  # no VAD: the session starts with turn detection off
+        max_audio_parts=4,
+        max_audio_bytes=1 << 20,
+        limits=RealtimeConfig(),
+    )
+
+
+async def replying(request: Any, route: str) -> AsyncIterator[StageOutput]:
+    yield StageOutput(stage="thinker", text="hello", finished=True, usage=Usage(prompt_tokens=3, completion_tokens=1))
+
+
+def statuses(events: list[dict[str, Any]]) -> list[str]:
+    return [e["response"]["status"] for e in events if e["type"] == "response.done"]
+
+
+async def settle(session: Session) -> None:
+    if session.response is not None and session.response.task is not None:
+        await asyncio.gather(session.response.task, return_exceptions=True)
+
+
+def test_a_response_cancelled_before_its_relay_ran_still_ends_and_frees_the_session() -> None:
+    async def run() -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+
+        async def send(event: dict[str, Any]) -> None:
+            events.append(event)
+
+        session = Session(graph(replying), send)
+        await session.handle(CREATE)  # the relay task exists but has not run yet
+        await session.cancel("turn_detected")  # as a barge-in in the same audio append does
+        await session.handle(CREATE)
+        await settle(session)
+        return events
+
+    events = asyncio.run(run())
+    assert not [e for e in events if e["type"] == "error"], events
+    assert statuses(events) == ["cancelled", "completed"]
+
+
+def test_a_cancel_while_the_response_finishes_does_not_cut_off_response_done() -> None:
+    async def run() -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        cancels: list[asyncio.Task[None]] = []
+
+        async def send(event: dict[str, Any]) -> None:
+            events.append(event)
+            if event["type"] == "response.output_text.done":  # the response is sending its closing events
+                cancels.append(asyncio.ensure_future(session.cancel("client_cancelled")))
+                await asyncio.sleep(0)  # the cancel runs here, mid-finish
+
+        session = Session(graph(replying), send)
+        await session.handle(CREATE)
+        await settle(session)
+        await asyncio.gather(*cancels)
+        return events
+
+    events = asyncio.run(run())
+    assert statuses(events) == ["completed"]
+    assert events[-1]["type"] == "response.done"
+
+
+def test_a_failing_graph_ends_the_response_as_failed_and_the_session_goes_on() -> None:
+    calls = 0
+
+    async def failing_once(request: Any, route: str) -> AsyncIterator[StageOutput]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("a stage died")
+        async for output in replying(request, route):
+            yield output
+
+    async def run() -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+
+        async def send(event: dict[str, Any]) -> None:
+            events.append(event)
+
+        session = Session(graph(failing_once), send)
+        for _ in range(2):
+            await session.handle(CREATE)
+            await settle(session)
+        return events
+
+    events = asyncio.run(run())
+    assert statuses(events) == ["failed", "completed"]
+    failed = next(e for e in events if e["type"] == "response.done")
+    assert failed["response"]["status_details"]["error"]["type"] == "server_error"
+
+
+def test_bounds_the_chat_route_has_hold_in_session_update() -> None:
+    async def run() -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+
+        async def send(event: dict[str, Any]) -> None:
+            events.append(event)
+
+        session = Session(graph(replying), send)
+        for config in (
+            {"max_output_tokens": -5},
+            {"audio": {"input": {"transcription": {"prompt": "x" * 5000}}}},
+            {"audio": {"input": {"transcription": {"language": "not a language"}}}},
+        ):
+            await session.handle(json.dumps({"type": "session.update", "session": {"type": "realtime", **config}}))
+        await session.handle(CREATE)  # the session still answers, with its defaults
+        await settle(session)
+        return events
+
+    events = asyncio.run(run())
+    errors = [e["error"] for e in events if e["type"] == "error"]
+    assert [e["type"] for e in errors] == ["invalid_request_error"] * 3, errors
+    assert [e["param"] for e in errors] == [
+        "session.max_output_tokens",
+        "session.audio.input.transcription.prompt",
+        "session.audio.input.transcription.language",
+    ], errors
+    assert statuses(events) == ["completed"]

@@ -6,6 +6,7 @@ with declared changes, for ``Graphs.deploy``) and :func:`wait_until` (polling wi
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import time
@@ -196,6 +197,36 @@ class Graphs:
 @pytest.fixture(scope="session")
 def graphs(ray_cluster: str) -> Graphs:
     return Graphs(ray_cluster)
+
+
+@contextlib.contextmanager
+def serve_driver(address: str) -> Iterator[None]:
+    """This process as the driver of the cluster at ``address``; on leaving, Serve shut down, then the driver."""
+    import ray
+
+    try:
+        ray.init(address=address, namespace="serve", log_to_driver=False)
+        yield
+    finally:
+        try:
+            if ray.is_initialized():
+                from ray import serve
+
+                serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def one_replica_per_stage(graphs: Graphs) -> Graphs:
+    """The tiny graph with one replica per stage (a module's fixture), so one handle call sees a stage's whole state."""
+    from ray import serve
+
+    graphs.ensure("tiny_omni.yaml")
+    replicas = serve.status().applications["omni"].deployments
+    if any(sum(replicas[s].replica_states.values()) != 1 for s in ("thinker", "talker", "code2wav")):
+        graphs.deploy("tiny_omni.yaml", graph_variant(fixed_replicas=1))
+        graphs.wait_healthy()
+    return graphs
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ import yaml
 
 from omni_serve.cli.launch import GRAPHS, deploy_graph_file, wait_healthy
 from omni_serve.models.qwen3_omni import SAMPLE_RATE
-from tests.conftest import graph_variant, wait_until
+from tests.conftest import graph_variant, serve_driver, wait_until
 from tests.fake_cluster import FakeAutoscalingCluster, gpus_as_cpus
 
 pytestmark = [pytest.mark.multinode, pytest.mark.integration]
@@ -135,21 +135,14 @@ def cluster() -> Iterator[Cluster]:
         system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 3},
     )
     try:
-        ray.init(address=nodes.address, namespace="serve", log_to_driver=False)
-        assert nodes.node_types() == {}, "the cluster starts with no worker node"
-        deploy_graph_file("tiny_omni.yaml", nodes.address, HTTP_PORT, PINNED)
-        yield nodes
+        with serve_driver(nodes.address):
+            assert nodes.node_types() == {}, "the cluster starts with no worker node"
+            deploy_graph_file("tiny_omni.yaml", nodes.address, HTTP_PORT, PINNED)
+            yield nodes
     finally:
-        try:
-            if ray.is_initialized():
-                from ray import serve
-
-                serve.shutdown()
-        finally:
-            ray.shutdown()
-            nodes.shutdown()
-            os.environ.clear()
-            os.environ.update(saved)
+        nodes.shutdown()
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 BASE_URL = f"http://127.0.0.1:{HTTP_PORT}"

@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlparse
 
 import pytest
 
-from tests.conftest import graph_variant, wait_until
+from tests.conftest import one_replica_per_stage, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -36,16 +35,8 @@ BODY = {
 
 
 @pytest.fixture(scope="module")
-def graph(graphs) -> Iterator[Any]:
-    """The tiny graph with one replica per stage, so one handle call sees a stage's whole state."""
-    from ray import serve
-
-    graphs.ensure("tiny_omni.yaml")
-    replicas = serve.status().applications["omni"].deployments
-    if any(sum(replicas[s].replica_states.values()) != 1 for s in STAGES):
-        graphs.deploy("tiny_omni.yaml", graph_variant(fixed_replicas=1))
-        graphs.wait_healthy()
-    yield graphs
+def graph(graphs: Any) -> Any:
+    return one_replica_per_stage(graphs)
 
 
 def stats(graph: Any) -> dict[str, dict[str, Any]]:

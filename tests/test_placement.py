@@ -30,7 +30,7 @@ import yaml
 
 from omni_serve.cli.launch import GRAPHS, deploy_graph_file, wait_healthy
 from omni_serve.models.qwen3_omni import SAMPLE_RATE
-from tests.conftest import graph_variant, wait_until
+from tests.conftest import graph_variant, serve_driver, wait_until
 
 HTTP_PORT = int(os.environ.get("OMNI_SERVE_TEST_PORT", "18765"))
 BIG, SHARED, HEAD = "omni_gpu_big", "omni_gpu_shared", "omni_head"
@@ -114,18 +114,11 @@ def node_types() -> Iterator[NodeTypes]:
         )
     nodes = NodeTypes()
     try:
-        ray.init(address=nodes.cluster.address, namespace="serve", log_to_driver=False)
-        deploy_graph_file("tiny_omni.yaml", nodes.cluster.address, HTTP_PORT, PINNED)
-        yield nodes
+        with serve_driver(nodes.cluster.address):
+            deploy_graph_file("tiny_omni.yaml", nodes.cluster.address, HTTP_PORT, PINNED)
+            yield nodes
     finally:
-        try:
-            if ray.is_initialized():
-                from ray import serve
-
-                serve.shutdown()
-        finally:
-            ray.shutdown()
-            nodes.cluster.shutdown()
+        nodes.cluster.shutdown()
 
 
 @pytest.mark.multinode

@@ -14,7 +14,6 @@ import base64
 import io
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -22,8 +21,8 @@ import pytest
 import soundfile as sf
 
 from tests.audio import spoken
-from tests.conftest import wait_until
-from tests.test_cancellation import STAGES, idle, stats
+from tests.conftest import one_replica_per_stage, wait_until
+from tests.test_cancellation import idle, stats
 
 pytestmark = pytest.mark.integration
 
@@ -34,18 +33,8 @@ LONG_TALK = {"talker": {"temperature": 0.0, "max_tokens": 4000}}  # greedy tiny 
 
 
 @pytest.fixture(scope="module")
-def graph(graphs) -> Iterator[Any]:
-    """The tiny graph with one replica per stage, so one handle call sees a stage's whole state."""
-    from ray import serve
-
-    from tests.conftest import graph_variant
-
-    graphs.ensure("tiny_omni.yaml")
-    replicas = serve.status().applications["omni"].deployments
-    if any(sum(replicas[s].replica_states.values()) != 1 for s in STAGES):
-        graphs.deploy("tiny_omni.yaml", graph_variant(fixed_replicas=1))
-        graphs.wait_healthy()
-    yield graphs
+def graph(graphs: Any) -> Any:
+    return one_replica_per_stage(graphs)
 
 
 def silence(ms: int) -> bytes:

@@ -333,9 +333,7 @@ def main() -> None:
         "--start-tiny", action="store_true", help="start --graph (graphs/tiny_omni.yaml) on a private Ray cluster"
     )
     parser.add_argument("--model", default="tiny-qwen3-omni")
-    parser.add_argument(
-        "--graph", default="tiny_omni.yaml", help="graph --start-tiny / --handoff-sweep deploy"
-    )
+    parser.add_argument("--graph", default="tiny_omni.yaml", help="graph --start-tiny / --handoff-sweep deploy")
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1])
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))

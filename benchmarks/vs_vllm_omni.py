@@ -17,9 +17,10 @@ connector's), so the two cannot drift. Two pairs, each pair up side by side for 
 
 Rounds alternate native / omni_serve at each concurrency. The load is vLLM-Omni's own benchmark
 client, unmodified (``vllm-omni bench serve --omni --backend openai-chat-omni`` in a child process):
-random prompts, text and audio, streamed; per-request seeds. Each server runs one replica a stage
-and omni_serve's graph behind Serve's ``--ingress`` (the Python proxy by default, as ``serve run``
-starts it). It prints the median of each figure over the rounds and omni_serve / native.
+random prompts, text and audio, streamed; per-request seeds. Both talkers decode to their max_tokens
+(:func:`fixed_audio`), so each request carries the same 5.1 s of audio on both servers. Each server
+runs one replica a stage and omni_serve's graph behind Serve's ``--ingress`` (HAProxy by default, as
+``make serve`` starts it). It prints the median of each figure over the rounds and omni_serve / native.
 """
 
 from __future__ import annotations
@@ -51,6 +52,16 @@ METRICS = ("request_throughput", "median_e2el_ms", "median_ttft_ms", "median_aud
 TOPOLOGY = ("model_arch", "worker_type", "scheduler_cls", "hf_config_name", "engine_output_type")
 
 
+def fixed_audio(stage: dict[str, Any]) -> dict[str, Any]:
+    """Both talkers decode to their max_tokens (64 codec frames, 5.12 s of audio a request).
+
+    The random-weight talker's codec EOS (a stop token id) would otherwise end each reply at random and
+    give the two servers different audio per request (up to 1.4 x apart in the first run): e2e and
+    throughput would compare dice, not serving. vLLM's ``min_tokens`` holds back EOS and stop token ids.
+    """
+    return {"min_tokens": stage["default_sampling"]["max_tokens"]}
+
+
 def graph_stages() -> list[dict[str, Any]]:
     from omni_serve.cli.launch import load_graph_file
 
@@ -66,6 +77,8 @@ def deploy_config(async_chunk: bool, thinker_dtype: str | None) -> dict[str, Any
         if args["model_stage"] == "thinker" and thinker_dtype:
             engine["dtype"] = thinker_dtype
         sampling = {**stage.get("default_sampling", {}), **args.get("sampling_constraints", {})}
+        if args["model_stage"] == "talker":
+            sampling.update(fixed_audio(stage))
         entry = {"stage_id": args["stage_id"], **engine, "default_sampling_params": sampling}
         for source in args.get("engine_input_source", []):
             entry.setdefault("input_connectors", {})[f"from_stage_{source}"] = "shm"
@@ -83,12 +96,14 @@ def deploy_config(async_chunk: bool, thinker_dtype: str | None) -> dict[str, Any
     }
 
 
-def thinker_dtype_mutation(dtype: str | None) -> Any:
+def graph_mutation(dtype: str | None) -> Any:
     def mutate(config: dict[str, Any]) -> None:
         vs_native.fixed_replicas(config)
         for stage in config["applications"][0]["args"]["stages"]:
             if dtype and stage["engine_args"]["model_stage"] == "thinker":
                 stage["engine_args"]["engine"]["dtype"] = dtype
+            if stage["engine_args"]["model_stage"] == "talker":
+                stage["default_sampling"].update(fixed_audio(stage))
 
     return mutate
 
@@ -208,13 +223,13 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ingress", choices=["proxy", "haproxy"], default="proxy")
+    parser.add_argument("--ingress", choices=["proxy", "haproxy"], default="haproxy")  # as make serve
     parser.add_argument("--out", default="benchmarks/results_vs_vllm_omni.json")
     parser.add_argument("--serve-omni", type=int, help=argparse.SUPPRESS)  # the omni_serve child process
     args = parser.parse_args()
     if args.serve_omni:
         dtype = "bfloat16" if args.modes == ["on"] else None
-        vs_native.serve_omni(args.serve_omni, args.ingress, GRAPH, thinker_dtype_mutation(dtype), stats_stage=None)
+        vs_native.serve_omni(args.serve_omni, args.ingress, GRAPH, graph_mutation(dtype), stats_stage=None)
         return
 
     from omni_serve.checkpoints import CHECKPOINTS

@@ -143,3 +143,26 @@ def test_bounds_the_chat_route_has_hold_in_session_update() -> None:
         "session.audio.input.transcription.language",
     ], errors
     assert statuses(events) == ["completed"]
+
+
+def test_a_graph_without_audio_input_refuses_input_audio_and_says_it_detects_no_turns() -> None:
+    async def run() -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+
+        async def send(event: dict[str, Any]) -> None:
+            events.append(event)
+
+        session = Session(graph(replying), send)
+        await session.send("session.created", session=session.session_json())
+        await session.handle(json.dumps({"type": "input_audio_buffer.append", "audio": "AAAAAA=="}))
+        await session.handle(json.dumps({"type": "input_audio_buffer.commit"}))
+        await session.handle(CREATE)  # the conversation still answers
+        await settle(session)
+        return events
+
+    events = asyncio.run(run())
+    assert events[0]["session"]["audio"]["input"]["turn_detection"] is None
+    errors = [e["error"] for e in events if e["type"] == "error"]
+    assert errors[0]["param"] == "audio" and "takes no audio" in errors[0]["message"], errors
+    assert not [e for e in events if e["type"] == "input_audio_buffer.committed"]
+    assert statuses(events) == ["completed"]

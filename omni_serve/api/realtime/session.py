@@ -105,8 +105,10 @@ class Session:
         self.conversation = Conversation()
         self.buffer = bytearray()  # uncommitted input audio, pcm16 24 kHz
         self.appended_ms = 0.0  # all audio appended in the session (the VAD's clock)
+        if not graph.takes_audio:  # no audio to detect turns in (session.updated says so)
+            self.settings.turn = None
         turn = self.settings.turn
-        self.detector: SpeechDetector | None = SpeechDetector(turn) if graph.takes_audio and turn else None
+        self.detector: SpeechDetector | None = SpeechDetector(turn) if turn else None
         self.speech_item: str | None = None  # the user item the speech in progress will become
         self.speech_start_ms = 0
         self.response: Response | None = None
@@ -187,6 +189,8 @@ class Session:
         if isinstance(event, ev.SessionUpdate):
             await self._update(event.session)
         elif isinstance(event, ev.BufferAppend):
+            if not self.graph.takes_audio:  # its items would fail every later response at the entry stage
+                raise bad_request("input_audio_buffer.append: this graph takes no audio input", "audio")
             await self._append(pcm16_bytes(event.audio, "audio", self.graph.max_audio_bytes))
         elif isinstance(event, ev.BufferCommit):
             await self._commit(None)

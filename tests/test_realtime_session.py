@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from omni_serve.api.realtime.session import Session, SessionGraph
@@ -37,6 +37,16 @@ async def replying(request: Any, route: str) -> AsyncIterator[StageOutput]:
     yield StageOutput(stage="thinker", text="hello", finished=True, usage=Usage(prompt_tokens=3, completion_tokens=1))
 
 
+def recorder() -> tuple[list[dict[str, Any]], Callable[[dict[str, Any]], Awaitable[None]]]:
+    """The events a session sends, and the send that records them."""
+    events: list[dict[str, Any]] = []
+
+    async def send(event: dict[str, Any]) -> None:
+        events.append(event)
+
+    return events, send
+
+
 def statuses(events: list[dict[str, Any]]) -> list[str]:
     return [e["response"]["status"] for e in events if e["type"] == "response.done"]
 
@@ -48,11 +58,7 @@ async def settle(session: Session) -> None:
 
 def test_a_response_cancelled_before_its_relay_ran_still_ends_and_frees_the_session() -> None:
     async def run() -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
-
-        async def send(event: dict[str, Any]) -> None:
-            events.append(event)
-
+        events, send = recorder()
         session = Session(graph(replying), send)
         await session.handle(CREATE)  # the relay task exists but has not run yet
         await session.cancel("turn_detected")  # as a barge-in in the same audio append does
@@ -99,11 +105,7 @@ def test_a_failing_graph_ends_the_response_as_failed_and_the_session_goes_on() -
             yield output
 
     async def run() -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
-
-        async def send(event: dict[str, Any]) -> None:
-            events.append(event)
-
+        events, send = recorder()
         session = Session(graph(failing_once), send)
         for _ in range(2):
             await session.handle(CREATE)
@@ -118,11 +120,7 @@ def test_a_failing_graph_ends_the_response_as_failed_and_the_session_goes_on() -
 
 def test_bounds_the_chat_route_has_hold_in_session_update() -> None:
     async def run() -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
-
-        async def send(event: dict[str, Any]) -> None:
-            events.append(event)
-
+        events, send = recorder()
         session = Session(graph(replying), send)
         for config in (
             {"max_output_tokens": -5},
@@ -147,11 +145,7 @@ def test_bounds_the_chat_route_has_hold_in_session_update() -> None:
 
 def test_a_graph_without_audio_input_refuses_input_audio_and_says_it_detects_no_turns() -> None:
     async def run() -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
-
-        async def send(event: dict[str, Any]) -> None:
-            events.append(event)
-
+        events, send = recorder()
         session = Session(graph(replying), send)
         await session.send("session.created", session=session.session_json())
         await session.handle(json.dumps({"type": "input_audio_buffer.append", "audio": "AAAAAA=="}))

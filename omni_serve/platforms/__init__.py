@@ -11,7 +11,7 @@ takes the same approach as this one), so omni_serve registers :func:`cpu` in
 The package also holds the classes omni_serve has vLLM and vLLM-Omni build inside their engine
 processes for step pacing (engine arg ``min_step_s``): :mod:`.paced` (why there),
 :mod:`.paced_worker` (vLLM's CPU worker) and :mod:`.paced_diffusion`; and for waits that leave the
-cores to the other stages (:mod:`.quiet`: the ``mp`` executor the CPU graphs name, idle steps).
+cores to the other stages (:mod:`.quiet`: paced engines' ``mp`` executor, idle steps).
 """
 
 from __future__ import annotations

@@ -358,3 +358,44 @@ def test_diffusers_paces_each_denoising_step_and_an_abort_ends_it() -> None:
     usage, abort_s = asyncio.run(go())
     assert_paced(usage, steps, pace, cpu_share=0.5)  # encode and decode run unpaced in the same call
     assert abort_s < 1.0 + 2 * pace  # the next request's own two paced steps included
+
+
+def test_quiet_reader_reads_a_message_whose_notification_was_lost() -> None:
+    """The quiet executor's reply reader re-checks the buffer itself: a lost wakeup costs a poll, not a stall.
+
+    A reader waiting on the writer's notification alone (busy_loop_s 0, vLLM's idle mode) finds a
+    message whose notification never came only at its recheck (here the read's 5 s timeout; seen
+    failing that way with the cap lifted); ``quiet_reader`` waits REPLY_POLL_MS at a time.
+    """
+    import threading
+
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    from omni_serve.platforms.quiet import quiet_reader
+
+    writer = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=2)
+    readers: list[Any] = []
+    connect = threading.Thread(
+        target=lambda: readers.append(MessageQueue.create_from_handle(writer.export_handle(), 0))
+    )
+    connect.start()
+    writer.wait_until_ready()
+    connect.join()
+    reader = readers[0]
+    reader.wait_until_ready()
+    writer._spin_condition.notify = lambda: None  # every notification lost
+    quiet_reader(reader)
+    try:
+        for step in range(3):
+            late = threading.Timer(0.2, writer.enqueue, args=({"step": step},))  # written while the reader waits
+            late.start()
+            started = time.monotonic()
+            assert reader.dequeue(timeout=5) == {"step": step}
+            assert time.monotonic() - started < 2.5, "the reader slept until its recheck"
+            late.join()
+    finally:
+        for queue in (reader, writer):
+            queue.shutdown()
+            # Each queue made its own ZeroMQ context: close its sockets now. Left to the garbage
+            # collector, a context's __del__ ran Context.term in a later test's thread and hung there.
+            queue.local_socket.context.destroy(linger=0)

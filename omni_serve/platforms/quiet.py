@@ -10,10 +10,11 @@ fast as the two processes can spin. On a CPU host where three stages' six engine
 two cores, both spins take the cores the other stages compute on.
 
 - :class:`QuietMultiprocExecutor`: the EngineCore waits for its workers' replies on the queue's
-  notification socket (about 0.1 ms more a step). Paced engines run under it (their steps are
-  waits). Unpaced CPU engines do not: under vs_vllm_omni's load it made native vLLM-Omni's c=1 e2e
-  1.4 -> 9.0 s, stalls that look like a notification lost until vLLM's 5 s recheck
-  (``SHM_READER_RECHECK_INTERVAL_MS``); no upstream issue found.
+  notification socket, re-checking the buffer every millisecond (:func:`quiet_reader`). Paced
+  engines run under it (their steps are waits). Unpaced CPU engines do not: it cut their EngineCores'
+  CPU ~6 x but made every step wait for the EngineCore's wakeup on a loaded 2-core host (c=1 e2e
+  1.57 -> 1.90 s native, 1.90 -> 2.12 s omni_serve, c=4 throughput down on both: one scratch run
+  of vs_vllm_omni's load), so for unpaced steps vLLM's spin is the faster trade.
 - :class:`QuietIdleSteps` (in omni_serve's CPU workers, :mod:`.cpu_worker`): a step with nothing
   scheduled returns after 1 ms, so a waiting stage polls its input at 1 kHz (the back-off vLLM-Omni's
   own connector receive loop uses, ``transfer_adapter/base.py``) instead of spinning two processes.
@@ -27,6 +28,7 @@ from typing import Any
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
 IDLE_STEP_S = 0.001
+REPLY_POLL_MS = 1
 
 
 class QuietMultiprocExecutor(MultiprocExecutor):
@@ -35,7 +37,27 @@ class QuietMultiprocExecutor(MultiprocExecutor):
     def _init_executor(self) -> None:
         super()._init_executor()
         for queue in self.response_mqs:
-            queue._spin_condition.busy_loop_s = 0.0  # vLLM 0.30 reads it on every wait
+            quiet_reader(queue)
+
+
+def quiet_reader(queue: Any) -> None:
+    """A reader of vLLM's shared-memory ``MessageQueue`` that waits without spinning, ``REPLY_POLL_MS`` at a time.
+
+    Waiting on the writer's notification socket alone (vLLM's idle mode) can miss a message: a reader
+    slept until vLLM's 5 s recheck (``SHM_READER_RECHECK_INTERVAL_MS``) under vs_vllm_omni's load
+    (native's c=1 e2e 1.4 -> 9.0 s). The notification is likely dropped by the writer's PUB socket
+    (send high-water mark 1) while ZeroMQ still counts the previous one as queued; no upstream issue
+    found. So each wait lasts at most 1 ms, after which the reader re-checks the buffer's flag itself:
+    a lost notification costs 1 ms, and the core stays with the worker.
+    """
+    condition = queue._spin_condition
+    condition.busy_loop_s = 0.0  # vLLM 0.30 reads it on every wait: never spin
+    wait = condition.wait
+
+    def capped(timeout_ms: int | None = None) -> None:
+        wait(timeout_ms=REPLY_POLL_MS if timeout_ms is None else min(timeout_ms, REPLY_POLL_MS))
+
+    condition.wait = capped
 
 
 def quiet_executor(executor_class: Any) -> Any:

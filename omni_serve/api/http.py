@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from starlette.requests import Request
+from starlette.types import Message, Receive
 
 from omni_serve.api.openai.errors import APIError, bad_request
 
@@ -37,7 +38,9 @@ async def read_body(request: Request, limit: int) -> bytes:
 async def read_form(request: Request, limit: int) -> tuple[dict[str, str], dict[str, bytes]]:
     """A ``multipart/form-data`` body (OpenAI's audio uploads): its text fields and its files' bytes.
 
-    Refused with 415 in another Content-Type and 413 past ``limit`` bytes (declared or read).
+    Refused with 415 in another Content-Type and 413 once the body passes ``limit`` bytes, declared or
+    read: Starlette's parser spools files (to disk past 1 MiB) as it reads, so the limit is enforced on
+    what it is fed, the whole body, not on each file after the parse.
     """
     media = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
     if media != "multipart/form-data":
@@ -51,16 +54,30 @@ async def read_form(request: Request, limit: int) -> tuple[dict[str, str], dict[
         raise too_large
     fields: dict[str, str] = {}
     files: dict[str, bytes] = {}
-    async with request.form(max_files=4, max_fields=32) as form:
+    limited = Request(request.scope, _limited(request.receive, limit, too_large))
+    async with limited.form(max_files=4, max_fields=32) as form:
         for key, value in form.multi_items():
             if isinstance(value, str):
                 fields[key] = value
-                continue
-            data = await value.read(limit + 1)
-            if len(data) > limit:
-                raise too_large
-            files[key] = data
+            else:
+                files[key] = await value.read()
     return fields, files
+
+
+def _limited(receive: Receive, limit: int, too_large: APIError) -> Receive:
+    """``receive`` that raises ``too_large`` as soon as the request's body passes ``limit`` bytes."""
+    seen = 0
+
+    async def limited() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise too_large
+        return message
+
+    return limited
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:

@@ -432,7 +432,7 @@ def handoff_sweep(args: argparse.Namespace) -> None:
     """Streamed vs whole handoffs, paced and unpaced, over reply lengths and concurrencies, in one run."""
     import ray
 
-    from omni_serve.cli.launch import deploy_graph_file, wait_healthy, wait_redeployed
+    from omni_serve.cli.launch import deploy_graph_file, wait_healthy
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # Logical CPUs for Ray's scheduler: --replicas may ask for more replicas x num_cpus than 4.
@@ -444,8 +444,7 @@ def handoff_sweep(args: argparse.Namespace) -> None:
             for streamed in (True, False):
                 edit = _graph_edit(args.replicas, streamed, pace)
                 deploy_graph_file(args.graph, ray.get_runtime_context().gcs_address, port, edit)
-                wait_redeployed()  # each graph after the first replaces the one before
-                wait_healthy(args.url)
+                wait_healthy(args.url, replaced=True)  # each graph after the first replaces the one before
                 for tokens in args.reply_tokens:
                     for concurrency in args.concurrency:
                         label = f"{'paced' if pace else 'unpaced'} {'streamed' if streamed else 'whole'}"

@@ -170,14 +170,13 @@ def main() -> None:
             if args.start_tiny:
                 import ray
 
-                from omni_serve.cli.launch import deploy_graph_file, wait_healthy, wait_redeployed
+                from omni_serve.cli.launch import deploy_graph_file, wait_healthy
 
                 pace = H100_PACE if pacing == "paced" else None
                 port = int(args.url.rsplit(":", 1)[1])
                 edit = _graph_edit(args.replicas, None, pace)
                 deploy_graph_file("tiny_omni.yaml", ray.get_runtime_context().gcs_address, port, edit)
-                wait_redeployed()  # the paced graph replaces the unpaced one
-                wait_healthy(args.url)
+                wait_healthy(args.url, replaced=True)  # the paced graph replaces the unpaced one
             for k in args.sessions:
                 sessions = asyncio.run(run_sessions(args, k, speech))
                 row = summary(pacing, k, sessions)

@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from starlette.requests import Request
-from starlette.types import Message, Receive
+from starlette.types import Message
 
 from omni_serve.api.openai.errors import APIError, bad_request
 
@@ -22,17 +22,7 @@ def check_content_type(content_type: str | None) -> None:
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 as soon as it passes ``limit`` bytes (never buffered whole)."""
-    too_large = APIError(413, f"request body over {limit} bytes", type="invalid_request_error")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
+    return await _bounded(request, limit).body()
 
 
 async def read_form(request: Request, limit: int) -> tuple[dict[str, str], dict[str, bytes]]:
@@ -48,14 +38,9 @@ async def read_form(request: Request, limit: int) -> tuple[dict[str, str], dict[
         raise APIError(
             415, f"Content-Type must be multipart/form-data (got '{shown:.60}')", type="invalid_request_error"
         )
-    too_large = APIError(413, f"request body over {limit} bytes", type="invalid_request_error")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
     fields: dict[str, str] = {}
     files: dict[str, bytes] = {}
-    limited = Request(request.scope, _limited(request.receive, limit, too_large))
-    async with limited.form(max_files=4, max_fields=32) as form:
+    async with _bounded(request, limit).form(max_files=4, max_fields=32) as form:
         for key, value in form.multi_items():
             if isinstance(value, str):
                 fields[key] = value
@@ -64,20 +49,25 @@ async def read_form(request: Request, limit: int) -> tuple[dict[str, str], dict[
     return fields, files
 
 
-def _limited(receive: Receive, limit: int, too_large: APIError) -> Receive:
-    """``receive`` that raises ``too_large`` as soon as the request's body passes ``limit`` bytes."""
+def _bounded(request: Request, limit: int) -> Request:
+    """``request`` whose body is refused with 413 past ``limit`` bytes: at once if its Content-Length says
+    so, else as soon as what is read passes it (a chunked body has no length to trust)."""
+    too_large = APIError(413, f"request body over {limit} bytes", type="invalid_request_error")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
     seen = 0
 
-    async def limited() -> Message:
+    async def receive() -> Message:
         nonlocal seen
-        message = await receive()
+        message = await request.receive()
         if message["type"] == "http.request":
             seen += len(message.get("body", b""))
             if seen > limit:
                 raise too_large
         return message
 
-    return limited
+    return Request(request.scope, receive)
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:

@@ -60,30 +60,13 @@ def pad_handoffs(config: dict[str, Any], nbytes: int) -> None:
             stage["handoff_padding_bytes"] = nbytes
 
 
-def wait_redeployed(timeout_s: float = 600) -> None:
-    """Wait until every Serve application is RUNNING again after ``deploy_graph_file`` replaced a running one.
-
-    While the new version's replicas start, the old version's ingress still answers ``/health`` 200, so
-    :func:`wait_healthy` alone returns early and the first requests wait for the new stages' engines
-    (a 69 s first request in a handoff sweep). Needs a Ray connection (the caller's driver).
-    """
-    from ray import serve
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        apps = serve.status().applications
-        if apps and all(app.status == "RUNNING" for app in apps.values()):
-            return
-        if any(app.status == "DEPLOY_FAILED" for app in apps.values()):
-            return  # wait_healthy reports it, with Serve's message
-        time.sleep(1)
-    raise TimeoutError(f"graph not redeployed after {timeout_s:.0f}s; serve status: {serve.status()}")
-
-
-def wait_healthy(base_url: str, timeout_s: float = 300) -> None:
+def wait_healthy(base_url: str, timeout_s: float = 300, *, replaced: bool = False) -> None:
     """Wait for ``/health`` to answer 200; fail at once, with Serve's message, if an application failed to deploy.
 
-    Needs a Ray connection (the caller's driver) for Serve's status.
+    ``replaced``: ``deploy_graph_file`` replaced a running graph, so also wait for Serve to report every
+    application RUNNING: while the new version's replicas start, the old version's ingress still answers
+    ``/health`` 200, and the first requests would wait for the new stages' engines (a 69 s first request
+    in a handoff sweep). Needs a Ray connection (the caller's driver) for Serve's status.
     """
     import httpx
     from ray import serve
@@ -91,12 +74,13 @@ def wait_healthy(base_url: str, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     last: Any = None
     while time.monotonic() < deadline:
-        try:
-            last = httpx.get(f"{base_url}/health", timeout=15)
-            if last.status_code == 200:
-                return
-        except httpx.HTTPError as err:
-            last = err
+        if not replaced or all(app.status == "RUNNING" for app in serve.status().applications.values()):
+            try:
+                last = httpx.get(f"{base_url}/health", timeout=15)
+                if last.status_code == 200:
+                    return
+            except httpx.HTTPError as err:
+                last = err
         for name, app in serve.status().applications.items():
             if app.status == "DEPLOY_FAILED":
                 why = [f"{d}: {s.message}" for d, s in app.deployments.items() if s.status == "DEPLOY_FAILED"]

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 
-from omni_serve.graph.coalesce import coalesced
+from omni_serve.graph.coalesce import EAGER_HANDOFF_OUTPUTS, coalesced
 from omni_serve.types import FinishReason, StageOutput, Usage
 
 
@@ -116,3 +117,29 @@ def test_a_streamed_handoffs_chunks_merge_when_the_engine_says_how() -> None:
     items = asyncio.run(collect())
     # The first goes at once; the rest are held and joined in order, text and chunks alike.
     assert [(o.text, o.handoff) for o in items] == [("a", [0]), ("bcde", [1, 2, 3])]
+
+
+def test_a_streamed_handoff_is_merged_at_the_cap_after_its_first_outputs_whatever_the_load() -> None:
+    def sizes(merge: Any) -> list[int]:
+        outputs = [StageOutput("thinker", text=f"{i} ", handoff=[i]) for i in range(20)]
+        final = StageOutput("thinker", text="!", handoff=[20], finished=True, finish_reason=FinishReason.STOP)
+        outputs.append(final)
+        clock = Clock()
+
+        async def collect() -> list[StageOutput]:
+            # No load (interval 0), a 5 ms cap, an output every 1 ms.
+            return [
+                o async for o in coalesced(engine(clock, outputs), lambda: 0.0, clock, merge, handoff_interval=0.005)
+            ]
+
+        items = asyncio.run(collect())
+        assert "".join(o.text for o in items) == " ".join(map(str, range(20))) + " !"  # nothing lost or reordered
+        if merge:
+            assert [i for o in items for i in o.handoff] == list(range(21))
+        return [len(o.text.split()) for o in items]
+
+    # The first EAGER_HANDOFF_OUTPUTS go one by one (a talker's first codec chunk waits on them), then
+    # the chunks travel 5 ms apart: 5 outputs an item, the final one flushing what is held.
+    assert sizes(lambda a, b: a + b) == [1] * EAGER_HANDOFF_OUTPUTS + [5, 5, 3]
+    # Text without a streamed handoff (nothing to merge handoffs with) keeps the load's interval: every delta.
+    assert sizes(None) == [1] * 21

@@ -343,9 +343,22 @@ def test_a_thinker_failing_mid_reply_fails_the_request_and_never_finishes_the_ta
 
 def test_a_talker_that_ends_early_stops_the_feed() -> None:
     stages = StreamingFakes(words=6, talker_stops_after=2)
+    channels = stages._channels()
+    write, refused = channels.write, []
+
+    async def counted(key: str, items: list[Any], **kwargs: Any) -> bool:
+        open_ = await write(key, items, **kwargs)
+        refused.extend([key] * (not open_))
+        return open_
+
+    channels.write = counted  # type: ignore[method-assign]
     outputs = walk(stages)  # the thinker finishes; its later chunks are dropped, not queued
     assert stages.talker_read == [0, 1] and stages.thinker_outputs == 6
-    assert outputs and stages._channels().open_channels() == 0
+    assert outputs and channels.open_channels() == 0
+    # Dropped in the ingress: once the talker's call ended, the feed stops asking the channel (at
+    # most one write was already on its way); asking it would be a channels-actor round trip per
+    # chunk for the rest of the reply (the end of the stream included).
+    assert len(refused) <= 1, refused
 
 
 def test_a_client_that_reads_slowly_holds_its_request_back_instead_of_buffering_it() -> None:

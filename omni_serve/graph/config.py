@@ -52,7 +52,8 @@ class StageConfig(BaseModel):
         50.0,
         ge=0.0,
         description="Longest a stage call merges its text deltas into one stream item. The interval in force is "
-        "10 ms x the calls in flight in the replica, up to this; 0 sends every delta as its own item "
+        "10 ms x the calls in flight in the replica, up to this; for a call that streams its handoff (the "
+        "thinker of a streamed talker), this after its first 8 outputs; 0 sends every delta as its own item "
         "(omni_serve.graph.coalesce).",
     )
 

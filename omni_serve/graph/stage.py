@@ -97,7 +97,9 @@ class Stage:
                 request.handoff_stream, handoff = handoff, None
             stream = self.engine.generate(request, handoff)  # aborts its engine work when cancelled
             merge = self.engine.merge_handoffs if request.stream_handoff else None
-            outputs = coalesced(stream, self._coalesce_interval, merge_handoffs=merge)
+            outputs = coalesced(
+                stream, self._coalesce_interval, merge_handoffs=merge, handoff_interval=self.max_coalesce_s
+            )
             padding = self.config.handoff_padding_bytes
             async for output in outputs:
                 self.metrics.output(output)

@@ -171,27 +171,35 @@ class HandoffFeed:
     :meth:`put` passes an upstream output's :class:`Handoff` on by reference (the channel borrows
     it until the consumer takes it); :meth:`end` or :meth:`fail` ends the stream. Every write waits
     for the channel: in order, and no faster than the consumer takes while its buffer is full.
-    A write after the consumer's call ended returns False: its chunk is dropped here.
+    A write after the consumer's call ended returns False: its chunk is dropped here, without asking
+    the channel once the feed knows (a talker stops at its frame limit while a long reply goes on: the
+    rest of the reply's chunks would each cost a round trip to the channels actor for nothing).
     """
 
     def __init__(self, channels: Any, key: str, lost: Callable[[Any], None] | None = None):
         self.reader = ChannelReader(channels, key)
         self._first = True
+        self._closed = False  # the consumer call ended (close(), or the channel said so)
         self._lost = lost  # told when the channels actor turned out dead, so later calls get a new one
 
     async def _write(self, items: list[Any], **kwargs: Any) -> bool:
+        if self._closed:
+            return False
         channels, key = self.reader.channels, self.reader.key
         first, self._first = self._first, False
         if isinstance(channels, Channels):
-            return await channels.write(key, items, first=first, **kwargs)
-        from ray.exceptions import RayActorError
+            open_ = await channels.write(key, items, first=first, **kwargs)
+        else:
+            from ray.exceptions import RayActorError
 
-        try:
-            return await channels.write.remote(key, items, first=first, **kwargs)
-        except RayActorError:
-            if self._lost is not None:
-                self._lost(channels)
-            raise
+            try:
+                open_ = await channels.write.remote(key, items, first=first, **kwargs)
+            except RayActorError:
+                if self._lost is not None:
+                    self._lost(channels)
+                raise
+        self._closed |= not open_
+        return open_
 
     async def put(self, handoff: Handoff) -> bool:
         claim = handoff.claim()
@@ -219,6 +227,7 @@ class HandoffFeed:
 
     def close(self) -> None:
         """The consumer call ended: the channel drops the chunks it did not take (returns at once)."""
+        self._closed = True
         self._tell("close")
 
     def _tell(self, method: str) -> None:

@@ -36,8 +36,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 # Chunks one channel holds unread before a write waits for the consumer (thinker -> talker: one
-# chunk per thinker output, a few tokens' rows each; 64 chunks of the real model's 2 x 2048 bf16
-# values a row are <= 0.5 MiB per token in flight).
+# chunk per thinker stream item, a token's rows, or up to max_coalesce_ms of them after the first 8
+# (about 4 tokens at 15 ms a token); the real model's rows are 2 x 2048 bf16 values, 8 KiB a token,
+# so 64 chunks hold about 2 MiB a request).
 MAX_BUFFERED_CHUNKS = 64
 
 

@@ -22,8 +22,9 @@ payload, a channel write in the ingress and a fetch by the consumer, on top of t
 only the first ones are latency-critical: a talker's first codec chunk needs the reply's first few
 rows (its initial chunk frames + 1: 2 in ``tiny_omni.yaml``, 5 in the vLLM-Omni graphs); once it
 speaks it runs far ahead of playback (a frame is 80 ms of audio), so rows arriving in 50 ms batches
-cost no audio time. On the 2-core machine, 8 concurrent requests of 64-token replies (unpaced):
-streamed / whole throughput 0.93 -> 0.99 x, the channels actor's CPU 1.38 -> 0.95 s (docs/benchmarks.md).
+cost no audio time. On the 2-core machine, 8 concurrent requests of 64-token replies (unpaced), one
+profiled pair of runs: the channels actor's CPU 1.38 -> 0.95 s, streamed / whole throughput
+0.93 -> 0.99 x (the full sweep: 0.95 x; docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -161,7 +161,9 @@ class DiffusersEngine(StageEngine):
             self._pipe.set_progress_bar_config(disable=True)
 
     def stats(self) -> dict[str, Any]:
-        return {"waiting_or_running": self._pending, "served": self._served}
+        # device: where the weights went ('auto' resolves at load), so an operator (and the GPU test)
+        # can see a replica that Ray gave a GPU actually uses it.
+        return {"waiting_or_running": self._pending, "served": self._served, "device": self.device}
 
     async def _abort(self, handles: list[threading.Event]) -> None:
         for cancelled in handles:

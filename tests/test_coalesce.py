@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from omni_serve.graph.coalesce import EAGER_HANDOFF_OUTPUTS, coalesced
+from omni_serve.graph.coalesce import EAGER_HANDOFF_OUTPUTS, HANDOFF_STRETCH, coalesced
 from omni_serve.types import FinishReason, StageOutput, Usage
 
 
@@ -119,10 +119,10 @@ def test_a_streamed_handoffs_chunks_merge_when_the_engine_says_how() -> None:
     assert [(o.text, o.handoff) for o in items] == [("a", [0]), ("bcde", [1, 2, 3])]
 
 
-def test_a_streamed_handoff_is_merged_at_the_cap_after_its_first_outputs_whatever_the_load() -> None:
+def test_a_streamed_handoff_is_merged_ever_longer_after_its_first_outputs_whatever_the_load() -> None:
     def sizes(merge: Any) -> list[int]:
-        outputs = [StageOutput("thinker", text=f"{i} ", handoff=[i]) for i in range(20)]
-        final = StageOutput("thinker", text="!", handoff=[20], finished=True, finish_reason=FinishReason.STOP)
+        outputs = [StageOutput("thinker", text=f"{i} ", handoff=[i]) for i in range(140)]
+        final = StageOutput("thinker", text="!", handoff=[140], finished=True, finish_reason=FinishReason.STOP)
         outputs.append(final)
         clock = Clock()
 
@@ -133,13 +133,15 @@ def test_a_streamed_handoff_is_merged_at_the_cap_after_its_first_outputs_whateve
             ]
 
         items = asyncio.run(collect())
-        assert "".join(o.text for o in items) == " ".join(map(str, range(20))) + " !"  # nothing lost or reordered
+        assert "".join(o.text for o in items) == " ".join(map(str, range(140))) + " !"  # nothing lost or reordered
         if merge:
-            assert [i for o in items for i in o.handoff] == list(range(21))
+            assert [i for o in items for i in o.handoff] == list(range(141))
         return [len(o.text.split()) for o in items]
 
     # The first EAGER_HANDOFF_OUTPUTS go one by one (a talker's first codec chunk waits on them), then
-    # the chunks travel 5 ms apart: 5 outputs an item, the final one flushing what is held.
-    assert sizes(lambda a, b: a + b) == [1] * EAGER_HANDOFF_OUTPUTS + [5, 5, 3]
+    # the chunks travel 5, 10, 20 ms apart, doubling up to HANDOFF_STRETCH x 5 ms = 40 ms; the final
+    # output flushes what is held.
+    assert HANDOFF_STRETCH == 8
+    assert sizes(lambda a, b: a + b) == [1] * EAGER_HANDOFF_OUTPUTS + [5, 10, 20, 40, 40, 18]
     # Text without a streamed handoff (nothing to merge handoffs with) keeps the load's interval: every delta.
-    assert sizes(None) == [1] * 21
+    assert sizes(None) == [1] * 141

@@ -36,9 +36,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 # Chunks one channel holds unread before a write waits for the consumer (thinker -> talker: one
-# chunk per thinker stream item, a token's rows, or up to max_coalesce_ms of them after the first 8
-# (about 4 tokens at 15 ms a token); the real model's rows are 2 x 2048 bf16 values, 8 KiB a token,
-# so 64 chunks hold about 2 MiB a request).
+# chunk per thinker stream item, a token's rows for the first 8, then 50 ms of them, 100, 200 and at
+# most 400 ms (omni_serve.graph.coalesce), about 27 tokens at 15 ms a token; the real model's rows are
+# 2 x 2048 bf16 values, 8 KiB a token, so a chunk holds at most about 216 KiB and 64 of them about
+# 14 MiB a request, more than any whole reply of the 100-300 tokens Qwen3-Omni speaks: a slow consumer
+# holds at most its request's reply here).
 MAX_BUFFERED_CHUNKS = 64
 
 

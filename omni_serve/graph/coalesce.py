@@ -16,15 +16,18 @@ says how to join two (``StageEngine.merge_handoffs``: the thinker's rows), so a 
 its rows, like its text, in fewer and larger items under load. Nothing waits on a timer: held text goes out with the
 next engine output after the interval, so text is never later than one engine step past it.
 
-A streamed handoff's chunks are merged at the stage's cap (``handoff_interval``), whatever the load,
-once its first :data:`EAGER_HANDOFF_OUTPUTS` outputs are out. Each chunk costs a stream item for its
-payload, a channel write in the ingress and a fetch by the consumer, on top of the text item; and
-only the first ones are latency-critical: a talker's first codec chunk needs the reply's first few
-rows (its initial chunk frames + 1: 2 in ``tiny_omni.yaml``, 5 in the vLLM-Omni graphs); once it
-speaks it runs far ahead of playback (a frame is 80 ms of audio), so rows arriving in 50 ms batches
-cost no audio time. On the 2-core machine, 8 concurrent requests of 64-token replies (unpaced), one
-profiled pair of runs: the channels actor's CPU 1.38 -> 0.95 s, streamed / whole throughput
-0.93 -> 0.99 x (the full sweep: 0.95 x; docs/benchmarks.md).
+A streamed handoff's chunks are merged whatever the load once its first :data:`EAGER_HANDOFF_OUTPUTS`
+outputs are out: the first chunk after those at least the stage's cap (``handoff_interval``) after the
+one before, and each later one twice as long as the last, up to :data:`HANDOFF_STRETCH` times the cap.
+Each chunk costs a stream item for its payload, a channel write in the ingress and a fetch by the
+consumer, on top of the text item; and only the first ones are latency-critical: a talker's first
+codec chunk needs the reply's first few rows (its initial chunk frames + 1: 2 in ``tiny_omni.yaml``, 5
+in the vLLM-Omni graphs). Later rows can wait longer the more were sent: each row is one codec frame,
+80 ms of audio, so a talker fed 8 rows and then 50, 100 and 200 ms of them (some 30 rows at 15 ms a
+token) holds over 2 s of audio when the wait reaches 400 ms. A 256-token reply then travels in about
+35 chunks instead of about 200. On the 2-core machine, 8 concurrent 256-token replies (unpaced, one
+replica a stage, rounds interleaved): streamed / whole throughput 0.89-0.91 x with every chunk 50 ms
+apart, 1.00 x with 200 ms (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ MergeHandoffs = Callable[[Any, Any], Any] | None
 
 # The outputs of a streamed handoff sent as the load allows before handoff_interval applies (module doc).
 EAGER_HANDOFF_OUTPUTS = 8
+# After those, the interval between a streamed handoff's chunks doubles per chunk, up to this many times
+# handoff_interval (module doc): 50 ms -> 400 ms at the default max_coalesce_ms.
+HANDOFF_STRETCH = 8
 
 
 def mergeable(output: StageOutput, merge_handoffs: MergeHandoffs = None) -> bool:
@@ -76,8 +82,9 @@ async def coalesced(
     handoff_interval: float = 0.0,
 ) -> AsyncGenerator[StageOutput, None]:
     """``outputs`` with consecutive text deltas (and handoff chunks the engine can merge) merged while the
-    previous item is younger than ``interval()`` s; for a streamed handoff (``merge_handoffs``), at least
-    ``handoff_interval`` s once its first :data:`EAGER_HANDOFF_OUTPUTS` are sent."""
+    previous item is younger than ``interval()`` s; for a streamed handoff (``merge_handoffs``), once its
+    first :data:`EAGER_HANDOFF_OUTPUTS` are sent, at least ``handoff_interval`` s, doubling per item sent
+    up to :data:`HANDOFF_STRETCH` times that."""
     held: StageOutput | None = None
     sent_at: float | None = None  # None: nothing sent yet, the first output goes at once
     sent = 0
@@ -89,7 +96,8 @@ async def coalesced(
         if sent_at is not None and mergeable(output, merge_handoffs):
             wait = interval()
             if merge_handoffs is not None and sent >= EAGER_HANDOFF_OUTPUTS:
-                wait = max(wait, handoff_interval)
+                stretch = min(2 ** (sent - EAGER_HANDOFF_OUTPUTS), HANDOFF_STRETCH)
+                wait = max(wait, handoff_interval * stretch)
             if now - sent_at < wait:
                 held = output
                 continue

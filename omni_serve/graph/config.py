@@ -53,8 +53,8 @@ class StageConfig(BaseModel):
         ge=0.0,
         description="Longest a stage call merges its text deltas into one stream item. The interval in force is "
         "10 ms x the calls in flight in the replica, up to this; for a call that streams its handoff (the "
-        "thinker of a streamed talker), this after its first 8 outputs; 0 sends every delta as its own item "
-        "(omni_serve.graph.coalesce).",
+        "thinker of a streamed talker), after its first 8 outputs this, then twice as long per chunk up to 8 "
+        "x this; 0 sends every delta as its own item (omni_serve.graph.coalesce).",
     )
 
     handoff_padding_bytes: int = Field(

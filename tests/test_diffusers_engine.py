@@ -154,7 +154,10 @@ def test_cancelled_request_stops_denoising() -> None:
         assert output.images
 
     asyncio.run(cancel_midway())
-    assert engine.stats() == {"waiting_or_running": 0, "served": 1}
+    import torch
+
+    where = "cuda" if torch.cuda.is_available() else "cpu"  # device "auto"
+    assert engine.stats() == {"waiting_or_running": 0, "served": 1, "device": where}
 
 
 def test_engine_args_are_validated_with_the_field_named() -> None:

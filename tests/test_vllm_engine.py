@@ -49,8 +49,12 @@ CPU_ARGS: dict[str, Any] = {
     "max_num_seqs": 8,
 }
 HELLO = [ChatMessage(role="user", content="Hello")]
-# The in-process engine's step minimum: ~10x a tiny batch step here, small enough for the other tests.
-PACE = 0.05
+# The in-process engine's step minimum. The spin check (assert_paced: engine CPU under 0.35 of the wall
+# time) needs the wait to dominate the batch's own compute: 8 sequences x 16 steps took 0.11 CPU s on one
+# 2-core machine and 0.53 s on another (slower) one, which at 0.05 s a step was 0.61 of the wall and failed
+# the check with nothing spinning. At 0.15 s the compute stays under a quarter of it on both, and a wait
+# that spun would still use a core for the whole 2.4 s.
+PACE = 0.15
 
 
 def greedy(max_tokens: int, **overrides: Any) -> SamplingParams:

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from omni_serve.engines import validate_engine_args
 from omni_serve.engines.diffusers import LATENTS_KIND, PROMPT_KIND, DiffusersEngine, create
@@ -154,8 +155,6 @@ def test_cancelled_request_stops_denoising() -> None:
         assert output.images
 
     asyncio.run(cancel_midway())
-    import torch
-
     where = "cuda" if torch.cuda.is_available() else "cpu"  # device "auto"
     assert engine.stats() == {"waiting_or_running": 0, "served": 1, "device": where}
 

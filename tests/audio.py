@@ -7,14 +7,18 @@ decodes AAC and mutagen reads the ADTS headers (FAAD2 assumes implicit SBR for s
 
 from __future__ import annotations
 
+import base64
 import io
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import soundfile as sf
+
+from tests.vocoder import SAMPLES_PER_FRAME
 
 CHAT_FORMATS = ["wav", "mp3", "flac", "opus", "aac", "pcm16"]
 SPEECH_FORMATS = ["mp3", "opus", "aac", "flac", "wav", "pcm"]
@@ -73,3 +77,24 @@ def spoken(text: str, rate: int = 24000) -> bytes:
             frames = [out for frame in container.decode(audio=0) for out in resampler.resample(frame)]
             frames += resampler.resample(None)
     return b"".join(f.to_ndarray().astype("<i2").tobytes() for f in frames)
+
+
+def whole_reply_audio(reply: dict[str, Any], rate: int = 24000) -> np.ndarray:
+    """The WAV of a non-streamed chat reply asked with ``return_stage_metrics``, checked whole.
+
+    Its length must be the talker's codec frames (the stage metrics' ``num_tokens_out``) less the
+    vocoder's lag, so a chunk lost on the way fails it. A random-weight talker may sample codec EOS at
+    its first step (measured: 1 reply in 366 on the tiny graph's talker sampling): zero frames are an
+    empty WAV, whole, if the talker finished with ``stop``.
+    """
+    choice = reply["choices"][0]
+    samples, got_rate = sf.read(io.BytesIO(base64.b64decode(choice["message"]["audio"]["data"])), dtype="float32")
+    assert got_rate == rate and samples.ndim == 1 and choice["finish_reason"] in ("stop", "length"), choice
+    (talker,) = [m for m in reply["metrics"]["stage_metrics"].values() if m["stage_name"] == "talker"]
+    frames = talker["num_tokens_out"]
+    if frames == 0:
+        assert samples.size == 0 and talker["finish_reason"] == "stop", (samples.size, talker)
+    else:
+        lag = frames * SAMPLES_PER_FRAME - samples.size  # what the vocoder holds back: under one frame
+        assert 0 < lag < SAMPLES_PER_FRAME, f"{samples.size} samples for {frames} codec frames"
+    return samples

@@ -21,9 +21,7 @@ Owns its cluster: marked ``multinode``, run in its own pytest process (``pytest 
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
-import io
 import os
 import threading
 import time
@@ -32,11 +30,11 @@ from typing import Any
 
 import httpx
 import pytest
-import soundfile as sf
 import yaml
 
 from omni_serve.cli.launch import GRAPHS, deploy_graph_file, wait_healthy
 from omni_serve.models.qwen3_omni import SAMPLE_RATE
+from tests.audio import whole_reply_audio
 from tests.conftest import graph_variant, serve_driver, wait_until
 from tests.fake_cluster import FakeAutoscalingCluster, gpus_as_cpus
 
@@ -155,6 +153,7 @@ def ask(i: int) -> httpx.Response:
         "modalities": ["text", "audio"],
         "max_tokens": 6,
         "stage_sampling": {"talker": {"max_tokens": 64}},
+        "return_stage_metrics": True,  # the talker's frame count: check() checks the WAV is whole
     }
     return httpx.post(f"{BASE_URL}/v1/chat/completions", json=body, timeout=120)  # raises if one hangs
 
@@ -164,9 +163,7 @@ def check(outcomes: list[httpx.Response]) -> int:
     ok = 0
     for response in outcomes:
         if response.status_code == 200:
-            choice = response.json()["choices"][0]
-            samples, rate = sf.read(io.BytesIO(base64.b64decode(choice["message"]["audio"]["data"])), dtype="float32")
-            assert rate == SAMPLE_RATE and samples.size > 0 and choice["finish_reason"] in ("stop", "length")
+            whole_reply_audio(response.json(), SAMPLE_RATE)
             ok += 1
         else:
             assert response.status_code == 503, response.text

@@ -187,6 +187,13 @@ class TalkerEngine(VllmOmniEngine):
         self._drains.add(task)
         task.add_done_callback(self._drains.discard)
 
+    def shutdown(self) -> None:
+        # The marker polls outlive their requests by up to 10 s: stopped with the engine, not left
+        # pending on a loop that closes ("Task was destroyed but it is pending!").
+        for task in list(getattr(self, "_drains", ())):
+            task.cancel()
+        super().shutdown()
+
     def _steps(self, chunk: HandoffPayload) -> list[HandoffPayload]:
         """The connector chunks in one input chunk (a whole handoff: all of them)."""
         if chunk.kind == handoffs.kind(self.args.pipeline, handoffs.THINKER2TALKER):

@@ -27,12 +27,12 @@ class TalkerEngine(VllmOmniEngine):
     def __init__(self, stage_name: str, engine_args: dict[str, Any]):
         super().__init__(stage_name, engine_args)
         self._speakers: dict[str, int] = {}  # lower-case speaker name -> speaker id, from the checkpoint
+        self._drains: set[asyncio.Task[None]] = set()  # end-marker polls (_drain_marker), cancelled at shutdown
 
     async def _setup(self, hf_config: Any) -> None:
         talker_config = getattr(hf_config, "talker_config", None)
         self._speakers = {k.lower(): int(v) for k, v in (getattr(talker_config, "speaker_id", None) or {}).items()}
         self._connector: Any = None
-        self._drains: set[asyncio.Task[None]] = set()
         if self.stream_input:  # the connector this replica writes the thinker's chunks to (see the module doc)
             from vllm_omni.distributed.omni_connectors.transfer_adapter.chunk_transfer_adapter import (
                 OmniChunkTransferAdapter,
@@ -190,7 +190,7 @@ class TalkerEngine(VllmOmniEngine):
     def shutdown(self) -> None:
         # The marker polls outlive their requests by up to 10 s: stopped with the engine, not left
         # pending on a loop that closes ("Task was destroyed but it is pending!").
-        for task in list(getattr(self, "_drains", ())):
+        for task in list(self._drains):
             task.cancel()
         super().shutdown()
 

@@ -115,6 +115,28 @@ class _Walk:
     request: OmniRequest
     stages: set[str]
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    joins: dict[str, _Join] = field(default_factory=dict)  # fan-in stage -> the handoffs it has so far
+
+
+@dataclass
+class _Join:
+    """A fan-in stage's handoffs of one request as its upstream stages finish (claimed: held until it starts).
+
+    vLLM-Omni hands a stage with several ``input_sources`` every source's output; here the stage's one
+    call starts once the last of them finished, with each one's final handoff in ``inputs`` order.
+    """
+
+    inputs: list[str]
+    handoffs: dict[str, Handoff] = field(default_factory=dict)
+
+    def add(self, upstream: str, handoff: Handoff) -> list[Handoff] | None:
+        """Keep ``upstream``'s handoff; every input's, in order, once this was the last one."""
+        self.handoffs[upstream] = handoff.claim()
+        return [self.handoffs[name] for name in self.inputs] if len(self.handoffs) == len(self.inputs) else None
+
+    def release(self) -> None:
+        for handoff in self.handoffs.values():
+            handoff.release()
 
 
 _END = object()
@@ -171,6 +193,8 @@ class Orchestrator:
                 task.cancel()
             if walk.tasks:
                 await asyncio.gather(*walk.tasks, return_exceptions=True)
+            for join in walk.joins.values():  # fan-in stages that never started: their handoffs go now
+                join.release()
 
     def _feeds_downstream(self, stage: StageConfig, walk: _Walk) -> bool:
         return any(c.name in walk.stages for c in self.graph.children(stage.name))
@@ -188,7 +212,11 @@ class Orchestrator:
         return (left, True) if left < self.stage_timeout_s else (self.stage_timeout_s, False)
 
     def _stage_stream(
-        self, stage: StageConfig, request: StageRequest, handoff: Handoff | HandoffFeed | None, walk: _Walk
+        self,
+        stage: StageConfig,
+        request: StageRequest,
+        handoff: Handoff | HandoffFeed | list[Handoff] | None,
+        walk: _Walk,
     ) -> AsyncIterator[StageOutput]:
         """One stage call, started now (so it claims ``handoff`` before the producer moves on)."""
         log = walk.request.stage_log
@@ -236,8 +264,11 @@ class Orchestrator:
     ) -> AsyncIterator[StageOutput]:
         """The final outputs of ``stream`` (a call of ``stage`` with engine id ``request_id``) and of its subtree."""
         emit = stage.final_output is not None
-        children = [c for c in self.graph.children(stage.name) if c.name in walk.stages]
-        if not children:
+        downstream_stages = [c for c in self.graph.children(stage.name) if c.name in walk.stages]
+        # Fan-in stages (several inputs) start once all their inputs finished (_Join); the others per handoff.
+        children = [c for c in downstream_stages if len(c.inputs) == 1]
+        joined = [c for c in downstream_stages if len(c.inputs) > 1]
+        if not downstream_stages:
             async for output in stream:
                 if emit:
                     yield dataclasses.replace(output, handoff=None)
@@ -260,7 +291,7 @@ class Orchestrator:
                 await sink.put(_Failure(err))
 
         # At most max_fanout calls of each child stage in flight for this request.
-        slots = {child.name: asyncio.Semaphore(self.max_fanout) for child in children}
+        slots = {child.name: asyncio.Semaphore(self.max_fanout) for child in downstream_stages}
 
         async def child_walk(child: StageConfig, child_id: str, calls: AsyncIterator[StageOutput], sink: Any) -> None:
             try:
@@ -271,7 +302,7 @@ class Orchestrator:
         # Streamed edges (stream_input): one call per request, fed every handoff through its feed.
         feeds: dict[str, HandoffFeed] = {}
 
-        def start(child: StageConfig, index: int, handoff: Handoff | HandoffFeed) -> asyncio.Queue[Any]:
+        def start(child: StageConfig, index: int, handoff: Handoff | HandoffFeed | list[Handoff]) -> asyncio.Queue[Any]:
             child_request = StageRequest(
                 request_id=f"{request_id}/{child.name}.{index}",
                 sampling=walk.request.sampling[child.name],
@@ -294,8 +325,22 @@ class Orchestrator:
             except Exception as err:  # the channel is gone (its actor died): the streamed call fails
                 raise StageFailed(child.name, err) from err
 
+        async def joins(handoff: Handoff) -> None:
+            """This stage's final handoff for its fan-in children; a child whose inputs are all here starts."""
+            for child in joined:
+                join = walk.joins.setdefault(child.name, _Join(list(child.inputs)))
+                handoffs = join.add(stage.name, handoff)
+                if handoffs is not None:
+                    del walk.joins[child.name]
+                    await slots[child.name].acquire()
+                    try:
+                        await downstream.put(start(child, 0, handoffs))  # the call claims them as it starts
+                    finally:
+                        join.release()
+
         async def produce() -> None:
             index = 0
+            output: StageOutput | None = None
             try:
                 async for output in stream:
                     if emit:
@@ -313,7 +358,11 @@ class Orchestrator:
                             await downstream.put(start(child, index, feed))
                         else:
                             await downstream.put(start(child, index, output.handoff))
+                    if output.finished:
+                        await joins(output.handoff)
                     index += 1
+                if joined and (output is None or not output.finished or output.handoff is None):
+                    raise StageFailed(stage.name, IncompleteStageStream(f"no final handoff for {joined[0].name}"))
             except Exception as err:
                 for feed in feeds.values():  # a consumer must never take a failed producer's end for its finish
                     with contextlib.suppress(Exception):  # the producer's error is the one to report

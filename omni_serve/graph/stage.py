@@ -95,6 +95,7 @@ class Stage:
             handoff = inputs.handoff
             if handoff is not None and not isinstance(handoff, HandoffPayload):  # a streamed call's chunks
                 request.handoff_stream, handoff = handoff, None
+            request.handoffs = inputs.handoffs  # a fan-in call's (in this process now)
             stream = self.engine.generate(request, handoff)  # aborts its engine work when cancelled
             merge = self.engine.merge_handoffs if request.stream_handoff else None
             outputs = coalesced(

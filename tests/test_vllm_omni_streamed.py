@@ -32,7 +32,7 @@ require("torchvision", "vLLM's Qwen3-Omni modules need it; make test installs it
 
 from omni_serve.engines import create_engine  # noqa: E402
 from omni_serve.graph.channel import ProducerFailed  # noqa: E402
-from omni_serve.models import vllm_omni_handoffs as handoffs  # noqa: E402
+from omni_serve.models.vllm_omni.payload import from_handoff  # noqa: E402
 from omni_serve.payload import HandoffPayload  # noqa: E402
 from omni_serve.types import ChatMessage, EngineError, SamplingParams, StageOutput, StageRequest  # noqa: E402
 
@@ -97,7 +97,7 @@ async def slowly(
 
 
 def frames(outputs: list[StageOutput]) -> np.ndarray:
-    parts = [handoffs.from_handoff(o.handoff)["codes"]["audio"].numpy() for o in outputs if o.handoff is not None]
+    parts = [from_handoff(o.handoff)["codes"]["audio"].numpy() for o in outputs if o.handoff is not None]
     return np.concatenate(parts)
 
 

@@ -217,6 +217,43 @@ class GraphConfig(BaseModel):
         entry = self.entry
         return input_modalities(entry.engine, entry.engine_args)
 
+    @property
+    def entry_prompt(self) -> str:
+        """What the entry stage builds its prompt from: ``chat`` (a conversation; text to speak is teacher-forced as
+        the reply) or ``speech`` (the text to speak alone: a TTS model)."""
+        from omni_serve.engines import entry_prompt
+
+        return entry_prompt(self.entry.engine, self.entry.engine_args)
+
+    def routes(self) -> dict[str, str | None]:
+        """Every API route and whether this graph answers it: None, or why not (the 4xx a request gets).
+
+        What a graph answers follows from its final outputs and what its entry stage takes: a TTS graph
+        (audio out, text to speak in) speech; a speech-to-speech graph chat, realtime, transcriptions and
+        speech; an image graph images.
+        """
+        out, takes = self.modalities, set(self.input_modalities)
+        chat = self.entry_prompt == "chat"
+        not_chat = "its entry stage takes text to speak, not a conversation (a TTS model): use /v1/audio/speech"
+
+        def need(ok: bool, why: str) -> str | None:
+            return None if ok else why
+
+        audio_in = "its entry stage takes no audio"
+        return {
+            "/v1/chat/completions": (
+                need(chat, not_chat)
+                or need(bool(out & {Modality.TEXT, Modality.AUDIO}), "it produces no text or audio")
+            ),
+            "/v1/audio/speech": need(Modality.AUDIO in out, "it produces no audio"),
+            "/v1/audio/voices": need(Modality.AUDIO in out, "it produces no audio"),
+            "/v1/realtime": need(chat, not_chat) or need(Modality.AUDIO in takes, audio_in),
+            "/v1/audio/transcriptions": (
+                need(chat, not_chat) or need(Modality.AUDIO in takes, audio_in) or need(Modality.TEXT in out, "no text")
+            ),
+            "/v1/images/generations": need(Modality.IMAGE in out, "it generates no images"),
+        }
+
     def stages_for(self, modalities: set[Modality]) -> set[str]:
         """Stages a request must run: producers of the wanted outputs and their upstreams."""
         needed: set[str] = set()

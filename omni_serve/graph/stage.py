@@ -168,6 +168,7 @@ class Stage:
             "items": self.items,
             "payload_loads": payload_loads(),
             "media_decodes": media_decodes(),
+            **self.engine.calls.stats(),  # live engine requests and aborts: what every family tracks
             **self.engine.stats(),
         }
 

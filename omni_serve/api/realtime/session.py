@@ -68,6 +68,7 @@ class SessionGraph:
     max_audio_parts: int  # media parts one request may carry (media_input.max_parts)
     max_audio_bytes: int
     limits: RealtimeConfig
+    unavailable: str | None = None  # why this graph runs no sessions (a TTS model), or None
 
 
 @dataclass
@@ -571,6 +572,8 @@ def _refusal(websocket: WebSocket, graph: SessionGraph, api_key: str | None) -> 
     if origin is not None and allowed is not None and origin not in allowed:
         message = f"origin {origin!r} is not allowed (realtime.allowed_origins)"
         return APIError(403, message, type="invalid_request_error", code="origin_not_allowed")
+    if graph.unavailable is not None:
+        return APIError(400, graph.unavailable, type="invalid_request_error", param="model", code="unsupported_route")
     model = websocket.query_params.get("model")
     if model is not None and model != graph.model:
         return APIError(

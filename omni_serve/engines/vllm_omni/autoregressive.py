@@ -1,0 +1,235 @@
+"""``llm_ar`` stages: a prompt -> tokens, as text for the client and/or a handoff for the downstream stage.
+
+What the stage does follows its declaration (``StagePipelineConfig``), whatever its model:
+
+- **Its prompt.** An entry stage builds it from the request (:mod:`.prompts`: chat messages and media,
+  or text to speak); a downstream stage from its upstream stages' handoffs, by its declared input
+  processor (:func:`omni_serve.models.vllm_omni.edges.consumer_prompt`), or, reading its upstream's
+  async chunks (``stream_input``), through its EngineCore's connector (:mod:`.streamed`).
+- **Its text.** A stage whose declared final output is text streams text deltas (DELTA outputs:
+  vLLM-Omni concatenates the accumulated multimodal output once, at the end).
+- **Its handoff.** Whole at the finish, by the stage's producer-side processor; or in chunks as its
+  async-chunk processor cuts them, one engine step at a time: packed per engine output for a downstream
+  stage that reads them as a stream, or each chunk its own downstream call (``engine_args.chunks``).
+  With stop strings a text stage hands over whole at the end: a stop string can take back tokens
+  already run, and the downstream stage must get only what the client sees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from omni_serve.engines.vllm_omni.engine import VllmOmniEngine
+from omni_serve.engines.vllm_omni.mapping import finish_reason, multimodal_output
+from omni_serve.engines.vllm_omni.prompts import EntryPrompts
+from omni_serve.engines.vllm_omni.streamed import StreamedInput
+from omni_serve.models.vllm_omni import pipelines
+from omni_serve.models.vllm_omni.edges import ChunkTransfer, NewRows, consumer_prompt, lookup, run_of
+from omni_serve.models.vllm_omni.payload import merge_steps
+from omni_serve.payload import HandoffPayload
+from omni_serve.types import EngineError, FinishReason, InvalidStageInput, StageOutput, StageRequest, Usage
+
+
+class AutoregressiveEngine(VllmOmniEngine):
+    def __init__(self, stage_name: str, engine_args: dict[str, Any]):
+        super().__init__(stage_name, engine_args)
+        self.prompts = EntryPrompts(stage_name, self.args.pipeline, self.pipeline_hooks, bool(self.args.media))
+        self.streamed: StreamedInput | None = None
+        self.emits_text = bool(self.declared.final_output and self.declared.final_output_type == "text")
+        self._speakers: list[str] = []  # the checkpoint's speakers, on a stage that speaks (no text of its own)
+
+    def check_declaration(self) -> None:
+        super().check_declaration()
+        if self.is_entry and self.args.entry == "speech" and self.pipeline_hooks.speech_prompt is None:
+            raise EngineError(
+                f"stage {self.stage_name}: engine_args.entry speech: pipeline {self.args.pipeline!r} builds its "
+                "prompt for text to speak per model, and omni_serve has no builder for it yet (docs/models.md)"
+            )
+
+    async def _setup(self, hf_config: Any) -> None:
+        if self.is_entry:
+            self.prompts.start(self._vllm_config, self._tokenizer)
+            self.audio_input_rate = self.prompts.audio_input_rate
+        if not self.emits_text:
+            self._speakers = pipelines.speakers(hf_config)
+        if self.stream_input:
+            (upstream,) = self.declared.input_sources
+            self.streamed = StreamedInput(
+                self.stage_name,
+                self.args.stage_id,
+                pipelines.stage(self.args.pipeline, upstream),
+                self.hooks,
+                self._vllm_config,
+            )
+
+    def shutdown(self) -> None:
+        self.prompts.shutdown()
+        if self.streamed is not None:
+            self.streamed.shutdown()
+        super().shutdown()
+
+    def voices(self) -> list[str]:
+        """The speaker names of a stage that speaks (lower case, as vLLM-Omni matches them)."""
+        return list(self._speakers)
+
+    def _voice(self, voice: str | None) -> str | None:
+        if voice is None or not self._speakers:
+            return None
+        if voice.lower() not in self._speakers:
+            raise InvalidStageInput(f"voice: unknown voice {voice!r}; valid voices: {self._speakers}")
+        return voice.lower()
+
+    def merge_handoffs(self, first: HandoffPayload, later: HandoffPayload) -> HandoffPayload:
+        return merge_steps(first, later)
+
+    # -- one call ------------------------------------------------------------------
+
+    async def stream(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]:
+        voice = self._voice(request.voice)
+        if self.is_entry and request.reply is not None and self.args.entry == "chat":
+            async for output in self._speak(request):
+                yield output
+            return
+        # DELTA: each output carries only its new tokens; vLLM-Omni concatenates the accumulated
+        # multimodal output once, at the end (CUMULATIVE would re-concatenate it every step).
+        extra = self.hooks.extra_steps
+        params = self._params(
+            request, "DELTA", **({"max_tokens": request.sampling.max_tokens + extra} if extra else {})
+        )
+        prompt, mm_features, feed = await self._prompt(request, handoff, params, voice)
+        prompt_ids: list[int] = list(prompt["prompt_token_ids"])
+        if not prompt_ids:  # the EngineCore would die on it (assert num_new_tokens > 0)
+            raise EngineError(f"stage {self.stage_name}: its upstream's handoff has nothing for it to run on")
+        transfer = self._transfer(request, prompt_ids, params)
+        rows = {key: NewRows(placeholders=True) for key in self.hooks.generated_rows_only}
+        collected: dict[str, list[Any]] = {key: [] for key in rows}
+        token_ids: list[int] = []
+        text: list[str] = []
+        # vLLM's return_prompt_text: the prompt as the model sees it (media placeholders expanded), once.
+        prompt_text = (
+            self._tokenizer.decode(prompt_ids, skip_special_tokens=False)
+            if request.return_prompt_text and self.is_entry and self._tokenizer is not None
+            else None
+        )
+        async for output in self._request(request, prompt, params, mm_features, feed):
+            completion = output.outputs[0]
+            token_ids.extend(completion.token_ids)
+            text.append(completion.text)
+            mm = multimodal_output(output) if rows or transfer is not None or output.finished else {}
+            for key, seen in rows.items():
+                fresh = seen.new(lookup(mm, key))
+                if fresh is not None:
+                    collected[key].append(fresh)
+            out = StageOutput(stage=self.stage_name)
+            if self.emits_text:
+                out.text, out.token_ids = completion.text, list(completion.token_ids)
+                out.usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(token_ids))  # so far
+            out.prompt_text, prompt_text = prompt_text, None
+            if transfer is not None:
+                chunks = transfer.push(mm, token_ids, output.finished)
+                if self.args.chunks is not None:  # each chunk its own downstream call
+                    last = chunks.pop() if output.finished and chunks else None
+                    for chunk in chunks:
+                        yield StageOutput(stage=self.stage_name, handoff=chunk)
+                    out.handoff = last
+                else:  # the downstream stage reads them as a stream: this output's steps in one item
+                    out.handoff = run_of(chunks)
+            if output.finished:
+                import torch
+
+                out.finished = True
+                out.finish_reason = finish_reason(completion.finish_reason)
+                out.usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(token_ids))
+                if request.wants_handoff and transfer is None:  # text-only requests: nobody would read it
+                    out.handoff = self.producer().whole(
+                        request.request_id,
+                        prompt_ids,
+                        token_ids,
+                        mm,
+                        text="".join(text),
+                        stopped=completion.finish_reason == "stop",
+                        rows={key: torch.cat(parts) for key, parts in collected.items() if parts},
+                    )
+            if out.finished or out.text or out.token_ids or out.prompt_text or out.handoff is not None:
+                yield out
+
+    async def _prompt(
+        self, request: StageRequest, handoff: HandoffPayload | None, params: Any, voice: str | None
+    ) -> tuple[dict[str, Any], Any, Any]:
+        """(prompt, media features, streamed input feed) of one call."""
+        if self.is_entry:
+            if request.reply is not None:  # entry: speech (a TTS model's own prompt)
+                return self.prompts.speech(request), None, None
+            ids, mm_features = await self.prompts.chat(request, params)
+            return {"prompt_token_ids": ids}, mm_features, None
+        if self.streamed is not None:  # its EngineCore reads chunks only: a whole handoff is a stream of one
+            chunks = request.handoff_stream if request.handoff_stream is not None else _one(self._handoff_in(handoff))
+            prompt, feed = await self.streamed.prompt_and_feed(chunks, voice)
+            return prompt, None, feed
+        sources = request.handoffs if request.handoffs is not None else [self._handoff_in(handoff)]
+        try:
+            prompt = consumer_prompt(
+                self.declared,
+                sources,
+                upstream=[pipelines.stage(self.args.pipeline, i) for i in self.declared.input_sources],
+                request_id=request.request_id,
+                voice=voice,
+                hf_config=self._vllm_config.model_config.hf_config,
+                model_config=self._vllm_config.model_config,
+            )
+        except ValueError as err:
+            raise InvalidStageInput(f"stage {self.stage_name}: {err}") from None
+        return prompt, None, None
+
+    def _transfer(self, request: StageRequest, prompt_ids: list[int], params: Any) -> ChunkTransfer | None:
+        """The call's chunk transfer when its handoff goes downstream in chunks (None: whole, or none)."""
+        if not request.wants_handoff or not self.declared.async_chunk_process_next_stage_input_func:
+            return None
+        streams = request.stream_handoff and not (self.emits_text and request.sampling.stop)
+        if self.args.chunks is None and not streams:
+            return None
+        return self.producer().chunks(request.request_id, prompt_ids, list(params.stop_token_ids or ()))
+
+    async def _speak(self, request: StageRequest) -> AsyncIterator[StageOutput]:
+        """Teacher-force ``request.reply`` as the assistant turn (text to speak, on a chat entry stage).
+
+        The reply's tokens are appended to the prompt and the engine runs one prefill over all of them,
+        sampling a single token that is then replaced by the end-of-turn token: the multimodal output is
+        that of exactly this text, the same rows generation would have produced had it sampled these
+        tokens and stopped (the end-of-turn token's own row is never computed).
+        """
+        if request.media:
+            raise InvalidStageInput("input: text to speak takes no media", "input")
+        prompt_ids, _ = await self.prompts.chat(request, None)
+        reply, end = self.prompts.spoken(request)
+        params = self._params(request, "FINAL_ONLY", max_tokens=1, temperature=0.0, stop=[], stop_token_ids=[])
+        async for output in self._request(request, {"prompt_token_ids": prompt_ids + reply}, params):
+            if not output.finished:
+                continue
+            handoff = None
+            if request.wants_handoff:
+                mm = multimodal_output(output)
+                transfer = self._transfer(request, prompt_ids, params)
+                if transfer is not None:  # the whole reply's rows as its chunks
+                    chunks = transfer.push(mm, [*reply, *end], True)
+                    handoff = run_of(chunks) if self.args.chunks is None else (chunks[-1] if chunks else None)
+                    for chunk in chunks[:-1] if self.args.chunks is not None else ():
+                        yield StageOutput(stage=self.stage_name, handoff=chunk)
+                else:
+                    handoff = self.producer().whole(
+                        request.request_id, prompt_ids, [*reply, *end], mm, text=request.reply or "", stopped=True
+                    )
+            yield StageOutput(
+                stage=self.stage_name,
+                text=request.reply or "",
+                token_ids=reply,
+                finished=True,
+                finish_reason=FinishReason.STOP,
+                usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(reply) + len(end)),
+                handoff=handoff,
+            )
+
+
+async def _one(handoff: HandoffPayload) -> AsyncIterator[HandoffPayload]:
+    yield handoff

@@ -56,14 +56,6 @@ def speech(server: native_omni.NativeServer, **fields: object) -> tuple[np.ndarr
     return samples, reply
 
 
-def reference_wav(seed: int) -> str:
-    """A 1 s reference recording for the clone mode (noise shaped by a tone, as a data URL)."""
-    rng = np.random.default_rng(seed)
-    t = np.arange(24000) / 24000
-    wave = 0.3 * np.sin(2 * np.pi * (180 + 60 * seed) * t) + 0.05 * rng.standard_normal(t.size)
-    return native_omni.data_url_wav(wave.astype(np.float32), 24000)
-
-
 def test_named_speaker_is_real_audio_and_the_same_for_the_same_seed(qwen3_tts: native_omni.NativeServer) -> None:
     first, reply = speech(qwen3_tts, voice="vivian")
     again, reply_again = speech(qwen3_tts, voice="vivian")
@@ -79,11 +71,11 @@ def test_voice_description_and_reference_clone(qwen3_tts: native_omni.NativeServ
     calm_again, _ = speech(qwen3_tts, task_type="VoiceDesign", instructions="A calm, low voice.")
     assert np.array_equal(designed, calm_again)
     clone = {"task_type": "Base", "ref_text": "A short reference."}
-    cloned, _ = speech(qwen3_tts, ref_audio=reference_wav(1), **clone)
-    other_reference, _ = speech(qwen3_tts, ref_audio=reference_wav(2), **clone)
+    cloned, _ = speech(qwen3_tts, ref_audio=native_omni.reference_audio("tone:220"), **clone)
+    other_reference, _ = speech(qwen3_tts, ref_audio=native_omni.reference_audio("tone:330"), **clone)
     assert cloned.size != other_reference.size or not np.array_equal(cloned, other_reference)
-    x_vector, _ = speech(qwen3_tts, ref_audio=reference_wav(1), task_type="Base", x_vector_only_mode=True)
-    assert x_vector.size > 0
+    # x-vector only: the speaker encoder's embedding of the reference, no in-context codes (speech() checks it).
+    speech(qwen3_tts, ref_audio=native_omni.reference_audio("tone:220"), task_type="Base", x_vector_only_mode=True)
 
 
 def test_streamed_pcm_is_the_whole_reply_in_pieces(qwen3_tts: native_omni.NativeServer) -> None:
@@ -94,7 +86,6 @@ def test_streamed_pcm_is_the_whole_reply_in_pieces(qwen3_tts: native_omni.Native
     assert streamed.status == 200, streamed.content[:500]
     samples, _ = audio.decode("pcm", streamed.content, 24000)
     assert samples.size == whole.size and np.abs(samples - whole).max() <= 1 / 32768
-    assert len(streamed.chunks) >= 1
 
 
 @pytest.mark.parametrize("fmt", ["mp3", "flac", "opus"])

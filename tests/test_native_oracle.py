@@ -7,7 +7,8 @@ reply is decoded by an independent decoder (libsndfile, raw PCM by hand; :mod:`t
 be whole codec frames of real, non-silent 24 kHz audio. What omni_serve's graph of the same pipeline will
 be compared against is what this shows native to be: for the same text, voice and seed, the same
 bytes, request after request (CPU sampling is seeded per request); another seed, another voice or
-another reference audio, other audio (so the comparison can tell them apart).
+another reference audio, other audio (so the comparison can tell them apart); and what
+``tests/oracle/qwen3_tts.json`` recorded (``python -m tests.native_omni qwen3_tts --out DIR``) still holds.
 
 One native server for the module (its start is minutes on a busy 2-core machine). Not in CI's default
 selection (``-m oracle``; see :data:`pytestmark`): the server's start alone is ~2 min on a quiet
@@ -16,8 +17,10 @@ selection (``-m oracle``; see :data:`pytestmark`): the server's start alone is ~
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -99,3 +102,17 @@ def test_every_compressed_format_decodes(qwen3_tts: native_omni.NativeServer, fm
 def test_unknown_voice_is_refused_naming_it(qwen3_tts: native_omni.NativeServer) -> None:
     reply = qwen3_tts.speech(input=TEXT, voice="nobody", response_format="wav")
     assert reply.status == 400 and b"nobody" in reply.content, reply.content[:300]
+
+
+def test_native_answers_what_the_recorded_oracle_says(
+    qwen3_tts: native_omni.NativeServer, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """tests/oracle/qwen3_tts.json (``python -m tests.native_omni qwen3_tts --out DIR``, async chunk on) still holds:
+    the same bytes for each voice mode's fixed-seed request, so omni_serve can be compared against the file."""
+    recorded = json.loads((Path(__file__).parent / "oracle" / "qwen3_tts.json").read_text())
+    now = native_omni.about(qwen3_tts)
+    assert now == recorded["about"], f"recorded for {recorded['about']}, served {now}: record the oracle again"
+    replies = native_omni.record(qwen3_tts, tmp_path_factory.mktemp("oracle"))
+    assert {name: r.get("sha256") for name, r in replies.items()} == {
+        name: r["sha256"] for name, r in recorded["replies"].items()
+    }

@@ -96,8 +96,10 @@ class Ingress:
         self.serve_view = ServeView(
             serve.get_replica_context().app_name, {s.name: self.graph.deployment(s.name) for s in self.graph.stages}
         )
+        http_options = self.serve_view.http_options()
         # Serve's own limit; the ingress answers 504 before it (see check_timeouts).
-        self.request_timeout_s = self.serve_view.request_timeout_s()
+        timeout = http_options.request_timeout_s
+        self.request_timeout_s = float(timeout) if timeout and timeout > 0 else None
         check_timeouts(self.graph.stage_timeout_s, self.request_timeout_s)
         self.text_stage = next((s.name for s in self.graph.stages if s.final_output is Modality.TEXT), None)
         self.media_rules = MediaRules(
@@ -231,19 +233,13 @@ class Ingress:
     # ---- routes --------------------------------------------------------------------------------
     @api.get("/health")
     async def health(self) -> JSONResponse:
-        """200 when every stage has a running replica; 503 naming the stages loading or down.
+        """200 when every stage has a running replica; 503 naming the stages loading or down, or when
+        Serve's controller has not answered for ``readiness.STALE_S`` seconds.
 
-        Asks Serve's controller (:mod:`omni_serve.graph.readiness`), so a saturated graph answers at once.
+        Reads Serve's controller (:mod:`omni_serve.graph.readiness`), so a saturated graph answers at once.
         """
-        states = await self.serve_view.stage_states()
-        ok = all(state == "ready" for state in states.values())
-        body: dict[str, Any] = {"status": "ok" if ok else "unavailable", "stages": states}
-        if not ok:
-            waiting = {state: [n for n, s in states.items() if s == state] for state in set(states.values())}
-            body["message"] = "; ".join(
-                f"{state}: {', '.join(n)}" for state, n in sorted(waiting.items()) if state != "ready"
-            )
-        return JSONResponse(body, status_code=200 if ok else 503)
+        status, body = await self.serve_view.health()
+        return JSONResponse(body, status_code=status)
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:

@@ -43,7 +43,8 @@ class StageConfig(BaseModel):
         description="The edge from `input` streams: this stage's call starts on the upstream's first handoff chunk "
         "and reads the rest as the upstream produces them (waiting when it gets ahead), instead of starting from "
         "the upstream's final handoff. One call per request. Only for engines that read streamed input (the "
-        "transformers talker); false: one call per upstream handoff (code2wav: one per codec chunk).",
+        "transformers talker, and the vllm_omni Qwen3-Omni talker through vLLM-Omni's async chunks: each family's "
+        "reads_streamed_input); false: one call per upstream handoff (code2wav: one per codec chunk).",
     )
     default_sampling: SamplingParams = Field(
         default_factory=SamplingParams, description="Sampling defaults; requests override them."

@@ -32,9 +32,10 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from omni_serve.api import playground
+from omni_serve.api import hosts, playground
 from omni_serve.api.auth import check_auth
 from omni_serve.api.errors import from_failure, stage_bad_request
+from omni_serve.api.hosts import TrustedHosts
 from omni_serve.api.http import check_content_type, parse_json_object, read_body, read_form
 from omni_serve.api.openai.chat import ChatCompletionRequest, ChatReply, StreamOptions
 from omni_serve.api.openai.errors import APIError, bad_request, from_validation, http_exception_handler
@@ -61,7 +62,8 @@ logger = logging.getLogger("ray.serve")
 
 Body = TypeVar("Body", bound=BaseModel)
 
-api = FastAPI(title="omni_serve", docs_url=None, redoc_url=None)
+api = FastAPI(title="omni_serve", docs_url=None, redoc_url=None, openapi_url=None)  # no route outside the API key
+api.add_middleware(TrustedHosts)  # every route and the websocket: the Host check (omni_serve.api.hosts)
 
 
 @api.exception_handler(APIError)
@@ -97,6 +99,10 @@ class Ingress:
             serve.get_replica_context().app_name, {s.name: self.graph.deployment(s.name) for s in self.graph.stages}
         )
         http_options = self.serve_view.http_options()
+        hosts.configure(http_options.host, self.graph.allowed_hosts)
+        warning = hosts.exposure_warning(http_options.host, self.api_key)
+        if warning is not None:
+            logger.warning(warning)
         # Serve's own limit; the ingress answers 504 before it (see check_timeouts).
         timeout = http_options.request_timeout_s
         self.request_timeout_s = float(timeout) if timeout and timeout > 0 else None

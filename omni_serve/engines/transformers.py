@@ -90,7 +90,6 @@ class TransformersEngineArgs(BaseModel):
         "engine arg of that name), e.g. a video size for a checkpoint whose processor defaults do not fit.",
     )
 
-
     @model_validator(mode="after")
     def _tools_on_the_thinker(self) -> TransformersEngineArgs:
         if self.tool_call_parser is not None and self.model_stage != "thinker":
@@ -630,7 +629,8 @@ class ThinkerEngine(_HFEngine):
             raise InvalidStageInput(f"logit_bias: token id {outside[0]} is not in the model's vocabulary", "logit_bias")
         stop_ids = set(s.stop_token_ids)
         eos = end_ids(self.eos_ids, stop_ids, s.ignore_eos)
-        text = _TextStream(self.tokenizer, s.stop, stop_ids, s.skip_special_tokens)
+        # The tokens that end the generation never show in the text (as in vLLM), special or not.
+        text = _TextStream(self.tokenizer, s.stop, set(eos), s.skip_special_tokens)
         generated: list[int] = []
         processors = LogitsProcessorList()
         if s.structured_outputs is not None:

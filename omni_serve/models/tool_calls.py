@@ -223,8 +223,8 @@ def _structured_outputs(params: Any, parallel: bool) -> StructuredOutputs:
 
 def merge_deltas(first: list[ToolCallDelta], later: list[ToolCallDelta]) -> list[ToolCallDelta]:
     """Two runs of consecutive call pieces as one run: a piece continuing the call before it joins it."""
-    merged = [ToolCallDelta(d.index, d.id, d.name, d.arguments) for d in first]
-    for piece in later:
+    merged: list[ToolCallDelta] = []
+    for piece in [*first, *later]:
         last = merged[-1] if merged else None
         if last is not None and last.index == piece.index and piece.id is None and piece.name is None:
             last.arguments += piece.arguments

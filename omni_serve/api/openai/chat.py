@@ -29,7 +29,7 @@ from omni_serve.api.openai.errors import APIError, bad_request
 from omni_serve.api.openai.messages import MediaRules, Message, MMProcessorKwargs, TextPart, Transcripts, _Strict
 from omni_serve.api.openai.response_format import ResponseFormat, TextFormat, constraint
 from omni_serve.api.openai.stage_metrics import metrics_json
-from omni_serve.api.openai.tools import MAX_TOOLS, Tool, ToolChoice, calls_json, delta_json, tool_calling
+from omni_serve.api.openai.tools import MAX_TOOLS, FunctionTool, ToolChoice, calls_json, delta_json, tool_calling
 from omni_serve.media.encode import EMPTY_AUDIO_SAMPLE_RATE, AudioFormat, b64, encode_audio
 from omni_serve.types import (
     SAMPLING_EXTENSIONS,
@@ -122,7 +122,7 @@ class ChatCompletionRequest(_Strict):
     response_format: ResponseFormat | None = None
     # vLLM's extension: any of its structured-output constraints (json, regex, choice, grammar, ...).
     structured_outputs: StructuredOutputs | None = None
-    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # OpenAI fields that change nothing a client gets back here, accepted so clients that send them work

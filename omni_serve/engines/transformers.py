@@ -482,7 +482,7 @@ class ThinkerEngine(_HFEngine):
         self.accept_layer = int(cfg.talker_config.accept_hidden_layer)
         self.grammars = GrammarCompiler(self.tokenizer, int(self.thinker.lm_head.out_features))
         name = self.args.tool_call_parser
-        self.tool_parser = ParserLoader(name) if name else None  # vLLM's parsers load beside the start
+        self.tool_parser = ParserLoader(name) if name else None  # vLLM's parser, loaded on first use
         with torch.inference_mode():
             tts_ids = torch.tensor([cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id])
             self.tts_embeds = self.thinker.get_input_embeddings()(tts_ids.to(self.thinker.device))

@@ -63,26 +63,32 @@ def load_parser(name: str) -> Any:
 
 
 class ParserLoader:
-    """A stage's tool parser, loaded on a thread of its own from the stage's start.
+    """A stage's tool parser, loaded on a thread of its own when the first request with tools asks for it.
 
-    Importing vLLM's parsers takes seconds (tens on a loaded 2-core machine); a stage that does not
-    otherwise import vLLM (the transformers family) becomes ready without waiting for it, and the
-    first request with tools waits for :meth:`get` instead.
+    Importing vLLM's parsers takes seconds (24 s on the loaded 2-core test machine) and ~150 MB: a
+    stage that does not otherwise import vLLM (the transformers family) pays that only once a request
+    needs it, and that request waits for :meth:`future` meanwhile (the stage's other requests do not).
     """
 
     def __init__(self, name: str):
         self.name = name
-        self._loaded: Future[Any] = Future()
-        threading.Thread(target=self._load, name=f"tool-parser-{name}", daemon=True).start()
-
-    def _load(self) -> None:
-        try:
-            self._loaded.set_result(load_parser(self.name))
-        except BaseException as err:  # ImportError without vLLM, ValueError for an unknown name
-            self._loaded.set_exception(err)
+        self._loaded: Future[Any] | None = None
+        self._lock = threading.Lock()
 
     def future(self) -> Future[Any]:
-        return self._loaded
+        with self._lock:
+            if self._loaded is None:
+                self._loaded = Future()
+                threading.Thread(
+                    target=self._load, args=(self._loaded,), name=f"tool-parser-{self.name}", daemon=True
+                ).start()
+            return self._loaded
+
+    def _load(self, loaded: Future[Any]) -> None:
+        try:
+            loaded.set_result(load_parser(self.name))
+        except BaseException as err:  # ImportError without vLLM, ValueError for an unknown name
+            loaded.set_exception(err)
 
 
 def parser_or_refuse(loaded: Any, stage: str, name: str | None) -> Any:

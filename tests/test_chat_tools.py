@@ -14,7 +14,7 @@ import base64
 import io
 import json
 import re
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import openai
@@ -62,7 +62,7 @@ def samples(b64: str) -> np.ndarray:
 
 
 class Weather(pydantic.BaseModel):
-    unit: str
+    unit: Literal["c", "f"]  # a free string would run on: the random thinker has no reason to close it
     raining: bool
 
 

@@ -13,7 +13,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Coroutine, Iterator
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import psutil
 import pytest
@@ -87,13 +87,20 @@ def test_sampling_kwargs_maps_every_field() -> None:
         bad_words=["zz"],
         allowed_token_ids=[70, 71],
         logit_bias={5: 3.0},
+        logprobs=2,
+        structured_outputs={"regex": "[ab]+"},
     )
     kwargs = vllm_family.sampling_kwargs(params)
-    assert kwargs == params.model_dump() and set(kwargs) == set(SamplingParams.model_fields)
+    assert set(kwargs) == set(SamplingParams.model_fields)
+    assert {k: v for k, v in kwargs.items() if k != "structured_outputs"} == params.model_dump(
+        exclude={"structured_outputs"}
+    )
+    assert kwargs["structured_outputs"].regex == "[ab]+"  # vLLM's StructuredOutputsParams
     # Every field is a vllm.SamplingParams argument with the same meaning.
     built = vllm_family.to_vllm_sampling(params)
     assert (built.min_tokens, built.ignore_eos, built.min_p, built.logit_bias) == (2, True, 0.05, {5: 3.0})
     assert (built.include_stop_str_in_output, built.skip_special_tokens, built.bad_words) == (True, False, ["zz"])
+    assert (built.logprobs, built.structured_outputs.regex) == (2, "[ab]+")
     assert vllm_family.honoured_sampling(CPU_ARGS) == frozenset(SAMPLING_EXTENSIONS)
 
 
@@ -443,7 +450,7 @@ class TestSingleStageGraph:
 
         class Forecast(pydantic.BaseModel):
             rain: bool
-            days: int
+            days: Literal[1, 2, 3]  # an unbounded integer could run on: the random model has no reason to stop
 
         no_spaces = {"9": -100, "10": -100, "13": -100, "32": -100}
         ask = [{"role": "user", "content": "Forecast?"}]

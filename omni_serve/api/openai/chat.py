@@ -127,7 +127,7 @@ class ChatCompletionRequest(_Strict):
     parallel_tool_calls: bool | None = None
     # OpenAI fields that change nothing a client gets back here, accepted so clients that send them work
     # (docs/api.md, "Every chat field"): labels and hints for OpenAI's own storage, caching and routing.
-    user: str | None = Field(None, max_length=256)
+    user: str | None = None
     safety_identifier: str | None = Field(None, max_length=128)
     metadata: dict[str, str] | None = None
     store: bool | None = Field(None, description="Only false: omni_serve keeps no completions.")

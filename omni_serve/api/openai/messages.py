@@ -143,7 +143,7 @@ class AssistantToolCall(_Strict):
 
 class AudioReference(_Strict):
     """An earlier reply's audio, named by its ``id`` (OpenAI's multi-turn audio). The other fields are the ones
-    that reply carried, accepted so a client may send the reply's message back as it came; the id decides."""
+    that reply carried, accepted so a client may send the reply's message back as it came."""
 
     id: str
     data: str | None = None
@@ -177,8 +177,6 @@ class Message(_Strict):
             raise ValueError("tool_call_id: tool messages only")
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("tool_call_id: a tool message names the call it answers")
-        if self.audio is not None and not empty:
-            raise ValueError("audio: the turn's text is the named reply's transcript; send content or audio, not both")
         if empty and not (self.role == "assistant" and (self.tool_calls or self.audio is not None)):
             raise ValueError("content: a message needs content")
         return self
@@ -192,7 +190,9 @@ class Message(_Strict):
         named by its audio id gets that reply's transcript (``transcripts``) as its text.
         """
         calls = [c.template_call() for c in self.tool_calls] if self.tool_calls else None
-        if self.audio is not None:
+        # A reply sent back as it came has its text as content and its audio: the content is the turn (the
+        # thinker takes an earlier turn as text); the id is looked up only for a turn with no text of its own.
+        if self.audio is not None and (self.content is None or self.content == []):
             param = f"messages.{index}.audio.id"
             if transcripts is None:
                 raise bad_request(f"{param}: this route keeps no earlier replies", param)

@@ -14,6 +14,7 @@ lists the most likely tokens by rank, vLLM's puts the sampled token first (compa
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,8 @@ import pytest
 from tests.conftest import HTTP_PORT
 from tests.deps import require
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm_cpu]
+# 1200 s: the first test waits for both servers (two vLLM engines starting on a busy 2-core machine).
+pytestmark = [pytest.mark.integration, pytest.mark.vllm_cpu, pytest.mark.timeout(1200)]
 require("vllm", "make test installs it (.ci/install-vllm-cpu.sh)")
 
 NATIVE_PORT = HTTP_PORT + 20  # native vllm serve, beside the session cluster (base, base + 1)
@@ -47,8 +49,9 @@ NO_WHITESPACE = {"9": -100, "10": -100, "13": -100, "32": -100}
 
 
 @pytest.fixture(scope="module")
-def native(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    from benchmarks.vs_native import graph_stage, native_argv, server
+def servers(graphs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[openai.OpenAI, openai.OpenAI]]:
+    """(omni_serve, native): native vllm serve starts in a child process while the graph deploys."""
+    from benchmarks.vs_native import graph_stage, native_argv, stop, wait_ready
     from omni_serve.checkpoints.tiny_llm import ensure_tiny_qwen3
     from tests import vllm_cli
 
@@ -57,14 +60,27 @@ def native(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     argv = vllm_cli.argv("vllm", *native_argv(str(ensure_tiny_qwen3()), engine_args, NATIVE_PORT))
     assert "--enable-auto-tool-choice" in argv and argv[argv.index("--tool-call-parser") + 1] == "hermes"
     log = Path(tmp_path_factory.mktemp("native")) / "vllm-serve.log"
-    with server(argv, f"http://127.0.0.1:{NATIVE_PORT}/v1/models", log):
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{NATIVE_PORT}/v1", api_key="unused", max_retries=0, timeout=300)
+    with log.open("w") as out:
+        native = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        graphs.ensure("single_stage_llm.yaml")
+        wait_ready(f"http://127.0.0.1:{NATIVE_PORT}/v1/models", native, log)
+        yield tuple(  # type: ignore[misc]
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+            for url in (graphs.base_url, f"http://127.0.0.1:{NATIVE_PORT}")
+        )
+    finally:
+        stop(native)
 
 
 @pytest.fixture(scope="module")
-def ours(graphs) -> openai.OpenAI:
-    graphs.ensure("single_stage_llm.yaml")
-    return openai.OpenAI(base_url=f"{graphs.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+def ours(servers: tuple[openai.OpenAI, openai.OpenAI]) -> openai.OpenAI:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def native(servers: tuple[openai.OpenAI, openai.OpenAI]) -> openai.OpenAI:
+    return servers[1]
 
 
 def both(ours: openai.OpenAI, native: openai.OpenAI, **request: Any) -> tuple[Any, Any]:

@@ -314,6 +314,7 @@ class VLLMEngine(StageEngine):
         vllm_id = self.calls.mint(request.request_id)
         outputs = engine.generate(tokens_input(prompt_ids, prompt=prompt), params, vllm_id)
         generated = 0
+        prompt_text = prompt if request.return_prompt_text else None  # vLLM's return_prompt_text, on the first output
         with self.calls.track(request.request_id, vllm_id) as call:
             try:
                 async for out in outputs:
@@ -334,6 +335,7 @@ class VLLMEngine(StageEngine):
                         usage=usage,
                         logprobs=logprobs,
                         tool_calls=tool_calls,
+                        prompt_text=prompt_text,
                     )
                     if out.finished:
                         call.finish()
@@ -341,8 +343,11 @@ class VLLMEngine(StageEngine):
                         output.finished = True
                         output.finish_reason = calls.finish_reason(reason) if calls is not None else reason
                         yield output
-                    elif token_ids or text or tool_calls:
+                    elif token_ids or text or tool_calls or prompt_text:
                         yield output
+                    else:
+                        continue
+                    prompt_text = None
             finally:
                 await outputs.aclose()
 

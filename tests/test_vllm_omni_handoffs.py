@@ -308,6 +308,24 @@ def test_thinker_payload_keeps_every_computed_row():
         assert torch.equal(info["hidden_states"]["output"], mm["hidden_states"]["layers"][ACCEPT_LAYER][:kept])
 
 
+def test_a_reply_cut_before_a_tool_call_hands_on_the_rows_of_its_text_only():
+    """A reply whose text is followed by a tool call: the whole handoff is that of the text ended as a turn
+    (its rows, then <|im_end|>), cut from the accumulated output by position; per-request values stay whole."""
+    prompt, output, spoken = chat_prompt(user_len=6), [3, 4, 7, 8, 9, 151645], 2
+    mm = thinker_output(prompt, output)
+    computed = len(prompt) + len(output) - 1  # synchronous scheduling: the last token's row never ran
+    mm["hidden_states"]["layers"] = {
+        k: [v[: len(prompt)], v[len(prompt) : computed]] for k, v in mm["hidden_states"]["layers"].items()
+    }
+    cut = edges.first_rows(mm, len(prompt) + spoken, len(prompt))
+    assert cut["embed.tts_pad"][0].shape == (1, 1, HIDDEN)  # the request's own value, not a row per position
+    info = from_handoff(qwen3_thinker_handoff(prompt, [*output[:spoken], 151645], cut))
+    whole = torch.cat(mm["hidden_states"]["layers"][ACCEPT_LAYER])
+    assert info["hidden_states"]["output"].shape[0] == len(prompt) + spoken
+    assert torch.equal(info["hidden_states"]["output"], whole[: len(prompt) + spoken])
+    assert info["ids"]["all"] == [*prompt, *output[:spoken], 151645]
+
+
 def test_merged_outputs_keep_the_newest_multimodal_output():
     """A request's outputs merge when its reader falls behind (load): vLLM merges the tokens, the engine's
     collector keeps the newest multimodal output (vLLM-Omni's accumulation: the thinker's last rows and,

@@ -37,6 +37,7 @@ from omni_serve.api.auth import check_auth
 from omni_serve.api.errors import from_failure, stage_bad_request
 from omni_serve.api.hosts import TrustedHosts
 from omni_serve.api.http import check_content_type, parse_json_object, read_body, read_form
+from omni_serve.api.openai.audio_replies import AudioReplies
 from omni_serve.api.openai.chat import ChatCompletionRequest, ChatReply, StreamOptions
 from omni_serve.api.openai.errors import APIError, bad_request, from_validation, http_exception_handler
 from omni_serve.api.openai.images import ImageGenerationRequest, ImagesReply
@@ -114,6 +115,7 @@ class Ingress:
             frozenset(m.value for m in self.graph.input_modalities), self.graph.media_policy, self.graph.media_input
         )
         self._voices: list[str] | None = None  # asked from the stages once, on first need
+        self.audio_replies = AudioReplies()  # transcripts of this replica's audio replies, for later turns
         playground.configure(self.graph, self._check_auth, self.serve_view)
         self.session_graph = SessionGraph(
             model=self.graph.served_model_name,
@@ -238,9 +240,10 @@ class Ingress:
         return wanted
 
     def _chat_messages(self, body: ChatCompletionRequest) -> list[ChatMessage]:
-        """The request's turns, media checked cheaply here (never decoded here: the entry stage decodes)."""
+        """The request's turns, media checked cheaply here (never decoded here: the entry stage decodes), earlier
+        audio replies named by id as their transcripts."""
         try:
-            return body.chat_messages(self.media_rules)
+            return body.chat_messages(self.media_rules, self.audio_replies.transcript)
         except InvalidStageInput as err:
             raise stage_bad_request(err) from None
 
@@ -292,6 +295,7 @@ class Ingress:
         self._check_model(body.model, "/v1/chat/completions")
         modalities = self._modalities(body)
         messages = self._chat_messages(body)
+        tools = body.tool_calling()
         voice = await self._voice(*body.requested_voice()) if Modality.AUDIO in modalities else None
         stage_log = StageLog(self.graph, start=arrived) if body.return_stage_metrics else None
         omni = self._omni_request(
@@ -302,6 +306,7 @@ class Ingress:
             voice=voice,
             return_prompt_text=bool(body.return_prompt_text),
             stage_log=stage_log,
+            tools=tools,
         )
         stream_options = body.stream_options or StreamOptions()
         reply = ChatReply(
@@ -313,7 +318,9 @@ class Ingress:
             include_usage=stream_options.include_usage,
             usage_on_every_chunk=stream_options.usage_on_every_chunk,
             prompt_text=omni.return_prompt_text,
+            logprobs=bool(body.logprobs),
             stage_log=stage_log,
+            remember=self.audio_replies.remember,
         )
         return await self.serving.respond(omni, "chat", reply, stream=body.stream)
 

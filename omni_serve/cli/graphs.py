@@ -335,6 +335,9 @@ def generate(
                 engine_args["entry"] = entry_prompt
             if media := pipelines.entry_media(declared):
                 engine_args["media"] = media
+            # A chat entry stage parses tool calls from its output with the model family's parser (a hook).
+            if entry_prompt == "chat" and (parser := pipelines.hooks(key).tool_call_parser):
+                engine_args["tool_call_parser"] = parser
         if extra:
             engine_args["sampling_constraints"] = extra
         stage: dict[str, Any] = {"name": names[s.stage_id], "engine": "vllm_omni"}

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from omni_serve.engines.base import StageEngine, engine_for_role
+from omni_serve.engines.grammar import grammar_available
 from omni_serve.engines.transformers.args import TransformersEngineArgs
 from omni_serve.engines.transformers.sampling import end_ids
 from omni_serve.types import Modality
@@ -45,12 +46,15 @@ def reads_streamed_input(engine_args: dict[str, Any]) -> bool:
 
 
 def honoured_sampling(engine_args: dict[str, Any]) -> frozenset[str]:
-    """The thinker maps ``ignore_eos``, ``min_p`` and ``skip_special_tokens`` onto HF ``generate``, the talker
-    ``ignore_eos`` (its codec EOS); the talker and code2wav produce no text, so the two parameters that only
-    shape text change nothing there."""
+    """The thinker maps ``ignore_eos``, ``min_p``, ``skip_special_tokens`` and ``logit_bias`` onto HF ``generate``,
+    reports ``logprobs`` (:mod:`omni_serve.engines.logprobs`) and, where xgrammar is installed (it comes with
+    vLLM), honours ``structured_outputs`` (:mod:`omni_serve.engines.grammar`); the talker ``ignore_eos`` (its
+    codec EOS); the talker and code2wav produce no text, so the two parameters that only shape text change
+    nothing there."""
     stage = engine_args.get("model_stage")
     if stage == "thinker":
-        return frozenset({"ignore_eos", "min_p", "skip_special_tokens"})
+        grammar = {"structured_outputs"} if grammar_available() else set()
+        return frozenset({"ignore_eos", "min_p", "skip_special_tokens", "logit_bias", "logprobs", *grammar})
     text_only = {"skip_special_tokens", "spaces_between_special_tokens"}
     return frozenset(text_only | {"ignore_eos"} if stage == "talker" else text_only)
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from omni_serve.models.tool_calls import tool_call_parser_field
 from omni_serve.pacing import min_step_field
 
 
@@ -27,8 +28,15 @@ class TransformersEngineArgs(BaseModel):
         25, ge=0, description="Frames before each chunk it carries for code2wav's context (>= 1 keeps joins seamless)."
     )
     min_step_s: float = min_step_field()  # omni_serve.pacing
+    tool_call_parser: str | None = tool_call_parser_field()
     mm_processor_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Thinker: keyword arguments for every call of the checkpoint's processor on media (as vLLM's "
         "engine arg of that name), e.g. a video size for a checkpoint whose processor defaults do not fit.",
     )
+
+    @model_validator(mode="after")
+    def _tools_on_the_thinker(self) -> TransformersEngineArgs:
+        if self.tool_call_parser is not None and self.model_stage != "thinker":
+            raise ValueError("tool_call_parser: only the thinker parses tool calls from its output")
+        return self

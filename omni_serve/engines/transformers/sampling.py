@@ -42,6 +42,8 @@ def sampling_kwargs(s: SamplingParams) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"do_sample": sample}
     if s.repetition_penalty != 1.0:  # 1.0 is HF's no-op; passing it only draws a warning with inputs_embeds
         kwargs["repetition_penalty"] = s.repetition_penalty
+    if s.logit_bias:  # OpenAI's logit_bias is HF's bias of one-token sequences, added to the logits before sampling
+        kwargs["sequence_bias"] = {(int(token),): float(bias) for token, bias in s.logit_bias.items()}
     if sample:
         kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)  # top_k 0: HF adds no filter
         if s.min_p > 0:

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from omni_serve.models.tool_calls import tool_call_parser_field
 from omni_serve.pacing import engine_config, min_step_field
 
 # Deploy keys a stage's ``engine`` may not set, and why: the pipeline declares them, or omni_serve owns them.
@@ -68,6 +69,7 @@ class EngineArgs(BaseModel):
         "connector settings it reads (vLLM-Omni's connector `extra`, e.g. codec_chunk_frames, "
         "codec_left_context_frames, initial_codec_chunk_frames). Each chunk is its own call of the downstream stage.",
     )
+    tool_call_parser: str | None = tool_call_parser_field()  # an entry stage whose output is text only
     min_step_s: float = min_step_field()  # omni_serve.pacing; paced in the stage's CPU worker (omni_serve.platforms)
     engine: dict[str, Any] = Field(
         default_factory=dict,

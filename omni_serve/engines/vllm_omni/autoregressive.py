@@ -11,8 +11,12 @@ What the stage does follows its declaration (``StagePipelineConfig``), whatever 
 - **Its handoff.** Whole at the finish, by the stage's producer-side processor; or in chunks as its
   async-chunk processor cuts them, one engine step at a time: packed per engine output for a downstream
   stage that reads them as a stream, or each chunk its own downstream call (``engine_args.chunks``).
-  With stop strings a text stage hands over whole at the end: a stop string can take back tokens
-  already run, and the downstream stage must get only what the client sees.
+  With stop strings or tool calls a text stage hands over whole at the end: a stop string can take back
+  tokens already run, a call's tokens are known as such only once parsed, and the downstream stage must
+  get only the text the client sees (a reply cut before a call hands over the rows of its text only).
+- **Tool calls** (an entry stage with ``engine_args.tool_call_parser``): parsed from its output as it
+  decodes with vLLM's parser (:mod:`omni_serve.models.tool_calls`); structured outputs and logprobs are
+  the EngineCore's own (vLLM's sampling params).
 """
 
 from __future__ import annotations
@@ -20,15 +24,25 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from omni_serve.engines.logprobs import from_vllm as logprobs_from_vllm
 from omni_serve.engines.vllm_omni.engine import VllmOmniEngine
 from omni_serve.engines.vllm_omni.mapping import finish_reason, multimodal_output
 from omni_serve.engines.vllm_omni.prompts import EntryPrompts
 from omni_serve.engines.vllm_omni.streamed import StreamedInput
+from omni_serve.models.tool_calls import ToolCallStream, load_parser, parser_or_refuse
 from omni_serve.models.vllm_omni import pipelines
-from omni_serve.models.vllm_omni.edges import ChunkTransfer, NewRows, consumer_prompt, lookup, run_of
+from omni_serve.models.vllm_omni.edges import ChunkTransfer, NewRows, consumer_prompt, first_rows, lookup, run_of
 from omni_serve.models.vllm_omni.payload import merge_steps
 from omni_serve.payload import HandoffPayload
-from omni_serve.types import EngineError, FinishReason, InvalidStageInput, StageOutput, StageRequest, Usage
+from omni_serve.types import (
+    EngineError,
+    FinishReason,
+    InvalidStageInput,
+    StageOutput,
+    StageRequest,
+    ToolCallDelta,
+    Usage,
+)
 
 
 class AutoregressiveEngine(VllmOmniEngine):
@@ -38,6 +52,7 @@ class AutoregressiveEngine(VllmOmniEngine):
         self.streamed: StreamedInput | None = None
         self.emits_text = bool(self.declared.final_output and self.declared.final_output_type == "text")
         self._speakers: list[str] = []  # the checkpoint's speakers, on a stage that speaks (no text of its own)
+        self._tool_parser: Any = None  # vLLM's parser class for engine_args.tool_call_parser
 
     def check_declaration(self) -> None:
         super().check_declaration()
@@ -53,6 +68,9 @@ class AutoregressiveEngine(VllmOmniEngine):
             self.audio_input_rate = self.prompts.audio_input_rate
         if not self.emits_text:
             self._speakers = pipelines.speakers(hf_config)
+        name = self.args.tool_call_parser
+        # vLLM is loaded in this process already: an unknown parser name fails the start (the graph file is wrong).
+        self._tool_parser = load_parser(name) if name else None
         if self.stream_input:
             (upstream,) = self.declared.input_sources
             self.streamed = StreamedInput(
@@ -94,14 +112,16 @@ class AutoregressiveEngine(VllmOmniEngine):
         # DELTA: each output carries only its new tokens; vLLM-Omni concatenates the accumulated
         # multimodal output once, at the end (CUMULATIVE would re-concatenate it every step).
         extra = self.hooks.extra_steps
+        calls = self._tool_calls(request)
+        sampling = calls.constrained(request.sampling) if calls is not None else request.sampling
         params = self._params(
-            request, "DELTA", **({"max_tokens": request.sampling.max_tokens + extra} if extra else {})
+            request, "DELTA", sampling, **({"max_tokens": request.sampling.max_tokens + extra} if extra else {})
         )
         prompt, mm_features, feed = await self._prompt(request, handoff, params, voice)
         prompt_ids: list[int] = list(prompt["prompt_token_ids"])
         if not prompt_ids:  # the EngineCore would die on it (assert num_new_tokens > 0)
             raise EngineError(f"stage {self.stage_name}: its upstream's handoff has nothing for it to run on")
-        transfer = self._transfer(request, prompt_ids, params)
+        transfer = self._transfer(request, prompt_ids, params, whole=calls is not None)
         rows = {key: NewRows(placeholders=True) for key in self.hooks.generated_rows_only}
         collected: dict[str, list[Any]] = {key: [] for key in rows}
         token_ids: list[int] = []
@@ -114,8 +134,12 @@ class AutoregressiveEngine(VllmOmniEngine):
         )
         async for output in self._request(request, prompt, params, mm_features, feed):
             completion = output.outputs[0]
-            token_ids.extend(completion.token_ids)
-            text.append(completion.text)
+            new_ids = list(completion.token_ids)
+            token_ids.extend(new_ids)
+            piece, tool_calls = completion.text, list[ToolCallDelta]()
+            if calls is not None:  # the client gets the reply without its calls, the calls apart
+                piece, tool_calls = calls.push(completion.text, new_ids, output.finished)
+            text.append(piece)
             mm = multimodal_output(output) if rows or transfer is not None or output.finished else {}
             for key, seen in rows.items():
                 fresh = seen.new(lookup(mm, key))
@@ -123,8 +147,10 @@ class AutoregressiveEngine(VllmOmniEngine):
                     collected[key].append(fresh)
             out = StageOutput(stage=self.stage_name)
             if self.emits_text:
-                out.text, out.token_ids = completion.text, list(completion.token_ids)
+                out.text, out.token_ids, out.tool_calls = piece, new_ids, tool_calls
                 out.usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(token_ids))  # so far
+                if sampling.logprobs is not None and completion.logprobs is not None:
+                    out.logprobs = logprobs_from_vllm(new_ids, completion.logprobs, sampling.logprobs)
             out.prompt_text, prompt_text = prompt_text, None
             if transfer is not None:
                 chunks = transfer.push(mm, token_ids, output.finished)
@@ -139,16 +165,24 @@ class AutoregressiveEngine(VllmOmniEngine):
                 import torch
 
                 out.finished = True
-                out.finish_reason = finish_reason(completion.finish_reason)
+                reason = finish_reason(completion.finish_reason)
+                out.finish_reason = calls.finish_reason(reason) if calls is not None else reason
                 out.usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(token_ids))
-                if request.wants_handoff and transfer is None:  # text-only requests: nobody would read it
+                stopped = completion.finish_reason == "stop"
+                spoken = calls.spoken if calls is not None else len(token_ids)
+                if spoken < len(token_ids):  # a tool call followed: the rows of the text before it, ended as a turn
+                    mm = first_rows(mm, len(prompt_ids) + spoken, len(prompt_ids))
+                    end = self.prompts.end_of_turn(request, "".join(text))
+                    token_ids, stopped = [*token_ids[:spoken], end], True
+                # Text-only requests, and a reply that is only a tool call: nobody would read it.
+                if request.wants_handoff and transfer is None and spoken:
                     out.handoff = self.producer().whole(
                         request.request_id,
                         prompt_ids,
                         token_ids,
                         mm,
                         text="".join(text),
-                        stopped=completion.finish_reason == "stop",
+                        stopped=stopped,
                         rows={key: torch.cat(parts) if parts else None for key, parts in collected.items()},
                     )
             if out.finished or out.text or out.token_ids or out.prompt_text or out.handoff is not None:
@@ -182,11 +216,22 @@ class AutoregressiveEngine(VllmOmniEngine):
             raise InvalidStageInput(f"stage {self.stage_name}: {err}") from None
         return prompt, None, None
 
-    def _transfer(self, request: StageRequest, prompt_ids: list[int], params: Any) -> ChunkTransfer | None:
-        """The call's chunk transfer when its handoff goes downstream in chunks (None: whole, or none)."""
+    def _tool_calls(self, request: StageRequest) -> ToolCallStream | None:
+        """The request's tool-call parsing (None without tools, or with ``tool_choice: none``)."""
+        tools = request.tools
+        if tools is None or tools.choice == "none":
+            return None
+        parser = parser_or_refuse(self._tool_parser, self.stage_name, self.args.tool_call_parser)
+        return ToolCallStream(parser, self._tokenizer, tools)
+
+    def _transfer(
+        self, request: StageRequest, prompt_ids: list[int], params: Any, whole: bool = False
+    ) -> ChunkTransfer | None:
+        """The call's chunk transfer when its handoff goes downstream in chunks (None: whole, or none);
+        ``whole``: a text stage's reply goes whole (tool calls)."""
         if not request.wants_handoff or not self.declared.async_chunk_process_next_stage_input_func:
             return None
-        streams = request.stream_handoff and not (self.emits_text and request.sampling.stop)
+        streams = request.stream_handoff and not (self.emits_text and (request.sampling.stop or whole))
         if self.args.chunks is None and not streams:
             return None
         return self.producer().chunks(request.request_id, prompt_ids, list(params.stop_token_ids or ()))

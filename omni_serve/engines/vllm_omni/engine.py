@@ -169,6 +169,11 @@ class VllmOmniEngine(StageEngine):
             raise EngineError(f"{where}: engine_args.media / entry: only the entry stage takes a request's input")
         if self.args.media and not self.declared.requires_multimodal_data:
             raise EngineError(f"{where}: engine_args.media: the stage declares no multimodal input")
+        text_out = bool(self.declared.final_output and self.declared.final_output_type == "text")
+        if self.args.tool_call_parser is not None and not (self.is_entry and self.args.entry == "chat" and text_out):
+            raise EngineError(
+                f"{where}: engine_args.tool_call_parser: only a chat entry stage whose output is text parses tool calls"
+            )
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -291,6 +296,13 @@ class VllmOmniEngine(StageEngine):
 
         return "its EngineCore process died" if isinstance(err, VllmEngineDead) else None
 
+    def invalid_input(self, err: BaseException) -> InvalidStageInput | None:
+        from vllm.exceptions import VLLMValidationError
+
+        if isinstance(err, VLLMValidationError):
+            return InvalidStageInput(str(err), err.parameter)
+        return None
+
     def stats(self) -> dict[str, Any]:
         """``running`` + ``waiting`` = ``in_flight``; ``aborted`` counts engine requests aborted,
         ``generated`` the tokens (codec steps for a talker) the engine produced since start;
@@ -372,14 +384,23 @@ class VllmOmniEngine(StageEngine):
                     with contextlib.suppress(BaseException):
                         await feeding
 
-    def _params(self, request: StageRequest, output_kind: str, **overrides: Any) -> Any:
-        """vLLM sampling params of one engine request: the call's sampling, ``overrides``, the stage's constraints
-        (declared by the pipeline, with the graph's ``sampling_constraints`` over them)."""
+    def _params(self, request: StageRequest, output_kind: str, sampling: Any = None, **overrides: Any) -> Any:
+        """vLLM sampling params of one engine request: the call's sampling (or ``sampling``), ``overrides``, the
+        stage's constraints (declared by the pipeline, with the graph's ``sampling_constraints`` over them).
+        Structured outputs and logprobs are checked as vLLM's input processor checks them (which also picks the
+        structured-output backend, missing otherwise: these requests skip that processor)."""
         from vllm.sampling_params import RequestOutputKind
 
-        sampling = request.sampling.model_copy(update=overrides) if overrides else request.sampling
+        sampling = sampling if sampling is not None else request.sampling
+        sampling = sampling.model_copy(update=overrides) if overrides else sampling
         constraints = {**self.declared.sampling_constraints, **self.args.sampling_constraints}
-        return vllm_sampling_params(sampling, constraints, RequestOutputKind[output_kind])
+        params = vllm_sampling_params(sampling, constraints, RequestOutputKind[output_kind])
+        if params.structured_outputs is not None or params.logprobs is not None:
+            config = self._vllm_config
+            params.verify(
+                config.model_config, config.speculative_config, config.structured_outputs_config, self._tokenizer
+            )
+        return params
 
     def _handoff_in(self, handoff: HandoffPayload | None) -> HandoffPayload:
         """A downstream stage's input: its upstream stage's handoff, which it cannot run without."""

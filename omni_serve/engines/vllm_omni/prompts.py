@@ -77,12 +77,13 @@ class EntryPrompts:
             raise InvalidStageInput(f"stage {self.stage_name}: the entry stage needs messages")
         tokenizer = self._tokenizer()
         turns = qwen3_omni.template_messages(request.messages)
+        tools = request.tools.tools if request.tools else None  # the template writes them into the prompt
         if not request.media:
-            return chat_prompt_ids(tokenizer, turns), None
+            return chat_prompt_ids(tokenizer, turns, tools), None
         if self._input_processor is None:
             raise EngineError(f"stage {self.stage_name}: takes no media (the graph's engine_args.media)")
         try:
-            text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(turns, tools=tools, tokenize=False, add_generation_prompt=True)
         except Exception as err:  # jinja2 raises TemplateError for conversations the template refuses
             raise InvalidStageInput(f"messages: the model's chat template refused them: {err}") from None
         prompt = multimodal_prompt(text, request.media or [], self.audio_input_rate)
@@ -99,24 +100,24 @@ class EntryPrompts:
         return [int(i) for i in processed.prompt_token_ids], processed.mm_features
 
     def spoken(self, request: StageRequest) -> tuple[list[int], list[int]]:
-        """The reply to speak as token ids, and the token that ends the assistant's turn after it.
-
-        The end of turn is what the chat template writes after an assistant message (Qwen's <|im_end|>),
-        else the tokenizer's EOS.
-        """
+        """The reply to speak as token ids, and the token that ends the assistant's turn after it."""
         tokenizer = self._tokenizer()
         reply = [int(i) for i in tokenizer.encode(request.reply or "", add_special_tokens=False)]
         if not reply:
             raise InvalidStageInput("input: the text to speak is empty", "input")
+        return reply, [self.end_of_turn(request, request.reply or "")]
+
+    def end_of_turn(self, request: StageRequest, reply: str) -> int:
+        """The token that ends an assistant turn saying ``reply``: what the chat template writes after an
+        assistant message (Qwen's <|im_end|>), else the tokenizer's EOS."""
+        tokenizer = self._tokenizer()
         turns = qwen3_omni.template_messages(request.messages or [])
         end: int | None = None
         try:
             prompt = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-            whole = tokenizer.apply_chat_template(
-                [*turns, {"role": "assistant", "content": request.reply}], tokenize=False
-            )
-            if whole.startswith(prompt + (request.reply or "")):
-                after = tokenizer.encode(whole[len(prompt) + len(request.reply or "") :], add_special_tokens=False)
+            whole = tokenizer.apply_chat_template([*turns, {"role": "assistant", "content": reply}], tokenize=False)
+            if whole.startswith(prompt + reply):
+                after = tokenizer.encode(whole[len(prompt) + len(reply) :], add_special_tokens=False)
                 end = int(after[0]) if after else None
         except Exception as err:  # a template without an assistant turn: the EOS ends it
             logger.info("stage %s: end of turn from the chat template unavailable (%s)", self.stage_name, err)
@@ -124,7 +125,7 @@ class EntryPrompts:
             end = tokenizer.eos_token_id
         if end is None:
             raise EngineError(f"stage {self.stage_name}: no end-of-turn token to end the spoken reply with")
-        return reply, [int(end)]
+        return int(end)
 
     def speech(self, request: StageRequest) -> dict[str, Any]:
         """A TTS entry stage's prompt for the text to speak (the pipeline's ``speech_prompt`` hook)."""

@@ -90,6 +90,25 @@ def _consolidated(value: Any) -> Any:
     return value
 
 
+def first_rows(multimodal_output: Mapping[str, Any], rows: int, positions: int) -> dict[str, Any]:
+    """A finished request's accumulated output (flat keys) cut to its first ``rows`` positions: a reply cut
+    short before a tool call hands downstream only its spoken part (omni_serve.models.tool_calls).
+
+    A value holds a row per position when it has at least ``positions`` rows (the prompt's length: every
+    prompt position was computed); any other value is the request's own and is kept whole.
+    """
+    import torch
+
+    cut: dict[str, Any] = {}
+    for key, value in _flat(multimodal_output).items():
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
+            value = torch.cat(list(value), dim=0)
+        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] >= positions:
+            value = value[:rows]
+        cut[key] = value
+    return cut
+
+
 # ---------------------------------------------------------------------------
 # The producer side
 # ---------------------------------------------------------------------------

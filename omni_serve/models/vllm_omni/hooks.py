@@ -73,6 +73,9 @@ class PipelineHooks:
     # A TTS entry stage (its graph's ``entry: speech``): (request, tokenizer, hf_config) -> engine prompt.
     # vLLM-Omni builds these prompts per model in its API server (entrypoints/openai/tts_adapters).
     speech_prompt: Callable[[Any, Any, Any], dict[str, Any]] | None = None
+    # vLLM's tool parser for the model's tool-call syntax (`vllm serve --tool-call-parser`): vLLM-Omni's
+    # pipeline does not declare it; a generated graph's chat entry stage gets it (engine_args.tool_call_parser).
+    tool_call_parser: str | None = None
 
     def stage(self, model_stage: str) -> StageHooks:
         return self.stages.get(model_stage, DEFAULT)

@@ -118,11 +118,13 @@ QWEN3_OMNI = PipelineHooks(
         "thinker": THINKER,
         "talker": TALKER,
         "code2wav": StageHooks(frame_geometry=code2wav_frames, measure_decode_lag=True),
-    }
+    },
+    tool_call_parser="hermes",  # Qwen's <tool_call> JSON syntax
 )
 QWEN2_5_OMNI = PipelineHooks(
     stages={
         "thinker": StageHooks(fix_payload=keep_computed_rows),
         "talker": StageHooks(generated_rows_only=("codes.audio",), extra_steps=1),
-    }
+    },
+    tool_call_parser="hermes",  # Qwen's <tool_call> JSON syntax
 )

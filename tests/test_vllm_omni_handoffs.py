@@ -318,7 +318,7 @@ def test_a_reply_cut_before_a_tool_call_hands_on_the_rows_of_its_text_only():
         k: [v[: len(prompt)], v[len(prompt) : computed]] for k, v in mm["hidden_states"]["layers"].items()
     }
     cut = edges.first_rows(mm, len(prompt) + spoken, len(prompt))
-    assert cut["embed.tts_pad"][0].shape == (1, 1, HIDDEN)  # the request's own value, not a row per position
+    assert cut["embed.tts_pad"].shape == (1, 1, HIDDEN)  # the request's own value, not a row per position
     info = from_handoff(qwen3_thinker_handoff(prompt, [*output[:spoken], 151645], cut))
     whole = torch.cat(mm["hidden_states"]["layers"][ACCEPT_LAYER])
     assert info["hidden_states"]["output"].shape[0] == len(prompt) + spoken

@@ -295,6 +295,9 @@ class StageRequest:
     # order as they come (an AsyncIterator[HandoffPayload]); the engine gets no ``handoff`` then. Set by
     # the stage (omni_serve.graph.transport.receive), never sent across deployments.
     handoff_stream: Any = None
+    # Where this call waits for its caller to catch up when it runs a window ahead
+    # (omni_serve.graph.flow.Window); None: the caller pulls each output itself (in process).
+    window: Any = None
 
 
 @dataclass
@@ -314,6 +317,7 @@ class StageOutput:
     sample_rate: int | None = None
     images: list[np.ndarray] = field(default_factory=list)  # uint8 HxWx3
     handoff: Any = None  # HandoffPayload inside the engine, ObjectRef once it left the replica
+    handoff_bytes: int = 0  # the handoff payload's array bytes, set where it is yielded (flow control)
     finished: bool = False
     finish_reason: FinishReason | None = None
     # Token counts so far: text stages set them on every output (the ingress streams them as

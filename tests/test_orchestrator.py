@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
@@ -187,3 +188,56 @@ def test_request_deadline_ends_the_walk_with_a_timeout() -> None:
         asyncio.run(collect(Orchestrator(GRAPH, stages, stage_timeout_s=60), req))
     assert info.value.stage == "talker" and "talker" in stages.cancelled
     assert from_failure(info.value, "r").status == 504
+
+
+AUDIO_CHUNK = 48000  # float32 samples per code2wav output: 192 KB, the size of a 25-frame chunk
+
+
+class ManyChunks(FakeStages):
+    """A talker that speaks ``chunks`` codec chunks; code2wav decodes each at once into 192 KB of audio."""
+
+    def __init__(self, chunks: int):
+        super().__init__(chunks=chunks)
+        self.talker_outputs = 0
+
+    async def _attempt(self, stage: str, request: StageRequest) -> AsyncIterator[StageOutput]:
+        if stage == "code2wav":
+            self.calls[stage].append(request)
+            index = int(request.handoff.tensors["codes"][0, 0])
+            audio = np.full(AUDIO_CHUNK, index, np.float32)
+            yield StageOutput(stage=stage, audio=audio, sample_rate=24000, finished=True)
+            return
+        async for output in super()._attempt(stage, request):
+            self.talker_outputs += stage == "talker"
+            yield output
+
+
+def test_a_client_that_stops_reading_holds_back_code2wav_and_the_talker_then_gets_everything() -> None:
+    """The code2wav end of a slow reader: the walk holds at most its byte budget plus one output per queue
+    (the root's relay, the talker's queue and relay, one queue per code2wav call: 3 + max_fanout), code2wav
+    gets no call its client cannot take, the talker is not read further; reading again delivers it all."""
+    stages, budget, fanout = ManyChunks(chunks=300), 1 << 20, 4
+    orchestrator = Orchestrator(GRAPH, stages, max_fanout=fanout, buffer_bytes=budget)
+
+    async def go() -> tuple[int, int, int, int, list[int]]:
+        audio: list[int] = []
+        async with contextlib.aclosing(orchestrator.run(request(Modality.TEXT, Modality.AUDIO))) as outputs:
+            async for output in outputs:
+                if output.audio is not None:
+                    audio.append(int(output.audio[0]))
+                if len(audio) == 2:
+                    break
+            await asyncio.sleep(1.0)  # the client reads nothing: everything upstream runs as far as it may
+            made, talked = len(stages.calls["code2wav"]), stages.talker_outputs
+            held = (made - len(audio)) * AUDIO_CHUNK * 4  # audio bytes made that the client has not taken
+            async for output in outputs:  # the client reads again: the rest of the reply, in order
+                if output.audio is not None:
+                    audio.append(int(output.audio[0]))
+        return made, talked, held, len(audio), audio
+
+    made, talked, held, _, audio = asyncio.run(go())
+    queues = 3 + fanout
+    assert held <= budget + queues * (AUDIO_CHUNK * 4 + 512), f"{held} bytes of audio held for the client"
+    assert made <= 2 + budget // (AUDIO_CHUNK * 4) + queues, f"{made} code2wav calls for a client that read 2"
+    assert talked <= made + fanout + 2 * 16, f"the talker was read for {talked} chunks"  # + the talker's queues
+    assert audio == list(range(300)), "the reply is not whole and in order after the client read again"

@@ -153,6 +153,10 @@ class Ingress:
         """How many handoff payloads this process deserialized (the invariant says: none)."""
         return payload_loads()
 
+    def buffered(self) -> dict[str, int]:
+        """What the requests running in this replica hold for their clients (omni_serve.graph.flow)."""
+        return self.serving.orchestrator.buffered()
+
     def media_decodes(self) -> dict[str, int]:
         """How many media items this process decoded (the invariant says: none; the entry stage decodes)."""
         return media_input.decodes()

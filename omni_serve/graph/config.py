@@ -121,6 +121,13 @@ class GraphConfig(BaseModel):
         description="Seconds one stage call may stay silent before the request fails with 504; must stay below "
         f"Serve's http_options.request_timeout_s minus {DEADLINE_MARGIN_S:.0f} s (checked when the ingress starts).",
     )
+    request_buffer_bytes: int = Field(
+        4 << 20,
+        ge=1 << 16,
+        description="Bytes of stage outputs one request's walk may hold in the ingress for a client that reads "
+        "slower than the stages produce; beyond, the stages are held back (omni_serve.graph.flow: the whole bound, "
+        "and what adds to it).",
+    )
     playground: bool = Field(True, description="Serve the browser playground at / (false: / and /playground/ are 404).")
     voice_aliases: dict[str, str] = Field(
         default_factory=dict,

@@ -26,9 +26,15 @@ Failure rules (what a client can rely on):
 - ``stage_timeout_s`` bounds how long one stage call may stay silent; the request's
   ``deadline`` (the ingress sets it just below Serve's ``request_timeout_s``) bounds the
   whole walk, so the client gets a 504 in the API's error shape before Serve's 408.
-- Each request keeps at most ``max_fanout`` calls of one downstream stage in flight, so
-  the calls one request queues at a stage are bounded (the talker's codec chunks wait
-  for a code2wav slot here instead of piling up in the stage's queue).
+- Each request keeps at most ``max_fanout`` calls of one downstream stage in flight or
+  holding outputs it has not relayed yet, so the calls one request queues at a stage are
+  bounded (the talker's codec chunks wait for a code2wav slot here instead of piling up in
+  the stage's queue), and so is what finished calls hold for a client that reads slowly.
+
+What one request may hold in the ingress, in bytes, and how a client that stops reading
+holds back every stage up to the engines: :mod:`omni_serve.graph.flow`. A streamed call's
+channel is closed by the call when it ends and by the walk when the request ends (a call
+cancelled before it ever ran closes nothing itself).
 """
 
 from __future__ import annotations
@@ -39,11 +45,12 @@ import dataclasses
 import logging
 import sys
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from omni_serve.graph.config import GraphConfig, StageConfig
+from omni_serve.graph.flow import Buffer, Buffers
 from omni_serve.graph.stage_log import StageLog
 from omni_serve.graph.transport import Handoff, HandoffFeed, StageTransport
 from omni_serve.types import (
@@ -114,17 +121,19 @@ class OmniRequest:
 
 @dataclass
 class _Walk:
+    """One request's walk: the stages it runs, its byte budget, and what must be undone when it ends."""
+
     request: OmniRequest
     stages: set[str]
+    buffers: Buffers
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    # Every streamed call's feed this walk opened. The walk closes them all when it ends: a consumer call
+    # closes its own when it ends, but one cancelled before it started (the client left right after the
+    # feed's first chunk) never runs that code, and its channel would keep the chunk.
+    feeds: list[HandoffFeed] = field(default_factory=list)
 
 
 _END = object()
-
-# Outputs one queue of a request's walk holds before its writer waits (the merge queue, and one per
-# downstream call): with max_fanout calls per downstream stage, a request buffers at most
-# (2 + max_fanout) x this many outputs in the ingress however slowly its client reads.
-MAX_BUFFERED_OUTPUTS = 16
 
 
 @dataclass
@@ -140,18 +149,30 @@ class Orchestrator:
         stage_timeout_s: float | None = None,
         *,
         max_fanout: int = 4,
+        buffer_bytes: int | None = None,
     ):
         self.graph = graph
         self.transport = transport
         self.stage_timeout_s = stage_timeout_s or graph.stage_timeout_s
         self.max_fanout = max_fanout
+        self.buffer_bytes = buffer_bytes or graph.request_buffer_bytes
+        self._walking: set[Buffers] = set()  # the budgets of the walks running now (buffered())
 
     def plan(self, modalities: set[Modality]) -> set[str]:
         return self.graph.stages_for(modalities)
 
+    def buffered(self) -> dict[str, int]:
+        """What the requests walking now hold in their queues: how many, the bytes in all, the most one held."""
+        return {
+            "requests": len(self._walking),
+            "bytes": sum(b.held for b in self._walking),
+            "peak": max((b.peak for b in self._walking), default=0),
+        }
+
     async def run(self, request: OmniRequest) -> AsyncIterator[StageOutput]:
         """Yield the final outputs the request asked for, in order per modality."""
-        walk = _Walk(request, self.plan(request.modalities))
+        walk = _Walk(request, self.plan(request.modalities), Buffers(self.buffer_bytes))
+        self._walking.add(walk.buffers)
         entry = self.graph.entry
         first = StageRequest(
             request_id=f"{request.request_id}/{entry.name}",
@@ -166,14 +187,23 @@ class Orchestrator:
             return_prompt_text=request.return_prompt_text,
             tools=request.tools,
         )
+        call = self._stage_stream(entry, first, None, walk)
         try:
-            async for output in self._walk(entry, first.request_id, self._stage_stream(entry, first, None, walk), walk):
-                yield output
+            async with contextlib.aclosing(self._subtree(entry, first.request_id, call, walk)) as outputs:
+                async for output in outputs:
+                    yield output
         finally:
             for task in walk.tasks:
                 task.cancel()
             if walk.tasks:
                 await asyncio.gather(*walk.tasks, return_exceptions=True)
+            for feed in walk.feeds:  # after the calls ended: a no-op for every consumer that closed its own
+                feed.close()
+            self._walking.discard(walk.buffers)
+            # The tasks' coroutines refer to the walk (a cycle): nothing the request held may wait for the
+            # cycle collector, so the walk lets go of its tasks and of what its queues still hold.
+            walk.tasks.clear()
+            walk.buffers.clear()
 
     def _feeds_downstream(self, stage: StageConfig, walk: _Walk) -> bool:
         return any(c.name in walk.stages for c in self.graph.children(stage.name))
@@ -192,7 +222,7 @@ class Orchestrator:
 
     def _stage_stream(
         self, stage: StageConfig, request: StageRequest, handoff: Handoff | HandoffFeed | None, walk: _Walk
-    ) -> AsyncIterator[StageOutput]:
+    ) -> AsyncGenerator[StageOutput, None]:
         """One stage call, started now (so it claims ``handoff`` before the producer moves on)."""
         log = walk.request.stage_log
         if log is not None:
@@ -205,7 +235,7 @@ class Orchestrator:
         stream: AsyncGenerator[StageOutput, None],
         deadline: float | None,
         log: StageLog | None,
-    ) -> AsyncIterator[StageOutput]:
+    ) -> AsyncGenerator[StageOutput, None]:
         """The call's outputs under its time limits; every way it can fail becomes one StageFailed/StageTimeout.
 
         Every output of every stage call passes here (intermediate stages' too): ``log`` records it on arrival.
@@ -234,122 +264,162 @@ class Orchestrator:
         finally:
             await stream.aclose()  # a no-op once it finished; cancels the call while it runs
 
-    async def _walk(
-        self, stage: StageConfig, request_id: str, stream: AsyncIterator[StageOutput], walk: _Walk
-    ) -> AsyncIterator[StageOutput]:
-        """The final outputs of ``stream`` (a call of ``stage`` with engine id ``request_id``) and of its subtree."""
-        emit = stage.final_output is not None
+    def _subtree(
+        self, stage: StageConfig, request_id: str, call: AsyncGenerator[StageOutput, None], walk: _Walk
+    ) -> AsyncGenerator[StageOutput, None]:
+        """The final outputs of ``call`` (``stage``'s, engine id ``request_id``) and of the calls it starts."""
         children = [c for c in self.graph.children(stage.name) if c.name in walk.stages]
         if not children:
-            async for output in stream:
-                if emit:
-                    yield dataclasses.replace(output, handoff=None)
-            return
+            return _relayed(call, emit=stage.final_output is not None)
+        return _FanOut(self, walk, stage, request_id, call, children).outputs()
 
-        # Bounded: a client that reads slowly holds this request's stage outputs back here (the
-        # producers wait) instead of letting them pile up (MAX_BUFFERED_OUTPUTS, module docstring).
-        merged: asyncio.Queue[Any] = asyncio.Queue(MAX_BUFFERED_OUTPUTS)
-        # One queue per downstream call, in handoff order; None closes the sequence.
-        downstream: asyncio.Queue[asyncio.Queue[Any] | None] = asyncio.Queue()
+    def _child_request(self, child: StageConfig, request_id: str, index: int, walk: _Walk) -> StageRequest:
+        return StageRequest(
+            request_id=f"{request_id}/{child.name}.{index}",
+            sampling=walk.request.sampling[child.name],
+            chunk_index=index,
+            wants_handoff=self._feeds_downstream(child, walk),
+            stream_handoff=self._streams_downstream(child, walk),
+            voice=walk.request.voice,
+            image=walk.request.image,
+            client_request_id=walk.request.client_request_id,
+        )
 
-        async def pump(source: AsyncIterator[StageOutput], sink: asyncio.Queue[Any]) -> None:
-            try:
-                async for item in source:
-                    await sink.put(item)
-                await sink.put(_END)
-            except asyncio.CancelledError:
-                raise
-            except BaseException as err:
-                await sink.put(_Failure(err))
 
-        # At most max_fanout calls of each child stage in flight for this request.
-        slots = {child.name: asyncio.Semaphore(self.max_fanout) for child in children}
+async def _relayed(call: AsyncGenerator[StageOutput, None], emit: bool) -> AsyncGenerator[StageOutput, None]:
+    """A call of a stage with no downstream stage in the walk: its final outputs, if it has any."""
+    async with contextlib.aclosing(call) as outputs:
+        async for output in outputs:
+            if emit:
+                yield dataclasses.replace(output, handoff=None)
 
-        async def child_walk(child: StageConfig, child_id: str, calls: AsyncIterator[StageOutput], sink: Any) -> None:
-            try:
-                await pump(self._walk(child, child_id, calls, walk), sink)
-            finally:
-                slots[child.name].release()
 
-        # Streamed edges (stream_input): one call per request, fed every handoff through its feed.
-        feeds: dict[str, HandoffFeed] = {}
+class _FanOut:
+    """One stage call of a request, and the downstream calls its handoffs start.
 
-        def start(child: StageConfig, index: int, handoff: Handoff | HandoffFeed) -> asyncio.Queue[Any]:
-            child_request = StageRequest(
-                request_id=f"{request_id}/{child.name}.{index}",
-                sampling=walk.request.sampling[child.name],
-                chunk_index=index,
-                wants_handoff=self._feeds_downstream(child, walk),
-                stream_handoff=self._streams_downstream(child, walk),
-                voice=walk.request.voice,
-                image=walk.request.image,
-                client_request_id=walk.request.client_request_id,
-            )
-            # Started here, before the next output: the call claims this output's handoff now.
-            child_stream = self._stage_stream(child, child_request, handoff, walk)
-            sink: asyncio.Queue[Any] = asyncio.Queue(MAX_BUFFERED_OUTPUTS)
-            walk.tasks.append(asyncio.create_task(child_walk(child, child_request.request_id, child_stream, sink)))
-            return sink
+    Three tasks share the work (all in the walk's task list, so leaving the walk cancels them):
 
-        async def fed(child: StageConfig, feed: HandoffFeed, handoff: Handoff) -> bool:
-            try:
-                return await feed.put(handoff)
-            except Exception as err:  # the channel is gone (its actor died): the streamed call fails
-                raise StageFailed(child.name, err) from err
+    - :meth:`_produce` reads the call: relays its own final outputs, and hands each handoff on to
+      every downstream stage (:meth:`_hand_on`): a new call per handoff, or for a ``stream_input``
+      stage one call fed every handoff through its feed;
+    - one task per downstream call pumps that call's subtree into the call's own queue (:meth:`_start`);
+    - :meth:`_sequence` moves those queues' outputs into the relay queue, one downstream call after
+      the other, in handoff order.
 
-        async def produce() -> None:
-            index = 0
-            try:
-                async for output in stream:
-                    if emit:
-                        await merged.put(dataclasses.replace(output, handoff=None))
-                    if output.handoff is None:
-                        continue
-                    for child in children:
-                        if child.stream_input and child.name in feeds:
-                            await fed(child, feeds[child.name], output.handoff)  # False: call ended, chunk dropped
-                            continue
-                        await slots[child.name].acquire()
-                        if child.stream_input:
-                            feed = feeds[child.name] = self.transport.feed(f"{request_id}/{child.name}.{index}")
-                            await fed(child, feed, output.handoff)  # the first chunk is there before the call starts
-                            await downstream.put(start(child, index, feed))
-                        else:
-                            await downstream.put(start(child, index, output.handoff))
-                    index += 1
-            except Exception as err:
-                for feed in feeds.values():  # a consumer must never take a failed producer's end for its finish
-                    with contextlib.suppress(Exception):  # the producer's error is the one to report
-                        await feed.fail(f"stage {stage.name} failed: {type(err).__name__}")
-                raise
-            for feed in feeds.values():
-                await feed.end()
-            await downstream.put(None)
+    :meth:`outputs` yields what reaches the relay queue. Every queue draws on the request's byte budget
+    (:class:`~omni_serve.graph.flow.Buffers`), and a downstream call holds one of its stage's
+    ``max_fanout`` slots until :meth:`_sequence` has relayed its outputs: a client that stops reading
+    stops the relay, then the downstream calls (no slot), then this call (a full queue).
+    """
 
-        async def sequence() -> None:
-            while (sink := await downstream.get()) is not None:
-                while (item := await sink.get()) is not _END:
-                    if isinstance(item, _Failure):
-                        raise item.error
-                    await merged.put(item)
+    def __init__(
+        self,
+        orchestrator: Orchestrator,
+        walk: _Walk,
+        stage: StageConfig,
+        request_id: str,
+        call: AsyncGenerator[StageOutput, None],
+        children: list[StageConfig],
+    ):
+        self.orchestrator, self.walk, self.stage = orchestrator, walk, stage
+        self.request_id, self.call, self.children = request_id, call, children
+        self.relay: Buffer[Any] = walk.buffers.queue()
+        # The downstream calls' queues, in handoff order; None: no more. Bounded by the slots.
+        self.started: asyncio.Queue[tuple[StageConfig, Buffer[Any]] | None] = asyncio.Queue()
+        self.slots = {child.name: asyncio.Semaphore(orchestrator.max_fanout) for child in children}
+        self.feeds: dict[str, HandoffFeed] = {}  # the streamed children's: one call each
 
-        async def guarded(work: Any) -> None:
-            try:
-                await work
-                await merged.put(_END)
-            except asyncio.CancelledError:
-                raise
-            except BaseException as err:
-                await merged.put(_Failure(err))
-
-        workers = [asyncio.create_task(guarded(produce())), asyncio.create_task(guarded(sequence()))]
-        walk.tasks.extend(workers)
+    async def outputs(self) -> AsyncGenerator[StageOutput, None]:
+        workers = [self._task(_ended_into(self.relay, work)) for work in (self._produce, self._sequence)]
         finished = 0
         while finished < len(workers):
-            item = await merged.get()
+            item = await self.relay.get()
             if item is _END:
                 finished += 1
             elif isinstance(item, _Failure):
                 raise item.error
             else:
                 yield item
+
+    def _task(self, work: Any) -> asyncio.Task[Any]:
+        task = asyncio.create_task(work)
+        self.walk.tasks.append(task)
+        return task
+
+    async def _produce(self) -> None:
+        index = 0
+        try:
+            async with contextlib.aclosing(self.call) as outputs:
+                async for output in outputs:
+                    if self.stage.final_output is not None:
+                        await self.relay.put(dataclasses.replace(output, handoff=None))
+                    if output.handoff is not None:
+                        await self._hand_on(output.handoff, index)
+                        index += 1
+        except Exception as err:
+            for feed in self.feeds.values():  # a consumer must never take a failed producer's end for its finish
+                with contextlib.suppress(Exception):  # the producer's error is the one to report
+                    await feed.fail(f"stage {self.stage.name} failed: {type(err).__name__}")
+            raise
+        for feed in self.feeds.values():
+            await feed.end()
+        self.started.put_nowait(None)
+
+    async def _hand_on(self, handoff: Handoff, index: int) -> None:
+        """Pass one output's handoff to every downstream stage, before the call's next output invalidates it."""
+        for child in self.children:
+            feed = self.feeds.get(child.name)
+            if feed is not None:  # the streamed call runs: one more chunk (dropped if that call ended)
+                await self._fed(child, feed, handoff)
+                continue
+            await self.slots[child.name].acquire()  # given back once _sequence relayed the call's outputs
+            if child.stream_input:
+                key = f"{self.request_id}/{child.name}.{index}"  # the streamed call's engine request id
+                feed = self.feeds[child.name] = self.orchestrator.transport.feed(key)
+                self.walk.feeds.append(feed)  # before its first chunk: whatever happens next, the walk closes it
+                await self._fed(child, feed, handoff)  # the first chunk is there before the call starts
+                self._start(child, index, feed)
+            else:
+                self._start(child, index, handoff)
+
+    async def _fed(self, child: StageConfig, feed: HandoffFeed, handoff: Handoff) -> bool:
+        try:
+            return await feed.put(handoff)
+        except Exception as err:  # the channel is gone (its actor died): the streamed call fails
+            raise StageFailed(child.name, err) from err
+
+    def _start(self, child: StageConfig, index: int, handoff: Handoff | HandoffFeed) -> None:
+        """Start one downstream call now (it claims ``handoff`` before the producer moves on) and pump its subtree."""
+        orchestrator = self.orchestrator
+        request = orchestrator._child_request(child, self.request_id, index, self.walk)
+        call = orchestrator._stage_stream(child, request, handoff, self.walk)
+        sink: Buffer[Any] = self.walk.buffers.queue()
+        subtree = orchestrator._subtree(child, request.request_id, call, self.walk)
+        self._task(_ended_into(sink, _copied, subtree, sink))
+        self.started.put_nowait((child, sink))
+
+    async def _sequence(self) -> None:
+        while (started := await self.started.get()) is not None:
+            child, sink = started
+            while (item := await sink.get()) is not _END:
+                if isinstance(item, _Failure):
+                    raise item.error
+                await self.relay.put(item)
+            self.slots[child.name].release()
+
+
+async def _copied(source: AsyncGenerator[StageOutput, None], sink: Buffer[Any]) -> None:
+    async with contextlib.aclosing(source) as outputs:
+        async for output in outputs:
+            await sink.put(output)
+
+
+async def _ended_into(queue: Buffer[Any], work: Callable[..., Awaitable[None]], *args: Any) -> None:
+    """Run ``work(*args)``; then its end, or its failure, goes into ``queue`` for whoever reads it."""
+    try:
+        await work(*args)
+        await queue.put(_END)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as err:
+        await queue.put(_Failure(err))

@@ -66,6 +66,14 @@ FAMILIES: dict[str, Family] = {
         # 64 codec frames at most (5.1 s of audio): a random talker rarely samples codec EOS.
         sampling_overrides={0: {"max_tokens": 64}},
     ),
+    "voxtral_tts": Family(
+        pipeline="voxtral_tts",
+        checkpoint="tiny-voxtral-tts",
+        deploy="voxtral_tts.yaml",
+        stage_overrides={0: {"max_model_len": 1024, "max_num_batched_tokens": 1024}},
+        # 64 codec frames at most (5.1 s of audio).
+        sampling_overrides={0: {"max_tokens": 64}},
+    ),
 }
 
 
@@ -88,6 +96,13 @@ ORACLE_REQUESTS: dict[str, dict[str, dict[str, Any]]] = {
             "input": "Hello from the tiny talker.", "task_type": "Base", "ref_audio": "tone:220",
             "x_vector_only_mode": True, "seed": 7,
         },
+    },
+    # No seed: Voxtral's LM is greedy and its tiny checkpoint's codes do not depend on the flow-matching noise
+    # (tiny_voxtral_tts.ACOUSTIC_HEAD_SCALE), so a request alone fixes the reply.
+    "voxtral_tts": {
+        "preset_casual_male": {"input": "Hello from the tiny talker.", "voice": "casual_male"},
+        "preset_neutral_female": {"input": "Hello from the tiny talker.", "voice": "neutral_female"},
+        "clone": {"input": "Hello from the tiny talker.", "ref_audio": "tone:440"},
     },
 }  # fmt: skip
 

@@ -58,6 +58,12 @@ CHECKPOINTS: dict[str, TinyCheckpoint] = {
             "ensure_tiny_qwen3_tts",
             "Qwen3-TTS (talker, speech tokenizer) for vLLM-Omni's qwen3_tts pipeline",
         ),
+        TinyCheckpoint(
+            "tiny-voxtral-tts",
+            "omni_serve.checkpoints.tiny_voxtral_tts",
+            "ensure_tiny_voxtral_tts",
+            "Voxtral TTS (Mistral LM, acoustic transformer, audio tokenizer) for vLLM-Omni's voxtral_tts pipeline",
+        ),
     )
 }
 TINY = "tiny"  # the alias an engine family maps to its own tiny checkpoint

@@ -10,7 +10,14 @@ import sys
 import pytest
 
 from omni_serve import checkpoints
-from omni_serve.checkpoints import tiny_image, tiny_llm, tiny_omni, tiny_qwen3_tts, tiny_voxtral_tts
+from omni_serve.checkpoints import (
+    tiny_image,
+    tiny_llm,
+    tiny_ming_flash_omni,
+    tiny_omni,
+    tiny_qwen3_tts,
+    tiny_voxtral_tts,
+)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -22,7 +29,14 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_registry_names_each_builder_once() -> None:
-    names = ["tiny-qwen3-omni", "tiny-qwen-image", "tiny-qwen3", "tiny-qwen3-tts", "tiny-voxtral-tts"]
+    names = [
+        "tiny-qwen3-omni",
+        "tiny-qwen-image",
+        "tiny-qwen3",
+        "tiny-qwen3-tts",
+        "tiny-voxtral-tts",
+        "tiny-ming-flash-omni",
+    ]
     assert list(checkpoints.CHECKPOINTS) == names
     assert {c.name for c in checkpoints.CHECKPOINTS.values()} == {
         tiny_omni.TINY_NAME,
@@ -30,6 +44,7 @@ def test_registry_names_each_builder_once() -> None:
         tiny_llm.TINY_LLM_NAME,
         tiny_qwen3_tts.TINY_NAME,
         tiny_voxtral_tts.TINY_NAME,
+        tiny_ming_flash_omni.TINY_NAME,
     }
 
 
@@ -78,6 +93,11 @@ REPRODUCIBLE = {
         tiny_voxtral_tts.build_tiny_voxtral_tts,
         {},
         {"consolidated.safetensors", "voice_embedding/casual_male.pt", "voice_embedding/neutral_female.pt"},
+    ),
+    "tiny-ming-flash-omni": (
+        tiny_ming_flash_omni.build_tiny_ming_flash_omni,
+        {"x_transformers": "vLLM-Omni's Ming talker (CFM, aggregator) imports it; .ci/install-vllm-cpu.sh installs it"},
+        {"model.safetensors", "talker/model.safetensors", "talker/vae/model.safetensors"},
     ),
 }
 

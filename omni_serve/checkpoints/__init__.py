@@ -64,6 +64,12 @@ CHECKPOINTS: dict[str, TinyCheckpoint] = {
             "ensure_tiny_voxtral_tts",
             "Voxtral TTS (Mistral LM, acoustic transformer, audio tokenizer) for vLLM-Omni's voxtral_tts pipeline",
         ),
+        TinyCheckpoint(
+            "tiny-ming-flash-omni",
+            "omni_serve.checkpoints.tiny_ming_flash_omni",
+            "ensure_tiny_ming_flash_omni",
+            "Ming-flash-omni 2.0 (MoE thinker, talker with CFM and AudioVAE) for vLLM-Omni's ming_flash_omni pipeline",
+        ),
     )
 }
 TINY = "tiny"  # the alias an engine family maps to its own tiny checkpoint

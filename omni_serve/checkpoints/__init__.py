@@ -58,6 +58,18 @@ CHECKPOINTS: dict[str, TinyCheckpoint] = {
             "ensure_tiny_qwen3_tts",
             "Qwen3-TTS (talker, speech tokenizer) for vLLM-Omni's qwen3_tts pipeline",
         ),
+        TinyCheckpoint(
+            "tiny-voxtral-tts",
+            "omni_serve.checkpoints.tiny_voxtral_tts",
+            "ensure_tiny_voxtral_tts",
+            "Voxtral TTS (Mistral LM, acoustic transformer, audio tokenizer) for vLLM-Omni's voxtral_tts pipeline",
+        ),
+        TinyCheckpoint(
+            "tiny-ming-flash-omni",
+            "omni_serve.checkpoints.tiny_ming_flash_omni",
+            "ensure_tiny_ming_flash_omni",
+            "Ming-flash-omni 2.0 (MoE thinker, talker with CFM and AudioVAE) for vLLM-Omni's ming_flash_omni pipeline",
+        ),
     )
 }
 TINY = "tiny"  # the alias an engine family maps to its own tiny checkpoint

@@ -5,31 +5,48 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from omni_serve.api.realtime.admission import Sessions
 from omni_serve.api.realtime.session import Session, SessionGraph
+from omni_serve.api.realtime.vad import VadWorkers
 from omni_serve.graph.config import RealtimeConfig
+from omni_serve.graph.stage_log import StageLog
 from omni_serve.types import StageOutput, Usage
+from tests.test_orchestrator import GRAPH
 
 CREATE = json.dumps({"type": "response.create", "response": {"output_modalities": ["text"]}})
 
 
-def graph(outputs: Callable[[Any, str], AsyncIterator[StageOutput]]) -> SessionGraph:
+def graph(
+    outputs: Callable[[Any, str], AsyncIterator[StageOutput]],
+    limits: RealtimeConfig | None = None,
+    *,
+    takes_audio: bool = False,
+    speaks: bool = False,
+    sampling: Callable[[Any], dict[str, Any]] = lambda request: {},
+) -> SessionGraph:
+    """A session's view of a graph whose outputs are scripted (``outputs`` plays the orchestrator)."""
+
     async def voice(name: str, param: str) -> str | None:
         return None
 
+    limits = limits or RealtimeConfig()
     return SessionGraph(
         model="m",
         outputs=outputs,
-        sampling=lambda request: {},
+        sampling=sampling,
         voice=voice,
+        stage_log=lambda: StageLog(GRAPH),
         text_stage="thinker",
-        speaks=False,
-        takes_audio=False,  # no VAD: the session starts with turn detection off
+        speaks=speaks,
+        takes_audio=takes_audio,  # False: no VAD, the session starts with turn detection off
         max_audio_parts=4,
         max_audio_bytes=1 << 20,
-        limits=RealtimeConfig(),
+        limits=limits,
+        sessions=Sessions(limits.max_sessions),
+        vad=VadWorkers(limits.audio_workers, keep_models=2),
     )
 
 
@@ -37,14 +54,10 @@ async def replying(request: Any, route: str) -> AsyncIterator[StageOutput]:
     yield StageOutput(stage="thinker", text="hello", finished=True, usage=Usage(prompt_tokens=3, completion_tokens=1))
 
 
-def recorder() -> tuple[list[dict[str, Any]], Callable[[dict[str, Any]], Awaitable[None]]]:
+def recorder() -> tuple[list[dict[str, Any]], Callable[[dict[str, Any]], None]]:
     """The events a session sends, and the send that records them."""
     events: list[dict[str, Any]] = []
-
-    async def send(event: dict[str, Any]) -> None:
-        events.append(event)
-
-    return events, send
+    return events, events.append
 
 
 def statuses(events: list[dict[str, Any]]) -> list[str]:
@@ -52,8 +65,8 @@ def statuses(events: list[dict[str, Any]]) -> list[str]:
 
 
 async def settle(session: Session) -> None:
-    if session.response is not None and session.response.task is not None:
-        await asyncio.gather(session.response.task, return_exceptions=True)
+    if session.responses.active is not None and session.responses.active.task is not None:
+        await asyncio.gather(session.responses.active.task, return_exceptions=True)
 
 
 def test_a_response_cancelled_before_its_relay_ran_still_ends_and_frees_the_session() -> None:
@@ -61,7 +74,7 @@ def test_a_response_cancelled_before_its_relay_ran_still_ends_and_frees_the_sess
         events, send = recorder()
         session = Session(graph(replying), send)
         await session.handle(CREATE)  # the relay task exists but has not run yet
-        await session.cancel("turn_detected")  # as a barge-in in the same audio append does
+        await session.responses.cancel("turn_detected")  # as a barge-in in the same audio append does
         await session.handle(CREATE)
         await settle(session)
         return events
@@ -76,11 +89,10 @@ def test_a_cancel_while_the_response_finishes_does_not_cut_off_response_done() -
         events: list[dict[str, Any]] = []
         cancels: list[asyncio.Task[None]] = []
 
-        async def send(event: dict[str, Any]) -> None:
+        def send(event: dict[str, Any]) -> None:
             events.append(event)
             if event["type"] == "response.output_text.done":  # the response is sending its closing events
-                cancels.append(asyncio.ensure_future(session.cancel("client_cancelled")))
-                await asyncio.sleep(0)  # the cancel runs here, mid-finish
+                cancels.append(asyncio.ensure_future(session.responses.cancel("client_cancelled")))
 
         session = Session(graph(replying), send)
         await session.handle(CREATE)
@@ -147,7 +159,7 @@ def test_a_graph_without_audio_input_refuses_input_audio_and_says_it_detects_no_
     async def run() -> list[dict[str, Any]]:
         events, send = recorder()
         session = Session(graph(replying), send)
-        await session.send("session.created", session=session.session_json())
+        session.send("session.created", session=session.session_json())
         await session.handle(json.dumps({"type": "input_audio_buffer.append", "audio": "AAAAAA=="}))
         await session.handle(json.dumps({"type": "input_audio_buffer.commit"}))
         await session.handle(CREATE)  # the conversation still answers

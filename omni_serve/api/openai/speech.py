@@ -6,13 +6,19 @@ body streams as code2wav decodes: ``mp3`` (the default, as OpenAI's), ``opus`` (
 ``aac`` (ADTS), ``wav`` (open-ended sizes) and raw 16-bit ``pcm`` are one continuous
 file written as chunks arrive; ``flac`` needs the total length in its header and comes
 whole at the end (:mod:`omni_serve.media.encode`).
+
+Speech cut short is a failure, never a file: when a stage stopped at its ``max_tokens`` (the
+talker's codec frames ran out before the text was spoken), the reply ends as any failure after
+the status line does, its body cut short before the file's end (a broken transfer, no final
+encoder bytes). The status line goes out with the first audio chunk, long before the talker's end
+is known, so no header can carry it; OpenAI's speech API has no field for it either.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
@@ -26,6 +32,9 @@ from omni_serve.media.encode import (
     encode_audio,
 )
 from omni_serve.types import StageOutput
+
+if TYPE_CHECKING:
+    from omni_serve.graph.stage_log import StageLog
 
 SpeechFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 
@@ -55,6 +64,7 @@ class SpeechReply:
     """The audio file of one speech request, written as code2wav decodes (FLAC: whole, at the end)."""
 
     response_format: SpeechFormat
+    stage_log: StageLog | None = None  # what the request's stages did: whether one stopped at its max_tokens
 
     @property
     def media_type(self) -> str:
@@ -82,12 +92,29 @@ class SpeechReply:
                     yield data
             else:
                 whole.append(item.audio)
+        self._check_not_cut()
         if encoder is not None:
             yield encoder.finish()
         elif fmt in STREAMABLE_AUDIO:  # no audio at all: an empty file of the format
             yield AudioEncoder(fmt, rate).finish()
         else:
             yield encode_audio(np.concatenate(whole) if whole else np.zeros(0, np.float32), rate, fmt)
+
+    def _check_not_cut(self) -> None:
+        """Refuse to answer with a whole file when a stage stopped at its max_tokens (its speech is cut)."""
+        cut = self.stage_log.cut_short() if self.stage_log is not None else []
+        if cut:
+            raise APIError(
+                500,
+                f"stage '{cut[0]}' stopped at its max_tokens: the speech is cut short (the graph's "
+                f"default_sampling.max_tokens of '{cut[0]}' bounds it)",
+                type="server_error",
+                code="output_truncated",
+            )
+
+    def headers(self, head: list[StageOutput]) -> dict[str, str]:
+        self._check_not_cut()  # a stage already stopped at its max_tokens: a real error status instead of a file
+        return {}
 
     def in_band_error(self, error: APIError) -> None:
         """The status line is sent: cut the body short, which a client sees as a broken transfer, not a file."""

@@ -1,24 +1,29 @@
 """A session's conversation: its items (OpenAI's ``realtime.item`` messages) and the thinker's turns made from them.
 
-User audio is kept as the pcm16 the client sent and goes to the entry stage as a WAV media part,
-through the same media path (by reference, decoded by the entry stage) as a chat request's
-``input_audio``. An assistant turn becomes its text: the thinker takes text for its own past turns.
+User audio is kept as the pcm16 the client sent and goes to the entry stage as a WAV media part
+(the same samples behind a WAV header), through the same media path (by reference, decoded by the
+entry stage) as a chat request's ``input_audio``. An assistant turn becomes its text: the thinker
+takes text for its own past turns.
+
+What a conversation holds is counted in bytes (:meth:`Conversation.nbytes`); to stay within the
+session's bound it drops the audio the thinker no longer reads, oldest first
+(:meth:`Conversation.drop_unread_audio`): every assistant item's (the thinker reads their text) and
+user audio older than the newest ``max_audio_parts`` audio turns (those go as their transcript).
 """
 
 from __future__ import annotations
 
+import struct
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
-
-import numpy as np
 
 from omni_serve import types
 from omni_serve.api.errors import stage_bad_request
 from omni_serve.api.openai.errors import bad_request
 from omni_serve.api.realtime.events import PCM_RATE, Item
 from omni_serve.media import inputs as media_input
-from omni_serve.media.encode import b64, encode_audio
+from omni_serve.media.encode import b64
 from omni_serve.types import ChatMessage, InvalidStageInput
 
 Role = Literal["user", "assistant", "system"]
@@ -59,11 +64,29 @@ def pcm16_ms(pcm: bytes) -> int:
     return len(pcm) // 2 * 1000 // PCM_RATE
 
 
+def wav_file(pcm: bytes) -> bytes:
+    """pcm16 24 kHz mono as a WAV file: its 44-byte header and the same samples (nothing re-encoded)."""
+    rate, width = PCM_RATE, 2
+    header = struct.pack(
+        "<4sI4s4sIHHIIHH4sI", b"RIFF", 36 + len(pcm), b"WAVE", b"fmt ", 16, 1, 1, rate, rate * width, width, 16,
+        b"data", len(pcm),
+    )  # fmt: skip
+    return header + pcm
+
+
 @dataclass
 class Part:
     type: str
     text: str = ""  # text, or the audio's transcript
     audio: bytes = b""  # pcm16 24 kHz
+    dropped_ms: int = 0  # the length of audio dropped to keep the session in its bytes (the text stays)
+
+    @property
+    def audio_ms(self) -> int:
+        return pcm16_ms(self.audio) or self.dropped_ms
+
+    def nbytes(self) -> int:
+        return len(self.audio) + len(self.text)
 
 
 @dataclass
@@ -99,8 +122,11 @@ class ConversationItem:
             return ChatMessage(role=self.role, content="".join(p.text for p in self.parts))
         content: list[types.TextPart | types.MediaPart] = []
         for j, part in enumerate(self.parts):
-            if part.type == "input_audio":
-                wav = encode_audio(np.frombuffer(part.audio, dtype="<i2").astype(np.float32) / 32768.0, PCM_RATE, "wav")
+            if part.type == "input_audio" and not part.audio:  # dropped (the session's bytes): its transcript
+                if part.text:
+                    content.append(types.TextPart(text=part.text))
+            elif part.type == "input_audio":
+                wav = wav_file(part.audio)
                 content.append(types.MediaPart(type="audio", param=f"item.{self.id}.content.{j}", data=wav))
             else:
                 content.append(types.TextPart(text=part.text))
@@ -109,7 +135,7 @@ class ConversationItem:
     def truncate(self, content_index: int, audio_end_ms: int) -> None:
         """Keep ``audio_end_ms`` of the part's audio and the share of its transcript that audio spoke."""
         part = self.parts[content_index]
-        total = pcm16_ms(part.audio)
+        total = part.audio_ms  # a part whose audio was dropped keeps its length: its transcript is still cut
         if audio_end_ms > total:
             raise bad_request(f"audio_end_ms: {audio_end_ms} is past the audio's end ({total} ms)", "audio_end_ms")
         keep = audio_end_ms * PCM_RATE // 1000 * 2
@@ -168,10 +194,29 @@ class Conversation:
     def delete(self, item_id: str) -> None:
         self.items.remove(self.find(item_id))
 
+    def nbytes(self) -> int:
+        return sum(part.nbytes() for item in self.items for part in item.parts)
+
+    def drop_unread_audio(self, need: int, max_audio_parts: int) -> int:
+        """Drop the audio the thinker no longer reads, oldest first, until ``need`` bytes are free; the bytes freed."""
+        heard = self._user_audio()
+        kept = {i.id for i in heard[len(heard) - max_audio_parts :]} if max_audio_parts else set()
+        freed = 0
+        for item in self.items:
+            if freed >= need:
+                break
+            if item.id in kept:
+                continue
+            for part in item.parts:
+                if part.audio:
+                    part.dropped_ms, freed = part.audio_ms, freed + len(part.audio)
+                    part.audio = b""
+        return freed
+
     def chat_messages(self, instructions: str | None, max_audio_parts: int) -> list[ChatMessage]:
         """The thinker's turns. A request carries at most ``max_audio_parts`` media parts
         (``media_input.max_parts``): older user audio beyond them goes as its transcript, if it has one."""
-        audio_items = [i for i in self.items if i.role == "user" and any(p.type == "input_audio" for p in i.parts)]
+        audio_items = self._user_audio()
         as_text = {i.id for i in audio_items[: max(0, len(audio_items) - max_audio_parts)]}
         head = [ChatMessage(role="system", content=instructions)] if instructions else []
         turns = []
@@ -181,5 +226,11 @@ class Conversation:
                 if text:
                     turns.append(ChatMessage(role="user", content=text))
             elif item.role == "user" or any(p.text for p in item.parts):  # not an empty, cancelled reply
-                turns.append(item.chat_message())
+                message = item.chat_message()
+                if message.content:  # not a user turn whose audio was dropped and had no transcript
+                    turns.append(message)
         return head + turns
+
+    def _user_audio(self) -> list[ConversationItem]:
+        """The user items whose audio the thinker can still hear, oldest first."""
+        return [i for i in self.items if i.role == "user" and any(p.type == "input_audio" and p.audio for p in i.parts)]

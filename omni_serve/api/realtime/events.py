@@ -14,9 +14,9 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from omni_serve.api.openai.chat import MAX_TOKENS_LIMIT
 from omni_serve.api.openai.errors import APIError, bad_request, from_validation
 from omni_serve.api.openai.transcriptions import Language, Prompt
+from omni_serve.types import MAX_TOKENS_LIMIT
 
 # OpenAI's only rate for audio/pcm; the thinker's input and code2wav's output rate of Qwen3-Omni.
 PCM_RATE = 24000

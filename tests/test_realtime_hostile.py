@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable
-from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import pytest
@@ -47,14 +47,18 @@ def realtime_stats(graph: Any) -> dict[str, Any]:
     return graph.handle("ingress").realtime_stats.remote().result()
 
 
-def ingress_rss(graph: Any) -> int:
-    """The ingress replica's resident memory, from /proc (the test runs on the cluster's one node)."""
-    from ray.util.state import list_actors
+def ingress_rss() -> int:
+    """The ingress replica's resident memory (the test runs on the cluster's one node)."""
+    import os
 
-    alive = list_actors(filters=[("state", "=", "ALIVE")], detail=True)
-    (actor,) = [a for a in alive if a.class_name.endswith("omni:ingress")]
-    status = Path(f"/proc/{actor.pid}/status").read_text()
-    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) * 1024
+    import psutil
+    import ray
+
+    from tests.test_faults import replica_names
+
+    [replica] = replica_names("ingress")
+    pid = ray.get(ray.get_actor(replica, namespace="serve").__ray_call__.remote(lambda _self: os.getpid()))
+    return int(psutil.Process(pid).memory_info().rss)
 
 
 async def session(graph: Any) -> Any:
@@ -66,8 +70,17 @@ async def session(graph: Any) -> Any:
     return s
 
 
-async def victim_reply(graph: Any, opened: Any = None) -> tuple[str, bytes]:
-    s = opened or await session(graph)
+@contextlib.asynccontextmanager
+async def opened(graph: Any) -> AsyncIterator[Any]:
+    s = await session(graph)
+    try:
+        yield s
+    finally:
+        await s.ws.close()
+
+
+async def victim_reply(graph: Any, already: Any = None) -> tuple[str, bytes]:
+    s = already or await session(graph)
     try:
         events = await s.reply("Tell me about the sea.", **SEEDED)
     finally:
@@ -100,25 +113,27 @@ def beside_victim(graph: Any, solo: tuple[str, bytes], abuse: Callable[[], Await
 
 
 def test_large_appends_are_bounded_in_audio_per_second(graph: Any, solo: tuple[str, bytes]) -> None:
-    """An append over the burst is refused; a flood of appends is taken at most at the real-time factor,
-    and the VAD scores exactly what was taken (its CPU is per audio second)."""
+    """An append over the burst is refused; a flood of appends is taken at most at the real-time factor
+    (a burst, then the factor times the time it took, at whatever speed), and the VAD scores exactly
+    what was taken (its CPU is per audio second)."""
     before = realtime_stats(graph)["vad_audio_s"]
 
     async def abuse() -> tuple[list[dict[str, Any]], float, int]:
-        s = await session(graph)
-        error = await s.error_for({"type": "input_audio_buffer.append", "event_id": "big", "audio": silence_b64(35)})
-        assert error["code"] == "audio_rate_exceeded" and error["event_id"] == "big", error
-        started = time.monotonic()
-        for _ in range(24):  # 120 s of audio as fast as the socket takes it
-            await s.send({"type": "input_audio_buffer.append", "audio": silence_b64(5)})
-        await s.send({"type": "input_audio_buffer.clear"})
-        answers = await s.until("input_audio_buffer.cleared")
-        elapsed = time.monotonic() - started  # an upper bound of the time the server took them in
-        await s.ws.close()
-        return of(answers, "error"), elapsed, 24
+        async with opened(graph) as s:
+            big = {"type": "input_audio_buffer.append", "event_id": "big", "audio": silence_b64(35)}
+            error = await s.error_for(big)
+            assert error["code"] == "audio_rate_exceeded" and error["event_id"] == "big", error
+            started = time.monotonic()
+            for _ in range(24):  # 120 s of audio as fast as the socket takes it
+                await s.send({"type": "input_audio_buffer.append", "audio": silence_b64(5)})
+            await s.send({"type": "input_audio_buffer.clear"})
+            answers = await s.until("input_audio_buffer.cleared")
+            elapsed = time.monotonic() - started  # an upper bound of the time the server took them in
+            return of(answers, "error"), elapsed, 24
 
     refused, elapsed, sent = beside_victim(graph, solo, abuse)
-    assert refused and {e["error"]["code"] for e in refused} == {"audio_rate_exceeded"}, refused
+    # Refused or not depends on how fast this machine scores (the budget refills meanwhile); the bound does not.
+    assert all(e["error"]["code"] == "audio_rate_exceeded" for e in refused), refused
     taken_s = 5.0 * (sent - len(refused))
     assert taken_s <= LIMITS.audio_burst_s + LIMITS.audio_realtime_factor * elapsed + 1e-6, (taken_s, elapsed)
     assert realtime_stats(graph)["vad_audio_s"] - before == pytest.approx(taken_s)
@@ -129,14 +144,12 @@ def test_event_floods_are_bounded_per_second(graph: Any, solo: tuple[str, bytes]
     bucket (a burst of twice the rate, then the rate) whatever the speed of the machine."""
 
     async def abuse() -> tuple[list[dict[str, Any]], float]:
-        s = await session(graph)
-        started = time.monotonic()
-        for _ in range(600):
-            await s.send({"type": "input_audio_buffer.clear"})
-        answers = [await s.recv() for _ in range(600)]
-        elapsed = time.monotonic() - started
-        await s.ws.close()
-        return answers, elapsed
+        async with opened(graph) as s:
+            started = time.monotonic()
+            for _ in range(600):
+                await s.send({"type": "input_audio_buffer.clear"})
+            answers = [await s.recv() for _ in range(600)]
+            return answers, time.monotonic() - started
 
     answers, elapsed = beside_victim(graph, solo, abuse)
     refused = of(answers, "error")
@@ -150,23 +163,21 @@ def test_event_floods_are_bounded_per_second(graph: Any, solo: tuple[str, bytes]
 def test_item_floods_are_bounded_in_bytes(graph: Any, solo: tuple[str, bytes]) -> None:
     """Items of 4 MiB of audio, 40 MiB in all: the session holds at most max_session_bytes, every item is
     added or refused with an error event, and the ingress's memory grows by about that much at most."""
-    rss_before = ingress_rss(graph)
+    rss_before = ingress_rss()
     audio = silence_b64(4 * 2**20 / (RATE * 2))
 
     async def abuse() -> tuple[list[dict[str, Any]], list[int], int]:
-        s = await session(graph)
         answers, held = [], []
-        for i in range(10):
-            message = {"type": "message", "role": "user", "content": [{"type": "input_audio", "audio": audio}]}
-            await s.send({"type": "conversation.item.create", "event_id": f"i{i}", "item": message})
-            reply = await s.recv()
-            if reply["type"] == "conversation.item.added":
-                reply = await s.recv()  # its .done
-            answers.append(reply)
-            held.append(max(realtime_stats(graph)["held_bytes"]))
-        rss = ingress_rss(graph)
-        await s.ws.close()
-        return answers, held, rss
+        async with opened(graph) as s:
+            for i in range(10):
+                message = {"type": "message", "role": "user", "content": [{"type": "input_audio", "audio": audio}]}
+                await s.send({"type": "conversation.item.create", "event_id": f"i{i}", "item": message})
+                reply = await s.recv()
+                if reply["type"] == "conversation.item.added":
+                    reply = await s.recv()  # its .done
+                answers.append(reply)
+                held.append(max((await asyncio.to_thread(realtime_stats, graph))["held_bytes"]))
+            return answers, held, await asyncio.to_thread(ingress_rss)
 
     answers, held, rss = beside_victim(graph, solo, abuse)
     refused = [a["error"] for a in answers if a["type"] == "error"]
@@ -184,17 +195,21 @@ def test_a_replica_refuses_sessions_beyond_max_sessions(graph: Any, solo: tuple[
 
     async def run() -> tuple[dict[str, Any], int, tuple[str, bytes]]:
         victim = asyncio.ensure_future(victim_reply(graph, await session(graph)))
-        held = [await session(graph) for _ in range(LIMITS.max_sessions - 1)]
-        ws = await websockets.connect(realtime_url(graph), max_size=None)
-        refused = json.loads(await ws.recv())
-        with pytest.raises(websockets.ConnectionClosed) as closed:
-            await ws.recv()
-        reply = await victim
-        for s in held:
-            await s.ws.close()
+        held = []
+        try:
+            held = [await session(graph) for _ in range(LIMITS.max_sessions - 1)]
+            ws = await websockets.connect(realtime_url(graph), max_size=None)
+            refused = json.loads(await ws.recv())
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                await ws.recv()
+            reply = await victim
+        finally:
+            for s in held:
+                await s.ws.close()
         assert closed.value.rcvd is not None
         return refused, closed.value.rcvd.code, reply
 
+    wait_until(lambda: realtime_stats(graph)["sessions"] == 0, 60, "no session open before the test")
     refused, code, reply = asyncio.run(run())
     assert refused["type"] == "error" and refused["error"]["code"] == "too_many_sessions", refused
     assert code == 1013
@@ -203,16 +218,15 @@ def test_a_replica_refuses_sessions_beyond_max_sessions(graph: Any, solo: tuple[
 
 def test_absurd_token_counts_are_refused_by_the_chat_routes_bounds(graph: Any, solo: tuple[str, bytes]) -> None:
     async def abuse() -> list[dict[str, Any]]:
-        s = await session(graph)
-        errors = []
-        for event_id, params in (
-            ("t", {"stage_sampling": {"talker": {"max_tokens": 10**12}}}),
-            ("m", {"max_output_tokens": 10**12}),
-            ("l", {"stage_sampling": {"thinker": {"max_tokens": 2**20 + 1}}}),
-        ):
-            errors.append(await s.error_for({"type": "response.create", "event_id": event_id, "response": params}))
-        await s.ws.close()
-        return errors
+        async with opened(graph) as s:
+            return [
+                await s.error_for({"type": "response.create", "event_id": event_id, "response": params})
+                for event_id, params in (
+                    ("t", {"stage_sampling": {"talker": {"max_tokens": 10**12}}}),
+                    ("m", {"max_output_tokens": 10**12}),
+                    ("l", {"stage_sampling": {"thinker": {"max_tokens": 2**20 + 1}}}),
+                )
+            ]
 
     talker, output, thinker = beside_victim(graph, solo, abuse)
     assert talker["param"] == "response.stage_sampling.talker.max_tokens" and talker["event_id"] == "t", talker
@@ -222,17 +236,16 @@ def test_absurd_token_counts_are_refused_by_the_chat_routes_bounds(graph: Any, s
 
 def test_malformed_json_gets_an_error_event_and_the_session_goes_on(graph: Any, solo: tuple[str, bytes]) -> None:
     async def abuse() -> list[dict[str, Any]]:
-        s = await session(graph)
-        errors = [
-            await s.error_for(raw)
-            for raw in ("{not json", "][", "[" * 100_000, '{"type": "session.update", "session": ' + "[" * 50_000)
-        ]
-        await s.ws.send(b"\xff\xfe binary, not UTF-8")
-        errors.append((await s.until("error"))[-1]["error"])
-        events = await s.reply("Still there?", output_modalities=["text"], max_output_tokens=4)
-        await s.ws.close()
-        assert events[-1]["response"]["status"] in ("completed", "incomplete"), events[-1]
-        return errors
+        async with opened(graph) as s:
+            errors = [
+                await s.error_for(raw)
+                for raw in ("{not json", "][", "[" * 100_000, '{"type": "session.update", "session": ' + "[" * 50_000)
+            ]
+            await s.ws.send(b"\xff\xfe binary, not UTF-8")
+            errors.append((await s.until("error"))[-1]["error"])
+            events = await s.reply("Still there?", output_modalities=["text"], max_output_tokens=4)
+            assert events[-1]["response"]["status"] in ("completed", "incomplete"), events[-1]
+            return errors
 
     errors = beside_victim(graph, solo, abuse)
     assert [e["type"] for e in errors] == ["invalid_request_error"] * 5, errors

@@ -16,12 +16,13 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import numpy as np
 import pytest
 
-from omni_serve.api.openai.chat import ChatReply
+from omni_serve.api.openai.chat import FINISH_REASON_HEADER, ChatReply
 from omni_serve.api.openai.errors import APIError
 from omni_serve.api.openai.speech import SpeechReply
-from omni_serve.api.openai.transcriptions import FINISH_REASON_HEADER, TranscriptionReply
+from omni_serve.api.openai.transcriptions import TranscriptionReply
 from omni_serve.api.realtime.session import Session
 from omni_serve.graph.orchestrator import Orchestrator
 from omni_serve.graph.stage_log import StageLog
@@ -60,31 +61,57 @@ def test_chat_says_length_when_any_stage_stopped_at_its_max_tokens(length: str |
     assert finishes == [finish]
 
 
-def test_speech_cut_short_is_never_a_whole_file() -> None:
-    async def body(length: str | None) -> tuple[list[bytes], BaseException | None]:
+@pytest.mark.parametrize("length, finish", [(None, "stop"), ("talker", "length")])
+def test_speech_says_how_it_ended_in_its_header_decided_at_the_talkers_end(length: str | None, finish: str) -> None:
+    """The serving template's order: the status line waits for the output that decides it, then the headers."""
+
+    async def reply() -> tuple[list[StageOutput], dict[str, str], list[bytes]]:
         log, outputs = run_graph(length, Modality.AUDIO)
-        reply, pieces = SpeechReply("wav", log), []
+        speech, head = SpeechReply("wav", log), []
+        async for output in outputs:
+            head.append(output)
+            if speech.decides_status(output):
+                assert log.done("talker"), "the status was decided before the talker's end"
+                break
+        headers = speech.headers(head)
+
+        async def rest() -> AsyncIterator[StageOutput]:
+            for output in head:
+                yield output
+            async for output in outputs:
+                yield output
+
+        return head, headers, [piece async for piece in speech.stream(rest())]
+
+    head, headers, body = asyncio.run(reply())
+    assert headers == {FINISH_REASON_HEADER: finish}
+    assert body[0][:4] == b"RIFF" and len(body) > 1  # the whole file, its audio and the encoder's end
+
+
+def test_speech_cut_after_its_status_line_is_never_a_whole_file() -> None:
+    """A stage that stops at its max_tokens after the header said "stop" (the audio stage's own) fails the
+    reply: no encoder end, and the template cuts the body short (SpeechReply.in_band_error is None)."""
+    log = StageLog(GRAPH)
+    speech = SpeechReply("wav", log)
+    assert speech.headers([]) == {FINISH_REASON_HEADER: "stop"}
+    audio = StageOutput("code2wav", audio=np.zeros(480, np.float32), sample_rate=24000, finished=True)
+
+    async def outputs() -> AsyncIterator[StageOutput]:
+        yield audio
+        log.saw("code2wav", StageOutput("code2wav", finished=True, finish_reason=FinishReason.LENGTH))
+
+    async def body() -> tuple[list[bytes], APIError | None]:
+        pieces: list[bytes] = []
         try:
-            async for piece in reply.stream(outputs):
+            async for piece in speech.stream(outputs()):
                 pieces.append(piece)
         except APIError as err:
             return pieces, err
         return pieces, None
 
-    whole, error = asyncio.run(body(None))
-    assert error is None and whole[0][:4] == b"RIFF"
-    cut, error = asyncio.run(body("talker"))
-    assert isinstance(error, APIError) and error.code == "output_truncated" and "talker" in error.message
-    # Every chunk of audio made it out, but not the encoder's end: the serving template cuts the body there.
-    assert cut == whole[: len(cut)] and len(cut) < len(whole)
-
-
-def test_speech_known_cut_before_the_status_line_is_an_error_status() -> None:
-    log = StageLog(GRAPH)
-    log.saw("talker", StageOutput("talker", finished=True, finish_reason=FinishReason.LENGTH))
-    with pytest.raises(APIError) as info:
-        SpeechReply("mp3", log).headers([])
-    assert info.value.status == 500 and info.value.code == "output_truncated"
+    pieces, error = asyncio.run(body())
+    assert error is not None and error.code == "output_truncated" and speech.in_band_error(error) is None
+    assert len(pieces) == 1  # the header and the audio; not the end
 
 
 def thinker_outputs(reason: FinishReason) -> list[StageOutput]:

@@ -4,9 +4,9 @@ The thinker is made to stop by itself (greedy, and a stop string taken from its 
 talker to run out (greedy: the tiny talker then never samples its codec EOS), so "length" can only
 come from the talker: chat says ``finish_reason: "length"`` (streamed and not; its stage metrics show
 which stage), a realtime response ends ``incomplete``; the same requests without the talker say
-``stop`` / ``completed``. Speech (whose talker sampling is the graph's) is cut short, never a whole file,
-when its talker runs out; transcriptions say how the thinker ended in every format. In process, over
-fake stages: tests/test_truncation.py.
+``stop`` / ``completed``. Speech (whose talker sampling is the graph's) says in ``X-Finish-Reason``,
+decided at the talker's end, whether its talker ran out; transcriptions say how the thinker ended in
+every format. In process, over fake stages: tests/test_truncation.py.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from omni_serve.api.openai.transcriptions import FINISH_REASON_HEADER
+from omni_serve.api.openai.chat import FINISH_REASON_HEADER
 from tests.conftest import one_replica_per_stage
+from tests.test_config import tiny_args
 from tests.test_realtime import Raw, of, realtime_url
 
 pytestmark = pytest.mark.integration
@@ -73,8 +74,8 @@ def test_chat_says_length_when_the_talker_ran_out(graph: Any, stop: str) -> None
     assert finishes == ["length"], finishes
 
 
-def test_a_realtime_response_whose_talker_ran_out_is_incomplete(graph: Any, stop: str) -> None:
-    thinker = {**GREEDY_THINKER, "stop": [stop]}
+def test_a_realtime_response_whose_talker_ran_out_is_incomplete(graph: Any) -> None:
+    """Out-of-band responses (``conversation: "none"``) over one user turn, so each sees the same prompt."""
 
     async def talk() -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
         import websockets
@@ -82,10 +83,17 @@ def test_a_realtime_response_whose_talker_ran_out_is_incomplete(graph: Any, stop
         async with websockets.connect(realtime_url(graph), max_size=None) as ws:
             s = Raw(ws)
             await s.until("session.created")
-            text = await s.reply("Hi", seed=5, output_modalities=["text"], stage_sampling={"thinker": thinker})
-            spoken = await s.reply(
-                "Hi", seed=5, output_modalities=["audio"], stage_sampling={"thinker": thinker, "talker": CUT_TALKER}
-            )
+            once = {"seed": 5, "conversation": "none", "output_modalities": ["text"]}
+            greedy = await s.reply(HELLO[0]["content"], **once, stage_sampling={"thinker": GREEDY_THINKER})
+            said = "".join(e["delta"] for e in of(greedy, "response.output_text.delta"))
+            assert said.strip(), greedy[-1]
+            thinker = {**GREEDY_THINKER, "stop": [said[len(said) // 2 :]]}
+            await s.send({"type": "response.create", "response": {**once, "stage_sampling": {"thinker": thinker}}})
+            text = await s.until("response.done")
+            cut = {"thinker": thinker, "talker": CUT_TALKER}
+            spoken_once = {**once, "output_modalities": ["audio"], "stage_sampling": cut}
+            await s.send({"type": "response.create", "response": spoken_once})
+            spoken = await s.until("response.done")
             return text[-1]["response"], spoken[-1]["response"], spoken
 
     text, spoken, events = asyncio.run(talk())
@@ -95,32 +103,20 @@ def test_a_realtime_response_whose_talker_ran_out_is_incomplete(graph: Any, stop
     assert of(events, "response.output_audio.delta")  # what was spoken is still sent
 
 
-def test_speech_whose_talker_ran_out_is_never_a_whole_file(graph: Any) -> None:
-    """Speech takes the graph's talker sampling (64 frames, sampled): among seeds, some talkers stop by
-    themselves (a whole WAV, under 64 frames of audio) and some run out (the body cut short after their
-    audio, before the file's end). A whole WAV holding a run-out talker's 64 frames is the failure."""
-    frame = 1920  # samples per codec frame at 24 kHz
-    whole, cut = [], []
-    for seed in range(12):
+def test_speech_says_in_its_header_whether_its_talker_ran_out(graph: Any) -> None:
+    """Speech takes the graph's talker sampling (64 frames, sampled: the tiny talker rarely samples its codec
+    EOS, so most seeds run out). ``X-Finish-Reason`` says "length" exactly when the file holds the talker's
+    whole 64 frames (its audio is frames x 1920 samples less the vocoder's lag, under one frame)."""
+    (talker,) = [stage for stage in tiny_args()["stages"] if stage["name"] == "talker"]
+    limit, frame = talker["default_sampling"]["max_tokens"], 1920
+    said = []
+    for seed in range(3):
         body = {"model": MODEL, "input": "Hello from the tiny talker.", "response_format": "pcm", "seed": seed}
-        received = bytearray()
-        try:
-            with httpx.stream("POST", f"{graph.base_url}/v1/audio/speech", json=body, timeout=120) as response:
-                assert response.status_code in (200, 500), response.status_code
-                if response.status_code == 500:  # cut before the status line: the error object
-                    response.read()
-                    assert response.json()["error"]["code"] == "output_truncated"
-                    cut.append(seed)
-                    continue
-                for part in response.iter_bytes():
-                    received += part
-            whole.append((seed, len(received) // 2))
-        except httpx.RemoteProtocolError:  # the body cut short: never a whole file
-            cut.append(seed)
-        if whole and cut:
-            break
-    assert all(samples < 64 * frame for _, samples in whole), whole
-    assert cut and whole, (cut, whole)
+        reply = httpx.post(f"{graph.base_url}/v1/audio/speech", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        frames = -(-len(reply.content) // 2 // frame)  # whole frames, the last one short by the lag
+        said.append((reply.headers[FINISH_REASON_HEADER], frames))
+    assert all(finish == ("length" if frames == limit else "stop") for finish, frames in said), said
 
 
 @pytest.fixture(scope="module")

@@ -109,8 +109,8 @@ class RealtimeConfig(BaseModel):
         8 << 20,
         gt=0,
         description="Bytes a session moves per second (bursts of max_session_bytes): each client event as "
-        "received, and the user audio each response carries to the graph. Beyond it the event (or the "
-        "response) is refused. Bounds the ingress's parsing, decoding and object-store work per session.",
+        "received, the user audio each response carries to the graph, the audio an item retrieval sends back. "
+        "Beyond it the event is refused. Bounds the ingress's parsing, coding and object-store work per session.",
     )
     audio_realtime_factor: float = Field(
         4.0,

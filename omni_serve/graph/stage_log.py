@@ -105,5 +105,9 @@ class StageLog:
         """The stages some call of which stopped at its ``max_tokens``, in graph order: the reply lacks their end."""
         return [name for name, record in self.stages.items() if record.cut_short]
 
+    def settled(self, but: str) -> bool:
+        """Whether every stage that ran, ``but`` one, is done: none of them can still be cut short."""
+        return all(self.done(name) for name, record in self.stages.items() if record.calls and name != but)
+
     def done_stages(self) -> list[StageRecord]:
         return [record for name, record in self.stages.items() if self.done(name)]

@@ -206,6 +206,10 @@ _TOP_LEVEL_SAMPLING = (
 
 # ---- the reply ------------------------------------------------------------------------------
 
+# finish_reason ("stop" or "length": some stage stopped at its max_tokens) where a reply's body has no
+# place for it: speech audio, a text-format transcript (omni_serve's header; OpenAI's APIs have none).
+FINISH_REASON_HEADER = "X-Finish-Reason"
+
 AUDIO_TTL_S = 3600
 
 

@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from omni_serve import types
-from omni_serve.api.openai.chat import sse
+from omni_serve.api.openai.chat import FINISH_REASON_HEADER, sse
 from omni_serve.api.openai.errors import APIError
 from omni_serve.api.openai.messages import _Strict
 from omni_serve.types import ChatMessage, FinishReason, StageOutput, Usage
@@ -66,10 +66,6 @@ def usage_json(usage: Usage) -> dict[str, Any]:
         "output_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
     }
-
-
-# The ``text`` format's only place for how the transcript ended (omni_serve's header: OpenAI has none).
-FINISH_REASON_HEADER = "X-Finish-Reason"
 
 
 @dataclass

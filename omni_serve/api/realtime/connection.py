@@ -72,8 +72,8 @@ class Outbox:
                     self._queue.popleft()
                     self.unsent -= len(text)
                 self._drained.set()
-        except (WebSocketDisconnect, RuntimeError, OSError):
-            return  # the client is gone: what is left is dropped with the session
+        except Exception:  # WebSocketDisconnect, or a send after the close: the client is gone
+            return  # what is left is dropped with the session
 
     async def flush(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for what is queued to go out."""

@@ -12,7 +12,6 @@ sessions.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,8 +39,6 @@ from omni_serve.graph.config import RealtimeConfig
 from omni_serve.graph.orchestrator import OmniRequest
 from omni_serve.graph.stage_log import StageLog
 from omni_serve.types import SamplingParams, StageOutput
-
-logger = logging.getLogger("ray.serve")
 
 Send = Callable[[dict[str, Any]], None]  # queues one server event (the connection's outbox)
 
@@ -98,7 +95,7 @@ class Session:
         if not self._bytes.take(n):
             raise APIError(
                 429,
-                f"this session moves more than {self.limits.bytes_per_second:g} bytes per second "
+                f"this session moves more than {self.limits.bytes_per_second:.0f} bytes per second "
                 "(realtime.bytes_per_second): this was dropped",
                 type="rate_limit_error",
                 code="rate_limit_exceeded",
@@ -210,6 +207,7 @@ class Session:
             self.send("conversation.item.deleted", item_id=event.item_id)
         elif isinstance(event, ev.ItemRetrieve):
             item = self.conversation.find(event.item_id)
+            self.spend_bytes(sum(len(p.audio) for p in item.parts))  # its audio goes out again, base64-encoded
             self.send("conversation.item.retrieved", item=item.json(with_audio=True))
         elif isinstance(event, ev.ResponseCreate):
             await self.responses.create(event.response or ev.ResponseParams())
@@ -242,7 +240,10 @@ class Session:
                 self.error(err, event_id)
                 continue
             if turn.create_response and self.responses.active is None:
-                await self.responses.create(ev.ResponseParams())
+                try:
+                    await self.responses.create(ev.ResponseParams())
+                except APIError as err:  # e.g. the session's budgets: the turn stays, unanswered
+                    self.error(err, event_id)
         self.audio.trim()
 
     def _commit(self, item_id: str, audio: bytes, event_id: str | None) -> None:

@@ -52,6 +52,12 @@ CHECKPOINTS: dict[str, TinyCheckpoint] = {
         TinyCheckpoint(
             "tiny-qwen3", "omni_serve.checkpoints.tiny_llm", "ensure_tiny_qwen3", "Qwen3 text LLM for the vllm engine"
         ),
+        TinyCheckpoint(
+            "tiny-qwen3-tts",
+            "omni_serve.checkpoints.tiny_qwen3_tts",
+            "ensure_tiny_qwen3_tts",
+            "Qwen3-TTS (talker, speech tokenizer) for vLLM-Omni's qwen3_tts pipeline",
+        ),
     )
 }
 TINY = "tiny"  # the alias an engine family maps to its own tiny checkpoint

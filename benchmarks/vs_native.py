@@ -80,6 +80,8 @@ def native_argv(model_path: str, engine_args: dict[str, Any], port: int) -> list
             argv.append(flag)
         elif value is not False:
             argv += [flag, str(value)]
+    if flags.get("tool_call_parser"):  # omni_serve's vllm engine parses tool calls whatever tool_choice says
+        argv.append("--enable-auto-tool-choice")
     return [*argv, "--disable-log-stats"]
 
 

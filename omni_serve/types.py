@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 RequestId = str
 StageName = str
@@ -33,6 +33,42 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    TOOL_CALLS = "tool_calls"  # the reply ended in one or more tool calls (omni_serve.models.tool_calls)
+
+
+class StructuredOutputs(BaseModel):
+    """The entry stage's output constrained to a grammar: vLLM's ``StructuredOutputsParams``, one kind per request.
+
+    OpenAI's ``response_format`` maps onto ``json`` (``json_schema``) or ``json_object``; vLLM's own
+    ``structured_outputs`` extension may name any of them; ``structural_tag`` is also how a tool parser
+    forces a tool call (``tool_choice`` ``required`` or named).
+    """
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_schema: dict[str, Any] | None = Field(
+        None, alias="json", description="A JSON schema the output must match (vLLM's `json`)."
+    )
+    json_object: bool | None = Field(None, description="Any JSON object.")
+    regex: str | None = Field(None, description="A regular expression the whole output must match.")
+    choice: list[str] | None = Field(None, description="The output is exactly one of these strings.")
+    grammar: str | None = Field(None, description="An EBNF grammar (xgrammar's dialect).")
+    structural_tag: str | None = Field(None, description="An xgrammar structural tag, as JSON text.")
+
+    def kind(self) -> str:
+        """The one constraint set (its vLLM name); raises ``ValueError`` unless exactly one is."""
+        named = {
+            "json": self.json_schema is not None,
+            "json_object": bool(self.json_object),
+            "regex": self.regex is not None,
+            "choice": self.choice is not None,
+            "grammar": self.grammar is not None,
+            "structural_tag": self.structural_tag is not None,
+        }
+        chosen = [name for name, given in named.items() if given]
+        if len(chosen) != 1:
+            raise ValueError(f"exactly one kind of structured output, got {chosen or 'none'}")
+        return chosen[0]
 
 
 # Generation lengths above this are refused outright, on every route and in every stage's sampling
@@ -69,6 +105,17 @@ class SamplingParams(BaseModel):
     bad_words: list[str] = Field(default_factory=list, description="Words never generated.")
     allowed_token_ids: list[int] | None = Field(None, description="Only these token ids may be generated.")
     logit_bias: dict[int, float] | None = Field(None, description="Token id -> bias added to its logit.")
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="Report each generated token's log-probability and this many top alternatives."
+    )
+    structured_outputs: StructuredOutputs | None = Field(None, description="Constrain the output to a grammar.")
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _one_kind(cls, value: StructuredOutputs | None) -> StructuredOutputs | None:
+        if value is not None:
+            value.kind()
+        return value
 
 
 # The fields above from min_p on: vLLM sampling parameters an engine family may or may not honour.
@@ -84,6 +131,8 @@ SAMPLING_EXTENSIONS: tuple[str, ...] = (
     "bad_words",
     "allowed_token_ids",
     "logit_bias",
+    "logprobs",
+    "structured_outputs",
 )
 
 
@@ -148,10 +197,17 @@ class MediaPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One validated chat turn as the entry stage sees it: text, or parts when it carries media."""
+    """One validated chat turn as the entry stage sees it: text, or parts when it carries media.
+
+    An assistant turn that called tools carries its calls (``tool_calls``, OpenAI's shape: ``{id, type,
+    function: {name, arguments}}``, ``arguments`` a JSON object once it parses, as vLLM hands them to the
+    chat template); a ``tool`` turn is one call's result, named by ``tool_call_id``.
+    """
 
     role: str
     content: str | list[TextPart | MediaPart]
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def media(self) -> list[MediaPart]:
         return [p for p in self.content if isinstance(p, MediaPart)] if isinstance(self.content, list) else []
@@ -167,6 +223,45 @@ class ImageParams(BaseModel):
     negative_prompt: str | None = None
     seed: int | None = None
     n: int = 1
+
+
+class ToolCalling(BaseModel):
+    """The tools a request offers the entry stage, and how it may call them (OpenAI's chat fields).
+
+    The entry stage parses its output with its model family's tool parser
+    (:mod:`omni_serve.models.tool_calls`): the calls leave as :class:`ToolCallDelta` outputs, never as
+    text, and never reach a downstream stage (the talker speaks only the text around them).
+    """
+
+    tools: list[dict[str, Any]] = Field(description="OpenAI function tools: {type: function, function: {...}}.")
+    choice: Literal["auto", "none", "required"] = "auto"
+    function: str | None = Field(None, description="tool_choice naming one function: it must be called.")
+    parallel: bool = Field(True, description="parallel_tool_calls: False keeps at most one call.")
+
+
+@dataclass
+class ToolCallDelta:
+    """A piece of one tool call as the entry stage parsed it: the call's ``id`` and ``name`` come with its
+    first piece, then ``arguments`` text in order (OpenAI's streamed ``delta.tool_calls`` entry)."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+# vLLM's floor for reported log-probabilities (its serving layer clamps -inf to it).
+MIN_LOGPROB = -9999.0
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token's log-probability under the model (before any sampling transform), and the
+    ``top`` most likely tokens at its position, most likely first (OpenAI's ``logprobs.content`` entry)."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -201,6 +296,8 @@ class StageRequest:
     # The messages' media, fetched and decoded (omni_serve.media.inputs) inside the entry stage replica
     # before its engine runs, in message order. Never sent across deployments.
     media: list[Any] | None = None
+    # The entry stage: tools the request offers and how it may call them (None: no tool calling).
+    tools: ToolCalling | None = None
     # A streamed call (its stage's ``stream_input``): the upstream's handoff chunks in this replica, in
     # order as they come (an AsyncIterator[HandoffPayload]); the engine gets no ``handoff`` then. Set by
     # the stage (omni_serve.graph.transport.receive), never sent across deployments.
@@ -230,3 +327,8 @@ class StageOutput:
     # vLLM's continuous usage); the finished output's are the call's totals.
     usage: Usage | None = None
     prompt_text: str | None = None  # the templated prompt, when the request asked for it
+    # Text stages, when the request asked (``SamplingParams.logprobs``): one entry per token of ``token_ids``.
+    logprobs: list[TokenLogprob] | None = None
+    # The entry stage's tool calls parsed from its output (``StageRequest.tools``); ``text`` holds only the
+    # rest of the reply.
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)

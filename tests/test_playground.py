@@ -180,6 +180,54 @@ def test_chat_streams_text_and_plays_every_audio_chunk(tiny_omni, page) -> None:
     assert body["messages"][1]["content"] == text and body["modalities"] == ["text"]
 
 
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"]},
+    },
+}
+
+
+def test_chat_shows_tool_calls_and_sends_their_results(tiny_omni, page) -> None:
+    """The tools box: the page offers them, shows the call as it streams (name, arguments) and sends the
+    result typed for it back as a tool message, with the assistant's call before it in the history."""
+    open_playground(page, tiny_omni.base_url, ["thinker", "talker", "code2wav"])
+    page.uncheck("#speak")
+    page.click("#tools-option summary")
+    page.fill("#tools-json", json.dumps([TOOL]))
+    page.select_option("#tool-choice", "required")  # forced: the tiny thinker's random weights call it
+    page.fill("#max-tokens", "200")
+    page.fill("#prompt", "The weather?")
+    with page.expect_response("**/v1/chat/completions") as response:
+        page.click("#send")
+    data = report(page, "#chat-metrics")
+    sent = json.loads(response.value.request.post_data)
+    assert sent["tools"] == [TOOL] and sent["tool_choice"] == "required"
+    chunks = sse_events(response.value.body())
+    pieces = [p for c in chunks if c.get("choices") for p in c["choices"][0]["delta"].get("tool_calls") or []]
+    arguments = "".join(p["function"].get("arguments") or "" for p in pieces)
+    assert data["toolCalls"] == "1" and "tool call" in data["shown"]
+    call = page.locator(".tool-call").last
+    assert call.get_attribute("data-name") == "get_weather" and call.get_attribute("data-arguments") == arguments
+    assert call.get_attribute("data-id") == pieces[0]["id"]
+    assert call.inner_text().startswith(f"get_weather({arguments[:20]}")
+    assert shot(call).std() > 10  # drawn, not an empty box
+
+    # The result goes back as a tool message answering that call; the assistant's call precedes it.
+    call.locator("input").fill("21 degrees")
+    page.select_option("#tool-choice", "none")
+    page.fill("#max-tokens", "4")
+    with page.expect_request("**/v1/chat/completions") as second:
+        page.click("#send")
+    assert report(page, "#chat-metrics")["toolCalls"] == "0"
+    body = json.loads(second.value.post_data)
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant", "tool"]
+    assert body["messages"][1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": arguments}
+    assert body["messages"][2] == {"role": "tool", "tool_call_id": pieces[0]["id"], "content": "21 degrees"}
+    assert page.locator(".message.tool").last.inner_text().startswith("21 degrees")
+
+
 def test_speech_streams_into_the_player(tiny_omni, page) -> None:
     open_playground(page, tiny_omni.base_url, ["thinker", "talker", "code2wav"])
     page.fill("#speech-input", "Hello from the playground.")

@@ -24,6 +24,7 @@ from omni_serve.types import (
     SamplingParams,
     StageOutput,
     StageRequest,
+    ToolCalling,
 )
 from tests.hf_reference import hf_reference_generate
 from tests.vocoder import hf_lag
@@ -421,7 +422,14 @@ def test_chained_engines_reproduce_hf_generate(engines: dict[str, StageEngine]) 
 
 
 def test_vllm_sampling_parameters_the_family_honours() -> None:
-    assert te.honoured_sampling({"model_stage": "thinker"}) == {"ignore_eos", "min_p", "skip_special_tokens"}
+    assert te.honoured_sampling({"model_stage": "thinker"}) == {
+        "ignore_eos",
+        "min_p",
+        "skip_special_tokens",
+        "logit_bias",
+        "logprobs",
+        "structured_outputs",  # xgrammar is installed here (with vLLM)
+    }
     assert te.honoured_sampling({"model_stage": "talker"}) == {
         "ignore_eos",
         "skip_special_tokens",
@@ -491,3 +499,142 @@ def test_talker_sizes_its_step_rows_by_its_context_not_by_max_tokens(
     final = talk(engines, greedy_handoff, max_tokens=MAX_TOKENS_LIMIT, seed=seed, **TALK)[-1]
     context = engines["talker"].config.talker_config.text_config.max_position_embeddings  # type: ignore[attr-defined]
     assert final.finish_reason is FinishReason.STOP and steps and steps[0] <= context + 1, (steps, context)
+
+
+# --- logprobs, structured outputs and tool calls (the thinker) ------------------------------------------
+
+
+def test_thinker_logprobs_are_the_models_own_log_softmax(engines: dict[str, StageEngine]) -> None:
+    """Each token's logprob is the log-softmax of the model's raw logits at its step (vLLM's raw_logprobs),
+    checked against HF's own generate(output_logits=True); a logit_bias changes the pick, not the reported
+    logprob (raw: before any processor, as in vLLM)."""
+    import torch
+
+    thinker = engines["thinker"]
+    outs = run(thinker, thinker_request(temperature=0, max_tokens=6, logprobs=3))
+    entries = [e for o in outs for e in o.logprobs or []]
+    ids = ids_of(outs)
+    assert len(entries) == len(ids) == 6
+    prompt = thinker.tokenizer.apply_chat_template(
+        [{"role": "user", "content": HELLO[0].content}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
+    with torch.inference_mode():
+        ref = thinker.thinker.generate(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=6,
+            do_sample=False,
+            eos_token_id=thinker.eos_ids,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    assert ref.sequences[0, prompt.shape[1] :].tolist() == ids
+    for entry, token, logits in zip(entries, ids, ref.logits, strict=True):
+        expected = torch.log_softmax(logits[0].float(), -1)
+        assert entry.token == thinker.tokenizer.decode([token])
+        assert entry.logprob == pytest.approx(float(expected[token]), abs=1e-5)
+        assert [t for t, _ in entry.top][0] == entry.token  # greedy: the top token is the one sampled
+        assert [lp for _, lp in entry.top] == pytest.approx(expected.topk(3).values.tolist(), abs=1e-5)
+    forced = run(thinker, thinker_request(temperature=0, max_tokens=1, logprobs=0, logit_bias={ids[0] + 1: 100.0}))
+    (entry,) = forced[-1].logprobs or forced[0].logprobs
+    assert ids_of(forced) == [ids[0] + 1] and entry.logprob < entries[0].logprob and entry.top == []
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"]},
+    },
+}
+# The random tiny thinker would pad JSON with whitespace forever (its tab logit is 0, above many others):
+# tests that leave whitespace free bias it away, as a client may.
+NO_WHITESPACE = {9: -100.0, 10: -100.0, 13: -100.0, 32: -100.0}
+SURE = "Sure. "
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "c"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tool_thinker() -> StageEngine:
+    thinker = te.create("thinker", {"model_stage": "thinker", "tool_call_parser": "hermes"})
+    asyncio.run(thinker.start())
+    return thinker
+
+
+def regex(text: str) -> dict[str, Any]:
+    """A regular expression matching exactly ``text`` (xgrammar's dialect: only its metacharacters escaped)."""
+    import re
+
+    return {"regex": re.sub(r"([.^$*+?{}\[\]\\|()])", r"\\\1", text)}
+
+
+def tool_request(rid: str, choice: dict[str, Any], stream_handoff: bool = True, **sampling: Any) -> StageRequest:
+    return StageRequest(
+        rid,
+        SamplingParams(**{"temperature": 0, "max_tokens": 120, **sampling}),
+        messages=[ChatMessage(role="user", content="The weather?")],
+        tools=ToolCalling(tools=[WEATHER], **choice),
+        stream_handoff=stream_handoff,
+    )
+
+
+def reply_rows(outs: list[StageOutput]) -> np.ndarray:
+    """The reply's rows the thinker handed on (streamed chunks, or the whole payload's past the prompt)."""
+    chunks = [o.handoff for o in outs if o.handoff is not None]
+    if chunks[0].meta.get("streamed"):
+        rows = [chunks[0].tensors["embeds"][chunks[0].meta["prompt_len"] :]]
+        return np.concatenate(rows + [c.tensors["embeds"] for c in chunks[1:]])
+    return chunks[0].tensors["embeds"][chunks[0].meta["prompt_len"] :]
+
+
+def test_response_format_constrains_the_thinker(tool_thinker: StageEngine) -> None:
+    import json
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    request = thinker_request(
+        temperature=0, max_tokens=60, logit_bias=NO_WHITESPACE, structured_outputs={"json": schema}
+    )
+    outs = run(tool_thinker, request)
+    assert outs[-1].finish_reason is FinishReason.STOP  # the grammar ended it, on the model's EOS
+    assert isinstance(json.loads(text_of(outs))["ok"], bool)
+
+
+def test_a_reply_with_text_and_a_call_hands_the_talker_only_the_text(tool_thinker: StageEngine) -> None:
+    """Forced to write text then a call (a regex), the thinker's client text and handoff are those of the text
+    alone: the same rows, bit for bit, streamed or whole, as a reply forced to be just that text."""
+    for streamed in (True, False):
+        both = run(tool_thinker, tool_request(f"b{streamed}", {}, streamed, structured_outputs=regex(SURE + CALL)))
+        text = run(tool_thinker, tool_request(f"t{streamed}", {}, streamed, structured_outputs=regex(SURE)))
+        assert text_of(both) == text_of(text) == SURE
+        calls = [c for o in both for c in o.tool_calls]
+        assert calls[0].name == "get_weather" and "".join(c.arguments for c in calls) == '{"unit": "c"}'
+        assert both[-1].finish_reason is FinishReason.TOOL_CALLS and text[-1].finish_reason is FinishReason.STOP
+        assert len(ids_of(both)) > len(ids_of(text))  # the call's tokens were generated...
+        np.testing.assert_array_equal(reply_rows(both), reply_rows(text))  # ...and never handed on
+        assert len(reply_rows(text)) == len(SURE)  # one row per spoken token (byte tokens)
+
+
+def test_a_forced_call_speaks_nothing(tool_thinker: StageEngine) -> None:
+    import json
+
+    for choice in ({"choice": "required", "parallel": False}, {"function": "get_weather"}):
+        outs = run(tool_thinker, tool_request("f", choice, logit_bias=NO_WHITESPACE))
+        assert text_of(outs) == ""
+        (call,) = [c for o in outs for c in o.tool_calls if c.name]
+        arguments = "".join(c.arguments for o in outs for c in o.tool_calls)
+        assert call.name == "get_weather" and json.loads(arguments)["unit"] in ("c", "f")
+        assert len(reply_rows(outs)) == 0
+        reason = FinishReason.STOP if "function" in choice else FinishReason.TOOL_CALLS
+        assert outs[-1].finish_reason is reason
+
+
+def test_tools_need_a_parser(engines: dict[str, StageEngine]) -> None:
+    with pytest.raises(InvalidStageInput, match="tool_call_parser") as refused:
+        run(engines["thinker"], tool_request("n", {}))
+    assert refused.value.param == "tools"
+    # tool_choice none: the tools reach the prompt, nothing is parsed, no parser needed
+    outs = run(engines["thinker"], tool_request("n", {"choice": "none"}, max_tokens=3))
+    assert outs[-1].usage.prompt_tokens > 300  # the tools are in the prompt

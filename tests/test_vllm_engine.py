@@ -13,7 +13,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Coroutine, Iterator
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import psutil
 import pytest
@@ -87,13 +87,20 @@ def test_sampling_kwargs_maps_every_field() -> None:
         bad_words=["zz"],
         allowed_token_ids=[70, 71],
         logit_bias={5: 3.0},
+        logprobs=2,
+        structured_outputs={"regex": "[ab]+"},
     )
     kwargs = vllm_family.sampling_kwargs(params)
-    assert kwargs == params.model_dump() and set(kwargs) == set(SamplingParams.model_fields)
+    assert set(kwargs) == set(SamplingParams.model_fields)
+    assert {k: v for k, v in kwargs.items() if k != "structured_outputs"} == params.model_dump(
+        exclude={"structured_outputs"}
+    )
+    assert kwargs["structured_outputs"].regex == "[ab]+"  # vLLM's StructuredOutputsParams
     # Every field is a vllm.SamplingParams argument with the same meaning.
     built = vllm_family.to_vllm_sampling(params)
     assert (built.min_tokens, built.ignore_eos, built.min_p, built.logit_bias) == (2, True, 0.05, {5: 3.0})
     assert (built.include_stop_str_in_output, built.skip_special_tokens, built.bad_words) == (True, False, ["zz"])
+    assert (built.logprobs, built.structured_outputs.regex) == (2, "[ab]+")
     assert vllm_family.honoured_sampling(CPU_ARGS) == frozenset(SAMPLING_EXTENSIONS)
 
 
@@ -432,6 +439,57 @@ class TestSingleStageGraph:
         assert [text for text, _ in results] == expected
         items = stats.remote().result()["items"] - items_before
         assert all(0 < n <= 48 for _, n in results) and items <= 8 * 49  # never more items than tokens + final
+
+    def test_parse_tools_round_trip_and_logprobs_with_the_openai_client(self, client) -> None:
+        """``chat.completions.parse`` with a pydantic model, a streamed forced call, a round trip with the tool's
+        result (the next prompt holds the call and the result), logprobs; the tiny model biased off spaces,
+        which it would otherwise pad JSON with forever."""
+        import json
+
+        import pydantic
+
+        class Forecast(pydantic.BaseModel):
+            rain: bool
+            days: Literal[1, 2, 3]  # an unbounded integer could run on: the random model has no reason to stop
+
+        no_spaces = {"9": -100, "10": -100, "13": -100, "32": -100}
+        ask = [{"role": "user", "content": "Forecast?"}]
+        parsed = client.chat.completions.parse(
+            model="tiny-qwen3",
+            messages=ask,
+            response_format=Forecast,
+            temperature=0,
+            max_tokens=60,
+            logit_bias=no_spaces,
+        )
+        assert parsed.choices[0].finish_reason == "stop" and isinstance(parsed.choices[0].message.parsed, Forecast)
+
+        tool = {
+            "type": "function",
+            "function": {
+                "name": "forecast",
+                "parameters": {"type": "object", "properties": {"rain": {"type": "boolean"}}, "required": ["rain"]},
+            },
+        }
+        forced = {"type": "function", "function": {"name": "forecast"}}
+        common: dict[str, Any] = {"model": "tiny-qwen3", "tools": [tool], "temperature": 0, "logit_bias": no_spaces}
+        chunks = list(
+            client.chat.completions.create(**common, messages=ask, tool_choice=forced, max_tokens=80, stream=True)
+        )
+        pieces = [p for c in chunks if c.choices for p in c.choices[0].delta.tool_calls or []]
+        assert pieces[0].function.name == "forecast" and pieces[0].id
+        assert isinstance(json.loads("".join(p.function.arguments or "" for p in pieces))["rain"], bool)
+
+        first = client.chat.completions.create(**common, messages=ask, tool_choice="required", max_tokens=80)
+        assert first.choices[0].finish_reason == "tool_calls"
+        (call,) = first.choices[0].message.tool_calls
+        history = [*ask, first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "dry"}]
+        second = client.chat.completions.create(
+            **common, messages=history, max_tokens=4, logprobs=True, extra_body={"return_prompt_text": True}
+        )
+        prompt = second.model_extra["prompt_text"]
+        assert '<tool_call>\n{"name": "forecast", "arguments": ' in prompt and "<tool_response>\ndry\n" in prompt
+        assert len(second.choices[0].logprobs.content) == second.usage.completion_tokens == 4
 
     def test_invalid_max_tokens_is_400(self, client) -> None:
         import openai

@@ -209,6 +209,62 @@ def test_chat_text_and_audio_streamed(graph, audio_reply: dict[str, Any], lag: i
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"]},
+    },
+}
+NO_WHITESPACE = {"9": -100, "10": -100, "13": -100, "32": -100}  # the random thinker would pad JSON with them
+
+
+def test_tools_structured_output_and_logprobs_on_the_vllm_omni_thinker(graph, client: openai.OpenAI, lag: int) -> None:
+    """vLLM-Omni's thinker EngineCore enforces the forcing constraint and response_format, reports logprobs;
+    the thinker hands the talker only the text before a call (its whole handoff cut there), none for a call alone."""
+    common: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "temperature": 0, "max_tokens": 120}
+    talker_calls = stats(graph, "talker")["calls"]
+    forced = client.chat.completions.create(
+        **common,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        logit_bias=NO_WHITESPACE,
+        modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "wav"},
+        logprobs=True,
+    )
+    choice = forced.choices[0]
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["unit"] in ("c", "f")
+    assert choice.finish_reason == "tool_calls" and choice.message.audio is None  # nothing spoken...
+    assert stats(graph, "talker")["calls"] == talker_calls  # ...and no talker call: no handoff
+    assert len(choice.logprobs.content) == forced.usage.completion_tokens  # type: ignore[union-attr]
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    formatted = client.chat.completions.create(
+        **common,
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+        logit_bias=NO_WHITESPACE,
+    )
+    assert isinstance(json.loads(formatted.choices[0].message.content or "")["ok"], bool)
+
+    call_text = '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "c"}}\n</tool_call>'
+    pattern = ("Sure. " + call_text).replace(".", "\\.").replace("{", "\\{").replace("}", "\\}")
+    spoken = client.chat.completions.create(
+        **{**common, "max_tokens": 200},
+        tools=[WEATHER],
+        modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "wav"},
+        extra_body={"structured_outputs": {"regex": pattern}, "stage_sampling": {"talker": {"max_tokens": 30}}},
+    )
+    message = spoken.choices[0].message
+    assert message.content == "Sure. " and message.tool_calls and message.audio.transcript == "Sure. "  # type: ignore[union-attr]
+    samples, _ = decode_wav(base64.b64decode(message.audio.data))  # type: ignore[union-attr]
+    assert whole_frames(samples.size, lag) > 0 and np.abs(samples).max() > 0
+    assert stats(graph, "talker")["calls"] == talker_calls + 1
+
+
 def test_speech(graph) -> None:
     body = {"model": MODEL, "input": SPOKEN, "voice": "aiden", "response_format": "wav"}
     response = httpx.post(f"{graph.base_url}/v1/audio/speech", json=body, timeout=300)

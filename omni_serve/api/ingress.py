@@ -38,6 +38,7 @@ from omni_serve.api.auth import check_auth
 from omni_serve.api.errors import from_failure, stage_bad_request
 from omni_serve.api.hosts import TrustedHosts
 from omni_serve.api.http import check_content_type, parse_json_object, read_body, read_form
+from omni_serve.api.openai.audio_replies import AudioReplies
 from omni_serve.api.openai.chat import ChatCompletionRequest, ChatReply, SamplingRequest, StreamOptions
 from omni_serve.api.openai.errors import APIError, bad_request, from_validation, http_exception_handler
 from omni_serve.api.openai.images import ImageGenerationRequest, ImagesReply
@@ -116,6 +117,7 @@ class Ingress:
             frozenset(m.value for m in self.graph.input_modalities), self.graph.media_policy, self.graph.media_input
         )
         self._voices: list[str] | None = None  # asked from the stages once, on first need
+        self.audio_replies = AudioReplies()  # transcripts of this replica's audio replies, for later turns
         playground.configure(self.graph, self._check_auth, self.serve_view)
         realtime = self.graph.realtime
         self.session_graph = SessionGraph(
@@ -251,9 +253,10 @@ class Ingress:
         return wanted
 
     def _chat_messages(self, body: ChatCompletionRequest) -> list[ChatMessage]:
-        """The request's turns, media checked cheaply here (never decoded here: the entry stage decodes)."""
+        """The request's turns, media checked cheaply here (never decoded here: the entry stage decodes), earlier
+        audio replies named by id as their transcripts."""
         try:
-            return body.chat_messages(self.media_rules)
+            return body.chat_messages(self.media_rules, self.audio_replies.transcript)
         except InvalidStageInput as err:
             raise stage_bad_request(err) from None
 
@@ -302,6 +305,7 @@ class Ingress:
         self._check_model(body.model)
         modalities = self._modalities(body)
         messages = self._chat_messages(body)
+        tools = body.tool_calling()
         voice = await self._voice(*body.requested_voice()) if Modality.AUDIO in modalities else None
         omni = self._omni_request(
             request,
@@ -311,6 +315,7 @@ class Ingress:
             messages=messages,
             voice=voice,
             return_prompt_text=bool(body.return_prompt_text),
+            tools=tools,
         )
         stream_options = body.stream_options or StreamOptions()
         reply = ChatReply(
@@ -322,8 +327,10 @@ class Ingress:
             include_usage=stream_options.include_usage,
             usage_on_every_chunk=stream_options.usage_on_every_chunk,
             prompt_text=omni.return_prompt_text,
+            logprobs=bool(body.logprobs),
             stage_log=omni.stage_log,
             stage_metrics=bool(body.return_stage_metrics),
+            remember=self.audio_replies.remember,
         )
         return await self.serving.respond(omni, "chat", reply, stream=body.stream)
 

@@ -80,7 +80,8 @@ class StageSampling:
                 api_err.message = f"{prefix}{api_err.message}"
                 raise api_err from None
             for name in unhonoured_sampling(params, self.honoured[stage.name]):
-                param = f"{sent_as.get(name, '')}{name}"
+                prefix = sent_as.get(name, "")
+                param = f"{prefix}{body.client_field(name) if stage.name == entry and not prefix else name}"
                 raise bad_request(
                     f"{param}: stage '{stage.name}' ({stage.engine} engine) cannot honour {name}; leave it at "
                     f"{SamplingParams.model_fields[name].get_default(call_default_factory=True)!r}",

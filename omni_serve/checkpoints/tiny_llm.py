@@ -23,7 +23,7 @@ from omni_serve.checkpoints.cache import ensure_checkpoint
 
 TINY_LLM_NAME = "tiny-qwen3"
 # Bump when the layout below changes: cached checkpoints with another version are rebuilt.
-BUILD_VERSION = 1
+BUILD_VERSION = 2  # 2: the chat template takes tools (tiny_omni.CHAT_TEMPLATE)
 _MARKER = "omni_serve_tiny_llm.json"
 _SEED = 4321
 PRINTABLE_ASCII = range(0x20, 0x7F)  # byte-token ids 32..126 are the printable ASCII characters

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 TINY_NAME = "tiny-qwen3-omni"
 # Bump when the layout below changes: cached checkpoints with another version are rebuilt.
-BUILD_VERSION = 5
+BUILD_VERSION = 6  # 6: the chat template takes tools (Qwen's tool-call protocol)
 _MARKER = "omni_serve_tiny.json"
 _SEED = 1234
 
@@ -116,19 +116,56 @@ MULTIMODAL_TOKENS = {
 }
 
 # ChatML; list contents (OpenAI-style parts) get Qwen3-Omni's media placeholders, which
-# Qwen3OmniMoeProcessor expands to one pad token per encoder feature.
+# Qwen3OmniMoeProcessor expands to one pad token per encoder feature. Tools follow Qwen's protocol
+# (what Qwen3-Omni's own template writes, in our words): the functions in a first system turn between
+# <tools></tools>, an assistant turn's calls as <tool_call>{"name": ..., "arguments": ...}</tool_call>
+# (what vLLM's `hermes` tool parser reads back), each tool result as a <tool_response> in a user turn.
+# Without tools the prompt is plain ChatML, byte for byte what it was before tools.
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_POSTAMBLE = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}'
+    "\n</tool_call>"
+)
 CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}{{- message['content'] -}}"
-    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- macro render(content) -%}"
+    "{%- if content is string -%}{{- content -}}"
+    "{%- elif content is not none -%}{%- for part in content -%}"
     "{%- if part['type'] == 'text' -%}{{- part['text'] -}}"
     "{%- elif part['type'] in ('image', 'image_url') -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
     "{%- elif part['type'] in ('audio', 'input_audio', 'audio_url') -%}"
     "{{- '<|audio_start|><|audio_pad|><|audio_end|>' -}}"
     "{%- elif part['type'] in ('video', 'video_url') -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
     "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{{- render(messages[0]['content']) + '\\n\\n' -}}"
+    "{%- endif -%}"
+    "{{- " + repr(TOOLS_PREAMBLE) + " -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- " + repr(TOOLS_POSTAMBLE) + " + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' and tools and loop.first -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + render(message['content']) + '\\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + render(message['content']) -}}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{%- set arguments = call['function']['arguments'] -%}"
+    "{%- if message['content'] or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- '<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' -}}"
+    "{{- (arguments if arguments is string else arguments | tojson) + '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
     "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )

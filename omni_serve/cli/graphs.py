@@ -270,6 +270,8 @@ def generate(
             "custom_process_input_func": s.custom_process_input_func,
             "sampling_constraints": constraints,
             "codec_chunk": _codec_chunk(deploy, s),
+            # The stage that reads the chat parses tool calls from its output with the model family's parser.
+            "tool_call_parser": PIPELINES[pipeline].tool_call_parser if s.is_comprehension else None,
             "engine": engine,
         }
         graph_stages.append(

@@ -28,10 +28,19 @@ from queue import Empty, SimpleQueue
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from omni_serve.engines.base import StageEngine, engine_for_role
+from omni_serve.engines.grammar import GrammarCompiler, grammar_available, grammar_processor
+from omni_serve.engines.logprobs import LogprobRecorder
 from omni_serve.models import qwen3_omni
+from omni_serve.models.tool_calls import (
+    ParserLoader,
+    ToolCallStream,
+    merge_deltas,
+    parser_or_refuse,
+    tool_call_parser_field,
+)
 from omni_serve.pacing import StepPacer, min_step_field
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import (
@@ -45,6 +54,7 @@ from omni_serve.types import (
     StageOutput,
     StageRequest,
     TextPart,
+    ToolCallDelta,
     Usage,
 )
 
@@ -73,11 +83,18 @@ class TransformersEngineArgs(BaseModel):
         25, ge=0, description="Frames before each chunk it carries for code2wav's context (>= 1 keeps joins seamless)."
     )
     min_step_s: float = min_step_field()  # omni_serve.pacing
+    tool_call_parser: str | None = tool_call_parser_field()
     mm_processor_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Thinker: keyword arguments for every call of the checkpoint's processor on media (as vLLM's "
         "engine arg of that name), e.g. a video size for a checkpoint whose processor defaults do not fit.",
     )
+
+    @model_validator(mode="after")
+    def _tools_on_the_thinker(self) -> TransformersEngineArgs:
+        if self.tool_call_parser is not None and self.model_stage != "thinker":
+            raise ValueError("tool_call_parser: only the thinker parses tool calls from its output")
+        return self
 
 
 EngineArgs = TransformersEngineArgs  # the name omni_serve.engines looks up in every family
@@ -94,12 +111,15 @@ def reads_streamed_input(engine_args: dict[str, Any]) -> bool:
 
 
 def honoured_sampling(engine_args: dict[str, Any]) -> frozenset[str]:
-    """The thinker maps ``ignore_eos``, ``min_p`` and ``skip_special_tokens`` onto HF ``generate``, the talker
-    ``ignore_eos`` (its codec EOS); the talker and code2wav produce no text, so the two parameters that only
-    shape text change nothing there."""
+    """The thinker maps ``ignore_eos``, ``min_p``, ``skip_special_tokens`` and ``logit_bias`` onto HF ``generate``,
+    reports ``logprobs`` (:mod:`omni_serve.engines.logprobs`) and, where xgrammar is installed (it comes with
+    vLLM), honours ``structured_outputs`` (:mod:`omni_serve.engines.grammar`); the talker ``ignore_eos`` (its
+    codec EOS); the talker and code2wav produce no text, so the two parameters that only shape text change
+    nothing there."""
     stage = engine_args.get("model_stage")
     if stage == "thinker":
-        return frozenset({"ignore_eos", "min_p", "skip_special_tokens"})
+        grammar = {"structured_outputs"} if grammar_available() else set()
+        return frozenset({"ignore_eos", "min_p", "skip_special_tokens", "logit_bias", "logprobs", *grammar})
     text_only = {"skip_special_tokens", "spaces_between_special_tokens"}
     return frozenset(text_only | {"ignore_eos"} if stage == "talker" else text_only)
 
@@ -318,6 +338,8 @@ def _sampling_kwargs(s: SamplingParams) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"do_sample": sample}
     if s.repetition_penalty != 1.0:  # 1.0 is HF's no-op; passing it only draws a warning with inputs_embeds
         kwargs["repetition_penalty"] = s.repetition_penalty
+    if s.logit_bias:  # OpenAI's logit_bias is HF's bias of one-token sequences, added to the logits before sampling
+        kwargs["sequence_bias"] = {(int(token),): float(bias) for token, bias in s.logit_bias.items()}
     if sample:
         kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)  # top_k 0: HF adds no filter
         if s.min_p > 0:
@@ -458,6 +480,9 @@ class ThinkerEngine(_HFEngine):
             getattr(tc, "vision_start_token_id", -1),
         }
         self.accept_layer = int(cfg.talker_config.accept_hidden_layer)
+        self.grammars = GrammarCompiler(self.tokenizer, int(self.thinker.lm_head.out_features))
+        name = self.args.tool_call_parser
+        self.tool_parser = ParserLoader(name) if name else None  # vLLM's parser, loaded on first use
         with torch.inference_mode():
             tts_ids = torch.tensor([cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id])
             self.tts_embeds = self.thinker.get_input_embeddings()(tts_ids.to(self.thinker.device))
@@ -478,22 +503,30 @@ class ThinkerEngine(_HFEngine):
     async def stream(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]:
         if not request.messages:
             raise InvalidStageInput(f"stage {self.stage_name}: the thinker needs chat messages", "messages")
+        calls = await self._tool_calls(request)
 
         def job(emit: Emit, cancelled: threading.Event) -> None:
-            self._generate(request, emit, cancelled)
+            self._generate(request, calls, emit, cancelled)
 
         async with contextlib.aclosing(self._run(request.request_id, job)) as batches:
             async for batch in batches:
                 deltas = [item for item in batch if item[0] == "delta"]
                 text = "".join(item[1] for item in deltas)
                 token_ids = [t for item in deltas for t in item[2]]
+                logprobs = [item[4] for item in deltas if item[4] is not None] or None
+                tool_calls: list[ToolCallDelta] = []
+                for item in deltas:
+                    tool_calls = merge_deltas(tool_calls, item[5])
                 prompt = next((item[1] for item in batch if item[0] == "prompt"), None)
                 final = next((item for item in batch if item[0] == "final"), None)
                 # Streamed handoff: the rows this batch's steps ran, one chunk per output.
                 chunks = [item[1] for item in batch if item[0] == "rows"]
                 chunk = qwen3_omni.merge_thinker_chunks(chunks) if chunks else None
                 if final is None:
-                    usage = next((item[-1] for item in reversed(batch) if item[0] in ("delta", "prompt", "rows")), None)
+                    usage = next(
+                        (item[3] if item[0] == "delta" else item[2] for item in reversed(batch) if item[0] != "final"),
+                        None,
+                    )
                     yield StageOutput(
                         stage=self.stage_name,
                         text=text,
@@ -501,9 +534,11 @@ class ThinkerEngine(_HFEngine):
                         prompt_text=prompt,
                         usage=usage,
                         handoff=chunk,
+                        logprobs=logprobs,
+                        tool_calls=tool_calls,
                     )
                 else:
-                    _, tail, reason, usage, payload = final
+                    _, tail, reason, usage, payload, tail_calls = final
                     payload = payload if payload is not None else chunk
                     yield StageOutput(
                         stage=self.stage_name,
@@ -514,7 +549,24 @@ class ThinkerEngine(_HFEngine):
                         usage=usage,
                         handoff=payload,
                         prompt_text=prompt,
+                        logprobs=logprobs,
+                        tool_calls=merge_deltas(tool_calls, tail_calls),
                     )
+
+    async def _tool_calls(self, request: StageRequest) -> ToolCallStream | None:
+        """The request's tool-call parsing (None without tools, or with ``tool_choice: none``); waits for the
+        parser still loading (:class:`ParserLoader`)."""
+        tools = request.tools
+        if tools is None or tools.choice == "none":
+            return None
+        loaded: Any = None
+        if self.tool_parser is not None:
+            try:
+                loaded = await asyncio.wrap_future(self.tool_parser.future())
+            except Exception as err:
+                loaded = err
+        parser = parser_or_refuse(loaded, self.stage_name, self.args.tool_call_parser)
+        return ToolCallStream(parser, self.tokenizer, tools)
 
     def merge_handoffs(self, first: HandoffPayload, later: HandoffPayload) -> HandoffPayload:
         return qwen3_omni.merge_thinker_chunks([first, later])
@@ -529,14 +581,16 @@ class ThinkerEngine(_HFEngine):
                 if self.reserved_ids.intersection(self.tokenizer.encode(text, add_special_tokens=False)):
                     raise InvalidStageInput("messages: the prompt contains reserved multimodal tokens", field)
         turns = qwen3_omni.template_messages(request.messages or [])
+        tools = request.tools.tools if request.tools else None
+        try:
+            text = self.tokenizer.apply_chat_template(turns, tools=tools, add_generation_prompt=True, tokenize=False)
+        except Exception as err:  # jinja2 raises TemplateError for conversations the template refuses
+            raise InvalidStageInput(f"messages: the model's chat template refused them: {err}", field) from None
         if not request.media:
-            ids = self.tokenizer.apply_chat_template(
-                turns, add_generation_prompt=True, return_dict=True, return_tensors="pt"
-            )["input_ids"]
+            ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
             return ids.to(self.thinker.device), {}, {}
         if self.processor is None:
             raise EngineError(f"stage {self.stage_name}: cannot take media input ({self.processor_error})")
-        text = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
         media = qwen3_omni.processor_media(request.media)
         inputs = self.processor(text=text, return_tensors="pt", **{**self.args.mm_processor_kwargs, **media})
         inputs = dict(inputs.to(self.thinker.device, dtype=self.thinker.dtype))
@@ -545,8 +599,11 @@ class ThinkerEngine(_HFEngine):
         generate_inputs = {**inputs, "use_audio_in_video": bool(media.get("use_audio_in_video"))}
         return ids, generate_inputs, qwen3_omni.rope_inputs(inputs)
 
-    def _generate(self, request: StageRequest, emit: Emit, cancelled: threading.Event) -> None:
+    def _generate(
+        self, request: StageRequest, calls: ToolCallStream | None, emit: Emit, cancelled: threading.Event
+    ) -> None:
         import torch
+        from transformers import LogitsProcessorList
         from transformers.generation.streamers import BaseStreamer
 
         input_ids, media_inputs, rope = self._prompt(request)
@@ -565,11 +622,23 @@ class ThinkerEngine(_HFEngine):
             self._speak(request, input_ids, emit)
             return
 
-        s = request.sampling
+        s = calls.constrained(request.sampling) if calls is not None else request.sampling
+        vocab = int(self.thinker.lm_head.out_features)
+        outside = sorted(t for t in s.logit_bias or {} if not 0 <= t < vocab)
+        if outside:
+            raise InvalidStageInput(f"logit_bias: token id {outside[0]} is not in the model's vocabulary", "logit_bias")
         stop_ids = set(s.stop_token_ids)
         eos = end_ids(self.eos_ids, stop_ids, s.ignore_eos)
-        text = _TextStream(self.tokenizer, s.stop, stop_ids, s.skip_special_tokens)
+        # The tokens that end the generation never show in the text (as in vLLM), special or not.
+        text = _TextStream(self.tokenizer, s.stop, set(eos), s.skip_special_tokens)
         generated: list[int] = []
+        processors = LogitsProcessorList()
+        if s.structured_outputs is not None:
+            processors.append(self._grammar(s, calls, end_ids(self.eos_ids, stop_ids, False)))
+        recorder = LogprobRecorder(self.thinker.lm_head, self.tokenizer, s.logprobs) if s.logprobs is not None else None
+
+        def so_far() -> Usage:
+            return Usage(prompt_tokens=prompt_len, completion_tokens=len(generated))
 
         class _Streamer(BaseStreamer):
             first = True
@@ -580,20 +649,21 @@ class ThinkerEngine(_HFEngine):
                     return
                 token = int(value.reshape(-1)[0])
                 generated.append(token)
-                so_far = Usage(prompt_tokens=prompt_len, completion_tokens=len(generated))
-                emit(("delta", text.add(token), [token], so_far))
+                piece, found = text.add(token), list[ToolCallDelta]()
+                if calls is not None:  # the client gets the reply without its calls, the calls apart
+                    piece, found = calls.push(piece, [token], False)
+                logprob = recorder.token(token) if recorder is not None else None
+                emit(("delta", piece, [token], so_far(), logprob, found))
 
             def end(self) -> None:
                 pass
 
         # Streamed handoff: each forward's rows go out as they are computed (the prompt's with the
-        # prefill, then one reply position per step). Stop strings can take back tokens already run,
-        # so a request with stop strings hands its rows over whole at the end.
+        # prefill, then one reply position per step), those of tool calls never (_RowGate). Stop strings
+        # can take back tokens already run, so a request with stop strings hands its rows over whole at the end.
         streamed = request.wants_handoff and request.stream_handoff and not s.stop
-        hook = None
-        if streamed:
-            so_far = lambda: Usage(prompt_tokens=prompt_len, completion_tokens=len(generated))  # noqa: E731
-            hook = self.thinker.register_forward_hook(self._rows_sender(input_ids, rope, emit, so_far))
+        gate = _RowGate(calls, emit, so_far) if streamed else None
+        hook = self.thinker.register_forward_hook(self._rows_sender(input_ids, rope, gate)) if gate else None
         try:
             with _RNG_LOCK, torch.inference_mode():
                 torch.manual_seed(_seed(s))
@@ -609,12 +679,15 @@ class ThinkerEngine(_HFEngine):
                         output_hidden_states=request.wants_handoff,  # text-only requests skip the hidden states
                         return_dict_in_generate=True,
                     ),
+                    logits_processor=processors,
                     streamer=_Streamer(),
                     stopping_criteria=_stopping(cancelled, self.args.min_step_s, lambda: text.stop_at is not None),
                 )
         finally:
             if hook is not None:
                 hook.remove()
+            if recorder is not None:
+                recorder.close()
 
         if text.stop_at is not None:
             reason = FinishReason.STOP
@@ -624,16 +697,34 @@ class ThinkerEngine(_HFEngine):
             reason = FinishReason.STOP
         else:
             reason = FinishReason.LENGTH
+        tail, tail_calls = text.finish(), list[ToolCallDelta]()
+        kept = text.tokens_before_stop()
+        if calls is not None:
+            tail, tail_calls = calls.push(tail, [], True)
+            reason = calls.finish_reason(reason)
+            kept = min(kept, calls.spoken)  # the talker speaks only the text the client sees
+        if gate is not None:
+            gate.release()  # rows the last text confirmed
         whole = request.wants_handoff and not streamed
-        payload = self._handoff(out, prompt_len, text.tokens_before_stop(), rope) if whole else None
-        usage = Usage(prompt_tokens=prompt_len, completion_tokens=len(generated))
-        emit(("final", text.finish(), reason, usage, payload))
+        payload = self._handoff(out, prompt_len, kept, rope) if whole else None
+        emit(("final", tail, reason, so_far(), payload, tail_calls))
 
-    def _rows_sender(
-        self, input_ids: Any, rope: dict[str, Any], emit: Emit, usage: Callable[[], Usage]
-    ) -> Callable[..., None]:
-        """A forward hook on the thinker that emits each forward's rows (the prompt's payload, then rows
-        chunks) with the usage so far: an output that carries only rows still reports it."""
+    def _grammar(self, s: SamplingParams, calls: ToolCallStream | None, ends: list[int]) -> Any:
+        """The logits processor of ``s.structured_outputs``: a forced tool call's, or the client's constraint."""
+        forced = calls is not None and calls.request.structured_outputs is not None
+        param = "tool_choice" if forced else "response_format"
+        if not grammar_available():
+            raise InvalidStageInput(
+                f"{param}: stage '{self.stage_name}' constrains its output with xgrammar, which is not installed "
+                "(it comes with vLLM)",
+                param,
+            )
+        assert s.structured_outputs is not None
+        return grammar_processor(self.grammars.compile(s.structured_outputs, param), ends)
+
+    def _rows_sender(self, input_ids: Any, rope: dict[str, Any], gate: _RowGate) -> Callable[..., None]:
+        """A forward hook on the thinker that hands each forward's rows to ``gate``: the prompt's payload with
+        the prefill, then one reply position's rows chunk per decoding step."""
         prompt_len = int(input_ids.shape[1])
         first = True
 
@@ -643,19 +734,20 @@ class ThinkerEngine(_HFEngine):
             embeds, hidden = states[0][0], states[self.accept_layer][0]
             if first:
                 first = False
-                chunk = qwen3_omni.build_thinker2talker(
-                    token_ids=input_ids[0].tolist(),
-                    prompt_len=prompt_len,
-                    embeds=embeds,
-                    hidden=hidden,
-                    tts_embeds=self.tts_embeds,
-                    accept_hidden_layer=self.accept_layer,
-                    rope=rope,
-                    streamed=True,
+                gate.prompt(
+                    qwen3_omni.build_thinker2talker(
+                        token_ids=input_ids[0].tolist(),
+                        prompt_len=prompt_len,
+                        embeds=embeds,
+                        hidden=hidden,
+                        tts_embeds=self.tts_embeds,
+                        accept_hidden_layer=self.accept_layer,
+                        rope=rope,
+                        streamed=True,
+                    )
                 )
             else:
-                chunk = qwen3_omni.thinker_rows_chunk(embeds, hidden)
-            emit(("rows", chunk, usage()))
+                gate.reply(qwen3_omni.thinker_rows_chunk(embeds, hidden))
 
         return send
 
@@ -676,7 +768,7 @@ class ThinkerEngine(_HFEngine):
             )
         usage = Usage(prompt_tokens=prompt_len, completion_tokens=len(reply) + 1)
         if not request.wants_handoff:  # nothing downstream: the hidden states of the reply are not needed
-            emit(("final", request.reply, FinishReason.STOP, usage, None))
+            emit(("final", request.reply, FinishReason.STOP, usage, None, []))
             return
         sequence = torch.cat([input_ids, torch.tensor([reply], dtype=input_ids.dtype, device=input_ids.device)], 1)
         with torch.inference_mode():
@@ -691,7 +783,7 @@ class ThinkerEngine(_HFEngine):
             tts_embeds=self.tts_embeds,
             accept_hidden_layer=self.accept_layer,
         )
-        emit(("final", request.reply, FinishReason.STOP, usage, payload))
+        emit(("final", request.reply, FinishReason.STOP, usage, payload, []))
 
     def _handoff(self, out: Any, prompt_len: int, kept: int, rope: dict[str, Any]) -> HandoffPayload:
         # The talker speaks only what the client sees: tokens from a stop string on are dropped.
@@ -705,6 +797,44 @@ class ThinkerEngine(_HFEngine):
             accept_hidden_layer=self.accept_layer,
             rope=rope,
         )
+
+
+class _RowGate:
+    """The thinker's streamed rows on their way to the talker: a reply row goes once its token is spoken.
+
+    The prompt's rows go at once. Reply row ``r`` is generated token ``r``'s; with tool calling it goes
+    only once :attr:`ToolCallStream.spoken` covers that token, so the talker never gets a tool call's
+    rows, nor text that may still turn out to open one (a parser holding back a partial tag); rows
+    never confirmed are dropped at the end. Without tool calling every row goes as it is computed.
+    """
+
+    def __init__(self, calls: ToolCallStream | None, emit: Emit, usage: Callable[[], Usage]):
+        self.calls = calls
+        self.emit = emit
+        self.usage = usage
+        self.held: list[HandoffPayload] = []  # reply rows chunks not sent yet, in order
+        self.sent = 0  # reply rows sent
+
+    def prompt(self, payload: HandoffPayload) -> None:
+        self.emit(("rows", payload, self.usage()))
+
+    def reply(self, chunk: HandoffPayload) -> None:
+        self.held.append(chunk)
+        self.release()
+
+    def release(self) -> None:
+        """Send the held rows of the tokens spoken by now."""
+        ready: list[HandoffPayload] = []
+        while self.held and (self.calls is None or self.sent + _rows(self.held[0]) <= self.calls.spoken):
+            chunk = self.held.pop(0)
+            self.sent += _rows(chunk)
+            ready.append(chunk)
+        if ready:
+            self.emit(("rows", qwen3_omni.merge_thinker_chunks(ready), self.usage()))
+
+
+def _rows(chunk: HandoffPayload) -> int:
+    return int(chunk.tensors["embeds"].shape[0])
 
 
 # --- talker --------------------------------------------------------------------------------

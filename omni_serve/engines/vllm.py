@@ -23,7 +23,15 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from omni_serve.engines.base import StageEngine
+from omni_serve.engines.logprobs import from_vllm as logprobs_from_vllm
 from omni_serve.engines.scheduler import SchedulerSnapshot
+from omni_serve.models.tool_calls import (
+    ToolCallStream,
+    load_parser,
+    parser_or_refuse,
+    template_fields,
+    tool_call_parser_field,
+)
 from omni_serve.pacing import engine_config, min_step_field
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import (
@@ -35,6 +43,8 @@ from omni_serve.types import (
     SamplingParams,
     StageOutput,
     StageRequest,
+    ToolCallDelta,
+    ToolCalling,
     Usage,
 )
 
@@ -94,6 +104,7 @@ class EngineArgs(BaseModel):
     enable_prefix_caching: bool | None = Field(None, description="Reuse KV blocks of shared prompt prefixes.")
     seed: int | None = Field(None, description="Engine seed (requests without a seed draw from it).")
     trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint.")
+    tool_call_parser: str | None = tool_call_parser_field()
     min_step_s: float = min_step_field()  # omni_serve.pacing; paced in the EngineCore's worker
     extra_engine_args: dict[str, Any] = Field(
         default_factory=dict,
@@ -132,7 +143,7 @@ class EngineArgs(BaseModel):
         travelling to the EngineCore process in ``additional_config`` (:mod:`omni_serve.platforms.paced`).
         """
         typed = self.model_dump(
-            exclude={"model", "chat_template", "extra_engine_args", "min_step_s"}, exclude_none=True
+            exclude={"model", "chat_template", "extra_engine_args", "min_step_s", "tool_call_parser"}, exclude_none=True
         )
         kwargs = {"model": model_path, "disable_log_stats": True, **typed, **self.extra_engine_args}
         if self.min_step_s:
@@ -156,9 +167,16 @@ def sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
 
     vLLM already means what omni_serve means by temperature 0 (greedy: top_p/top_k are
     ignored) and top_k 0 (disabled), and the extra parameters are vLLM's own, so every
-    field passes through unchanged.
+    field passes through unchanged; structured outputs become vLLM's ``StructuredOutputsParams``.
     """
-    return params.model_dump()
+    kwargs = params.model_dump(exclude={"structured_outputs"})
+    if params.structured_outputs is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        kwargs["structured_outputs"] = StructuredOutputsParams(
+            **params.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        )
+    return kwargs
 
 
 def to_vllm_sampling(params: SamplingParams) -> vllm.SamplingParams:
@@ -203,6 +221,7 @@ class VLLMEngine(StageEngine):
         self.args = EngineArgs.model_validate(engine_args)
         self._engine: Any = None  # vllm.v1.engine.async_llm.AsyncLLM once started
         self._tokenizer: Any = None
+        self._tool_parser: Any = None  # vLLM's parser class for engine_args.tool_call_parser
         self.max_model_len = 0
         self._scheduler = SchedulerSnapshot()
 
@@ -235,6 +254,8 @@ class VLLMEngine(StageEngine):
             AsyncEngineArgs(**kwargs), stat_loggers=[self._scheduler.stat_logger()]
         )
         self._tokenizer = self._engine.get_tokenizer()
+        # vLLM is loaded here anyway: an unknown parser name fails the start (the graph file is wrong).
+        self._tool_parser = load_parser(self.args.tool_call_parser) if self.args.tool_call_parser else None
         if self.args.chat_template is None and not getattr(self._tokenizer, "chat_template", None):
             self.shutdown()
             raise ValueError(f"engine_args.chat_template: {model} has no chat template of its own; give one")
@@ -253,16 +274,28 @@ class VLLMEngine(StageEngine):
             self._engine.shutdown()
             self._engine = None
 
-    def _render(self, messages: list[ChatMessage]) -> tuple[str, list[int]]:
-        conversation = [{"role": m.role, "content": m.content} for m in messages]
+    def _render(self, messages: list[ChatMessage], tools: ToolCalling | None) -> tuple[str, list[int]]:
+        conversation = [{"role": m.role, "content": m.content, **template_fields(m)} for m in messages]
         try:
             text = self._tokenizer.apply_chat_template(
-                conversation, chat_template=self.args.chat_template, tokenize=False, add_generation_prompt=True
+                conversation,
+                tools=tools.tools if tools else None,
+                chat_template=self.args.chat_template,
+                tokenize=False,
+                add_generation_prompt=True,
             )
         except Exception as err:  # jinja2 raises TemplateError for conversations the template refuses
             raise InvalidStageInput(f"messages: the model's chat template refused them: {err}") from None
         # The template already wrote the special tokens (BOS, role markers).
         return text, self._tokenizer.encode(text, add_special_tokens=False)
+
+    def _tool_calls(self, request: StageRequest) -> ToolCallStream | None:
+        """The request's tool-call parsing (None without tools, or with ``tool_choice: none``)."""
+        tools = request.tools
+        if tools is None or tools.choice == "none":
+            return None
+        parser = parser_or_refuse(self._tool_parser, self.stage_name, self.args.tool_call_parser)
+        return ToolCallStream(parser, self._tokenizer, tools)
 
     async def stream(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]:
         from vllm.inputs.engine import tokens_input
@@ -272,33 +305,49 @@ class VLLMEngine(StageEngine):
             raise EngineError(f"stage {self.stage_name}: the vllm engine is not running")
         if handoff is not None or not request.messages:
             raise InvalidStageInput(f"stage {self.stage_name}: a vllm stage is an entry stage and needs messages")
-        prompt, prompt_ids = self._render(request.messages)
+        prompt, prompt_ids = self._render(request.messages, request.tools)
         check_lengths(len(prompt_ids), request.sampling.max_tokens, self.max_model_len)
-        params = to_vllm_sampling(request.sampling)
+        calls = self._tool_calls(request)
+        sampling = calls.constrained(request.sampling) if calls is not None else request.sampling
+        params = to_vllm_sampling(sampling)
 
         vllm_id = self.calls.mint(request.request_id)
         outputs = engine.generate(tokens_input(prompt_ids, prompt=prompt), params, vllm_id)
         generated = 0
+        prompt_text = prompt if request.return_prompt_text else None  # vLLM's return_prompt_text, on the first output
         with self.calls.track(request.request_id, vllm_id) as call:
             try:
                 async for out in outputs:
                     delta = out.outputs[0]
-                    generated += len(delta.token_ids)
+                    token_ids = list(delta.token_ids)
+                    generated += len(token_ids)
                     usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=generated)  # so far
+                    text, tool_calls = delta.text, list[ToolCallDelta]()
+                    if calls is not None:
+                        text, tool_calls = calls.push(delta.text, token_ids, out.finished)
+                    logprobs = None
+                    if sampling.logprobs is not None and delta.logprobs is not None:
+                        logprobs = logprobs_from_vllm(token_ids, delta.logprobs, sampling.logprobs)
+                    output = StageOutput(
+                        stage=self.stage_name,
+                        text=text,
+                        token_ids=token_ids,
+                        usage=usage,
+                        logprobs=logprobs,
+                        tool_calls=tool_calls,
+                        prompt_text=prompt_text,
+                    )
                     if out.finished:
                         call.finish()
-                        yield StageOutput(
-                            stage=self.stage_name,
-                            text=delta.text,
-                            token_ids=list(delta.token_ids),
-                            finished=True,
-                            finish_reason=finish_reason(delta.finish_reason),
-                            usage=usage,
-                        )
-                    elif delta.text or delta.token_ids:
-                        yield StageOutput(
-                            stage=self.stage_name, text=delta.text, token_ids=list(delta.token_ids), usage=usage
-                        )
+                        reason = finish_reason(delta.finish_reason)
+                        output.finished = True
+                        output.finish_reason = calls.finish_reason(reason) if calls is not None else reason
+                        yield output
+                    elif token_ids or text or tool_calls or prompt_text:
+                        yield output
+                    else:
+                        continue
+                    prompt_text = None
             finally:
                 await outputs.aclose()
 

@@ -6,8 +6,8 @@ yields one delta per token, so under load the serving path, not the engine, sets
 :func:`coalesced` merges consecutive text deltas of one call while its previous item is younger
 than ``interval()``: the stage passes ``min(per-call interval x calls in flight, cap)``, so one
 call on a slow model sends every delta as it comes, and a busy replica sends each call's text in
-a few larger pieces. The stream's content is unchanged: the merged item's text and token ids are
-the deltas' concatenation, in order.
+a few larger pieces. The stream's content is unchanged: the merged item's text, token ids, logprobs
+and tool-call pieces are the deltas' concatenation, in order.
 
 Never merged, never held: the first output (time to first token), the final output (it flushes
 what is held), and any output with audio, images or a handoff (audio chunks are self-contained
@@ -36,6 +36,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
+from omni_serve.models.tool_calls import merge_deltas
 from omni_serve.types import StageOutput
 
 # Joins two consecutive handoff chunks of one streamed handoff into one (the engine family's
@@ -66,6 +67,10 @@ def merged(held: StageOutput, later: StageOutput, merge_handoffs: MergeHandoffs 
     and the usage so far, which counts ``held``'s tokens too)."""
     later.text = held.text + later.text
     later.token_ids = held.token_ids + later.token_ids
+    if held.logprobs is not None:
+        later.logprobs = held.logprobs + (later.logprobs or [])
+    if held.tool_calls:
+        later.tool_calls = merge_deltas(held.tool_calls, later.tool_calls)
     if held.handoff is not None:  # held only when the engine merges its chunks (mergeable)
         if later.handoff is None:
             later.handoff = held.handoff

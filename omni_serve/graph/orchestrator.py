@@ -54,6 +54,7 @@ from omni_serve.types import (
     SamplingParams,
     StageOutput,
     StageRequest,
+    ToolCalling,
 )
 
 logger = logging.getLogger("ray.serve")
@@ -105,6 +106,7 @@ class OmniRequest:
     client_request_id: str | None = None  # the client's X-Request-ID: a label for logs, never a key
     deadline: float | None = None  # time.monotonic() by which the whole walk must be done
     return_prompt_text: bool = False
+    tools: ToolCalling | None = None  # tools the entry stage may call (chat's tools / tool_choice)
     # Every stage call's start and every output of every stage, recorded as they pass (vLLM-Omni's
     # return_stage_metrics); None records nothing.
     stage_log: StageLog | None = None
@@ -162,6 +164,7 @@ class Orchestrator:
             reply=request.reply,
             client_request_id=request.client_request_id,
             return_prompt_text=request.return_prompt_text,
+            tools=request.tools,
         )
         try:
             async for output in self._walk(entry, first.request_id, self._stage_stream(entry, first, None, walk), walk):

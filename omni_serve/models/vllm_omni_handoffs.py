@@ -36,6 +36,7 @@ class Pipeline:
     short: str  # in payload kinds, and the name of vLLM-Omni's stage input processor module
     topology: str  # vLLM-Omni's PipelineConfig object (module:attribute), for graph generation
     default_model: str  # the reference checkpoint a generated graph serves
+    tool_call_parser: str  # vLLM's tool parser of the thinker's tool-call syntax (omni_serve.models.tool_calls)
 
 
 # vLLM-Omni pipeline model_type -> what omni_serve knows of it (handoffs here, graphs in omni_serve.cli.graphs).
@@ -44,11 +45,13 @@ PIPELINES: dict[str, Pipeline] = {
         "qwen3_omni",
         "vllm_omni.model_executor.models.qwen3_omni.pipeline:QWEN3_OMNI_PIPELINE",
         "Qwen/Qwen3-Omni-30B-A3B-Instruct",
+        "hermes",
     ),
     "qwen2_5_omni": Pipeline(
         "qwen2_5_omni",
         "vllm_omni.model_executor.models.qwen2_5_omni.pipeline:QWEN2_5_OMNI_PIPELINE",
         "Qwen/Qwen2.5-Omni-7B",
+        "hermes",
     ),
 }
 PROCESSORS = "vllm_omni.model_executor.stage_input_processors."
@@ -201,6 +204,22 @@ def thinker_handoff(
         prompt_token_ids=list(prompt_token_ids),
         output_token_ids=list(output_token_ids),
     )
+
+
+def first_rows(multimodal_output: Mapping[str, Any], rows: int) -> dict[str, Any]:
+    """A thinker's accumulated output cut to its first ``rows`` positions' hidden states (a reply cut short
+    before a tool call: the talker gets only the spoken part; omni_serve.models.tool_calls)."""
+    import torch
+    from vllm_omni.data_entry_keys import flatten_payload
+
+    def cut(value: Any) -> Any:
+        if isinstance(value, (list, tuple)):
+            parts = [v for v in value if isinstance(v, torch.Tensor)]
+            value = torch.cat(parts, dim=0) if parts else value
+        return value[:rows] if isinstance(value, torch.Tensor) else value
+
+    flat = flatten_payload(multimodal_output)
+    return {k: cut(v) if k.startswith("hidden_states.layer_") else v for k, v in flat.items()}
 
 
 def _keep_computed_rows(payload: Any, flat: Mapping[str, Any], hf_config: Any, num_tokens: int) -> None:

@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from omni_serve.api.openai.errors import APIError, bad_request
-from omni_serve.api.openai.messages import MediaRules, Message, MMProcessorKwargs, _Strict
+from omni_serve.api.openai.messages import MediaRules, Message, MMProcessorKwargs, TextPart, Transcripts, _Strict
+from omni_serve.api.openai.response_format import ResponseFormat, TextFormat, constraint
 from omni_serve.api.openai.stage_metrics import metrics_json
+from omni_serve.api.openai.tools import MAX_TOOLS, FunctionTool, ToolChoice, calls_json, delta_json, tool_calling
 from omni_serve.media.encode import EMPTY_AUDIO_SAMPLE_RATE, AudioFormat, b64, encode_audio
 from omni_serve.types import (
     MAX_TOKENS_LIMIT,
@@ -36,6 +38,10 @@ from omni_serve.types import (
     FinishReason,
     Modality,
     StageOutput,
+    StructuredOutputs,
+    TokenLogprob,
+    ToolCallDelta,
+    ToolCalling,
     Usage,
 )
 
@@ -60,11 +66,37 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = Field(
         False, description="vLLM's: every chunk also carries the usage so far; only together with include_usage."
     )
+    include_obfuscation: bool | None = Field(
+        None, description="OpenAI's padding of streamed deltas against side channels; accepted, none is added."
+    )
 
     @property
     def usage_on_every_chunk(self) -> bool:
         """vLLM's rule (``should_include_usage``): continuous usage needs ``include_usage`` too, else it is ignored."""
         return self.include_usage and self.continuous_usage_stats
+
+
+class Prediction(_Strict):
+    """OpenAI's predicted output: a latency hint that never changes the reply (accepted, not used)."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+
+class PromptCacheOptions(_Strict):
+    mode: Literal["implicit", "explicit"] | None = None
+    ttl: Literal["30m"] | None = None
+
+
+# OpenAI's chat fields that would change the reply and cannot be honoured here, and why (the 400's message).
+REFUSED = {
+    "functions": "deprecated by OpenAI in favour of tools, which omni_serve honours: send tools",
+    "function_call": "deprecated by OpenAI in favour of tool_choice, which omni_serve honours: send tool_choice",
+    "reasoning_effort": "the served models have no reasoning effort to set",
+    "verbosity": "the served models have no verbosity control",
+    "web_search_options": "omni_serve has no web search",
+    "moderation": "omni_serve runs no moderation model",
+}
 
 
 class SamplingRequest(_Strict):
@@ -135,6 +167,10 @@ class SamplingRequest(_Strict):
             sent["top_k"] = 0
         return {name: value for name, value in sent.items() if value is not None}
 
+    def client_field(self, sampling_field: str) -> str:
+        """The request field a top-level entry of ``entry_sampling`` came from (for errors naming it)."""
+        return sampling_field
+
 
 class ChatCompletionRequest(SamplingRequest):
     model: str | None = None
@@ -143,7 +179,33 @@ class ChatCompletionRequest(SamplingRequest):
     audio: AudioOptions | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: int | None = Field(1, description="Choices per request: one (each would run the whole graph).")
+    logprobs: bool | None = Field(None, description="Report each generated token's log-probability.")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="Alternatives per token; needs logprobs.")
+    response_format: ResponseFormat | None = None
+    # vLLM's extension: any of its structured-output constraints (json, regex, choice, grammar, ...).
+    structured_outputs: StructuredOutputs | None = None
+    tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI fields that change nothing a client gets back here, accepted so clients that send them work
+    # (docs/api.md, "Every chat field"): labels and hints for OpenAI's own storage, caching and routing.
+    user: str | None = None
+    safety_identifier: str | None = Field(None, max_length=128)
+    metadata: dict[str, str] | None = None
+    store: bool | None = Field(None, description="Only false: omni_serve keeps no completions.")
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
+    prediction: Prediction | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    # OpenAI fields that would change the reply and cannot be honoured: refused by name (_refused).
+    functions: Any = None
+    function_call: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
     # vLLM-Omni's extensions, with its meaning (its example clients send them).
     voice: str | None = Field(None, description="The voice, as vLLM-Omni accepts it at the top level.")
     speaker: str | None = Field(None, description="vLLM-Omni's name for voice.")
@@ -156,6 +218,39 @@ class ChatCompletionRequest(SamplingRequest):
     # path drops language and instructions too (they are read by its TTS-model paths).
     language: str | None = None
     instructions: str | None = None
+
+    @field_validator(*REFUSED)
+    @classmethod
+    def _refused(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            raise ValueError(REFUSED[info.field_name or ""])
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int | None) -> int | None:
+        if n not in (None, 1):
+            raise ValueError(
+                "one choice per request: each choice would run the whole graph (talker and code2wav too); "
+                "send n requests with seeds seed, seed + 1, ... for vLLM's n"
+            )
+        return n
+
+    @field_validator("store")
+    @classmethod
+    def _not_stored(cls, store: bool | None) -> bool | None:
+        if store:
+            raise ValueError("omni_serve keeps no completions (only false is accepted)")
+        return store
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_limits(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        if metadata is not None and (
+            len(metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items())
+        ):
+            raise ValueError("at most 16 pairs, keys of at most 64 characters, values of at most 512")
+        return metadata
 
     @field_validator("modalities")
     @classmethod
@@ -170,6 +265,31 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError(f"{', '.join(self._voices())} name different voices; send one")
         return self
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return top
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _one_constraint(cls, value: StructuredOutputs | None, info: ValidationInfo) -> StructuredOutputs | None:
+        if value is not None:
+            value.kind()  # exactly one kind of constraint
+            if not isinstance(info.data.get("response_format"), TextFormat | None):
+                raise ValueError("response_format constrains the output too; send one of them")
+        return value
+
+    def tool_calling(self) -> ToolCalling | None:
+        """The tools the entry stage may call (a 400 naming the field for what cannot be offered)."""
+        return tool_calling(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def client_field(self, sampling_field: str) -> str:
+        if sampling_field == "structured_outputs" and self.response_format is not None:
+            return "response_format"
+        return sampling_field
+
     def _voices(self) -> dict[str, str]:
         named = {"audio.voice": self.audio.voice if self.audio else None, "voice": self.voice, "speaker": self.speaker}
         return {field: voice for field, voice in named.items() if voice}
@@ -179,10 +299,12 @@ class ChatCompletionRequest(SamplingRequest):
         field, voice = next(iter(self._voices().items()), ("audio.voice", None))
         return voice, field
 
-    def chat_messages(self, rules: MediaRules) -> list[ChatMessage]:
-        """The turns for the entry stage, media checked under ``rules`` (their bytes not decoded here)."""
+    def chat_messages(self, rules: MediaRules, transcripts: Transcripts | None = None) -> list[ChatMessage]:
+        """The turns for the entry stage, media checked under ``rules`` (their bytes not decoded here), earlier
+        audio replies named by id replaced by their transcripts (``transcripts``)."""
+        self._check_tool_results()
         audio_in_video = bool(self.mm_processor_kwargs and self.mm_processor_kwargs.use_audio_in_video)
-        messages = [m.chat_message(i, rules, audio_in_video) for i, m in enumerate(self.messages)]
+        messages = [m.chat_message(i, rules, audio_in_video, transcripts) for i, m in enumerate(self.messages)]
         parts = [p for m in messages for p in m.media()]
         if len(parts) > rules.limits.max_parts:
             extra = parts[rules.limits.max_parts].param
@@ -191,6 +313,28 @@ class ChatCompletionRequest(SamplingRequest):
                 extra,
             )
         return messages
+
+    def _check_tool_results(self) -> None:
+        """A tool message answers a call of the assistant turn before it (tool messages between), as OpenAI requires."""
+        calls: set[str] = set()
+        for i, message in enumerate(self.messages):
+            if message.role == "tool" and message.tool_call_id not in calls:
+                param = f"messages.{i}.tool_call_id"
+                raise bad_request(
+                    f"{param}: '{message.tool_call_id}' answers no tool call of the assistant message before it", param
+                )
+            if message.role != "tool":
+                calls = {call.id for call in message.tool_calls or []}
+
+    def entry_sampling(self) -> dict[str, Any]:
+        """The base's entry-stage sampling, with the chat-only fields that become sampling: logprobs and the
+        structured-output constraint of response_format / structured_outputs."""
+        sent = super().entry_sampling()
+        extra = {
+            "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
+            "structured_outputs": constraint(self.response_format, self.structured_outputs),
+        }
+        return sent | {name: value for name, value in extra.items() if value is not None}
 
 
 # Top-level request fields that are also types.SamplingParams fields of the same name.
@@ -233,6 +377,8 @@ class ChatResult:
     usage: Usage = field(default_factory=Usage)
     prompt_text: str | None = None
     last_stage: str | None = None  # the stage of the latest output
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # the text stage's, when asked for
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)  # the entry stage's calls, in pieces
 
     def add(self, output: StageOutput) -> None:
         self.last_stage = output.stage
@@ -245,6 +391,8 @@ class ChatResult:
         self.prompt_text = self.prompt_text or output.prompt_text
         if output.stage != self.text_stage:
             return
+        self.logprobs.extend(output.logprobs or [])
+        self.tool_calls.extend(output.tool_calls)
         if output.usage:
             self.usage = output.usage
         if output.finished:
@@ -261,6 +409,15 @@ def usage_json(usage: Usage) -> dict[str, int]:
     }
 
 
+def logprobs_json(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """OpenAI's ``logprobs`` object of a choice (or a chunk's share of it)."""
+
+    def token(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", errors="replace"))}
+
+    return {"content": [{**token(e.token, e.logprob), "top_logprobs": [token(*t) for t in e.top]} for e in entries]}
+
+
 def completion(
     request_id: str,
     model: str,
@@ -270,29 +427,43 @@ def completion(
     audio_format: AudioFormat,
     *,
     prompt_text: bool = False,
+    logprobs: bool = False,
+    expires_at: int = 0,
 ) -> dict[str, Any]:
     text = "".join(result.text)
-    message: dict[str, Any] = {"role": "assistant", "content": text if Modality.TEXT in modalities else None}
+    calls = calls_json(result.tool_calls)
+    content = text if Modality.TEXT in modalities and (text or not calls) else None  # a call alone: no content
+    message: dict[str, Any] = {"role": "assistant", "content": content}
     if Modality.IMAGE in modalities:  # content becomes parts: the text (if any), then each image
         from omni_serve.api.openai.images import content_parts
 
         parts = [{"type": "text", "text": text}] if text and Modality.TEXT in modalities else []
         message["content"] = parts + content_parts(result.images)
-    if Modality.AUDIO in modalities:
+    if Modality.AUDIO in modalities and (result.audio or not calls):  # a reply that only calls a tool says nothing
         samples = np.concatenate(result.audio) if result.audio else np.zeros(0, dtype=np.float32)
         rate = result.sample_rate or EMPTY_AUDIO_SAMPLE_RATE
         message["audio"] = {
             "id": f"audio-{request_id}",
             "data": b64(encode_audio(samples, rate, audio_format)),
-            "expires_at": int(time.time()) + AUDIO_TTL_S,
+            "expires_at": expires_at,
             "transcript": text,
         }
+    elif Modality.AUDIO in modalities:
+        message["audio"] = None
+    if calls:
+        message["tool_calls"] = calls
+    choice = {
+        "index": 0,
+        "message": message,
+        "finish_reason": result.finish_reason.value,
+        "logprobs": logprobs_json(result.logprobs) if logprobs else None,
+    }
     body = {
         "id": f"chatcmpl-{request_id}",
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": result.finish_reason.value, "logprobs": None}],
+        "choices": [choice],
         "usage": usage_json(result.usage),
     }
     if prompt_text:
@@ -361,12 +532,19 @@ class ChatReply:
     include_usage: bool = False  # a last chunk with the usage (stream_options.include_usage)
     usage_on_every_chunk: bool = False  # vLLM's continuous_usage_stats (StreamOptions.usage_on_every_chunk)
     prompt_text: bool = False
+    logprobs: bool = False  # the request's logprobs: each choice (each chunk) carries the tokens' logprobs
     # What the request's stages did (the log the orchestrator records them into): a stage that stopped at
     # its max_tokens makes the finish_reason "length", whichever stage it was (a talker cut short too).
     stage_log: StageLog | None = None
     stage_metrics: bool = False  # vLLM-Omni's return_stage_metrics: the log as "metrics" on the reply
+    # Keeps an audio reply's transcript under its audio id for later turns that name it (AudioReplies.remember).
+    remember: Callable[[str, str, int], None] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     media_type = "text/event-stream"
+
+    @property
+    def expires_at(self) -> int:
+        return self.created + AUDIO_TTL_S
 
     def decides_status(self, output: StageOutput) -> bool:
         return True  # the first output (or the end): a graph that starts answering answers 200
@@ -384,16 +562,32 @@ class ChatReply:
             self.modalities,
             self.audio_format,
             prompt_text=self.prompt_text,
+            logprobs=self.logprobs,
+            expires_at=self.expires_at,
         )
+        if body["choices"][0]["message"].get("audio"):
+            self._remember(result)
         return self._with_metrics(body, result)
 
     async def stream(self, outputs: AsyncIterator[StageOutput]) -> AsyncIterator[str]:
         request_id, model, created, modalities = self.request_id, self.model, self.created, self.modalities
         result = ChatResult(self.text_stage)
+        pending: list[TokenLogprob] = []  # logprobs not sent yet: they go with the next text or call chunk
 
-        def event(delta: dict[str, Any], modality: Modality | None = None, finish: FinishReason | None = None) -> str:
+        def event(
+            delta: dict[str, Any],
+            modality: Modality | None = None,
+            finish: FinishReason | None = None,
+            tokens: bool = True,
+        ) -> str:
+            """One chunk; ``tokens``: it carries text (or calls, or the end), so the logprobs so far go with it."""
             usage = result.usage if self.usage_on_every_chunk else None
+            logprobs = None
+            if self.logprobs and tokens:
+                logprobs, pending[:] = list(pending), []
             body = chunk(request_id, model, created, delta, finish_reason=finish, modality=modality, usage=usage)
+            if logprobs is not None:
+                body["choices"][0]["logprobs"] = logprobs_json(logprobs)
             return sse(self._with_metrics(body, result))
 
         first = await anext(outputs, None)
@@ -405,21 +599,29 @@ class ChatReply:
             opening["prompt_text"] = first.prompt_text if first else None
         yield sse(opening)
         item = first
+        spoke = False
         while item is not None:
             result.add(item)
+            if item.stage == self.text_stage:
+                pending.extend(item.logprobs or [])
             if item.text and Modality.TEXT in modalities:
                 yield event({"content": item.text}, Modality.TEXT)
             elif item.text and Modality.AUDIO in modalities:  # audio only: the text is its transcript
                 yield event(transcript_delta(request_id, item.text), Modality.AUDIO)
+            if item.tool_calls and item.stage == self.text_stage:
+                yield event({"tool_calls": [delta_json(piece) for piece in item.tool_calls]}, Modality.TEXT)
             if item.audio is not None:
-                yield event(audio_delta(request_id, item, self.audio_format), Modality.AUDIO)
+                spoke = True
+                yield event(audio_delta(request_id, item, self.audio_format), Modality.AUDIO, tokens=False)
             if item.images:  # content parts, as in the non-streamed message
                 from omni_serve.api.openai.images import content_parts
 
-                yield event({"content": content_parts(item.images)}, Modality.IMAGE)
+                yield event({"content": content_parts(item.images)}, Modality.IMAGE, tokens=False)
             item = await anext(outputs, None)
         self._finish(result)
         yield event({}, finish=result.finish_reason)
+        if spoke:
+            self._remember(result)
         if self.include_usage:
             yield sse(self._with_metrics(usage_chunk(request_id, model, created, result.usage), result))
         yield sse("[DONE]")
@@ -429,6 +631,10 @@ class ChatReply:
         (an intermediate stage's outputs never reach the reply; its finish is in the stage log)."""
         if self.stage_log is not None and self.stage_log.cut_short():
             result.finish_reason = FinishReason.LENGTH
+
+    def _remember(self, result: ChatResult) -> None:
+        if self.remember is not None:
+            self.remember(f"audio-{self.request_id}", "".join(result.text), self.expires_at)
 
     def _with_metrics(self, body: dict[str, Any], result: ChatResult) -> dict[str, Any]:
         """``body`` with vLLM-Omni's ``metrics`` as of now, when the request asked for them."""

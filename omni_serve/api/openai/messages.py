@@ -6,6 +6,8 @@ media policy); their bytes ride along undecoded (the entry stage decodes them).
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -115,10 +117,51 @@ def _media_part(part: MediaContentPart, param: str, rules: MediaRules, audio_in_
     return types.MediaPart(type=kind, param=param, url=url, audio_in_video=audio_in_video and kind == "video")
 
 
+class CalledFunction(_Strict):
+    name: str
+    arguments: str = Field(description="The call's arguments as the model wrote them: JSON text.")
+
+
+class AssistantToolCall(_Strict):
+    """One call in an assistant turn of the history (what an earlier reply's ``tool_calls`` held)."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+    def template_call(self) -> dict[str, Any]:
+        """The call as the chat template takes it: arguments as a JSON object when they parse (vLLM's rule)."""
+        arguments: Any = self.function.arguments
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            arguments = parsed
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
+class AudioReference(_Strict):
+    """An earlier reply's audio, named by its ``id`` (OpenAI's multi-turn audio). The other fields are the ones
+    that reply carried, accepted so a client may send the reply's message back as it came."""
+
+    id: str
+    data: str | None = None
+    expires_at: int | None = None
+    transcript: str | None = None
+
+
+# Looks up an earlier reply's transcript by its audio id; raises a 400 naming ``param`` when it cannot.
+Transcripts = Callable[[str, str], str]
+
+
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = Field(None, description="Assistant: the calls that turn made.")
+    tool_call_id: str | None = Field(None, description="Tool: the call this message answers.")
+    audio: AudioReference | None = Field(None, description="Assistant: an earlier reply, named by its audio id.")
 
     @field_validator("content")
     @classmethod
@@ -126,20 +169,40 @@ class Message(_Strict):
         return _valid_unicode(content, "content") if isinstance(content, str) else content
 
     @model_validator(mode="after")
-    def _content_present(self) -> Message:
-        if self.content is None or self.content == []:
+    def _fields_of_the_role(self) -> Message:
+        empty = self.content is None or self.content == []
+        if self.role != "assistant" and (self.tool_calls is not None or self.audio is not None):
+            raise ValueError(f"{'tool_calls' if self.tool_calls is not None else 'audio'}: assistant messages only")
+        if self.role != "tool" and self.tool_call_id is not None:
+            raise ValueError("tool_call_id: tool messages only")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: a tool message names the call it answers")
+        if empty and not (self.role == "assistant" and (self.tool_calls or self.audio is not None)):
             raise ValueError("content: a message needs content")
         return self
 
-    def chat_message(self, index: int, rules: MediaRules, audio_in_video: bool = False) -> ChatMessage:
+    def chat_message(
+        self, index: int, rules: MediaRules, audio_in_video: bool = False, transcripts: Transcripts | None = None
+    ) -> ChatMessage:
         """The turn for the entry stage; ``index`` (its position in ``messages``) names a refused part.
 
-        Text-only turns become one string; a turn with media keeps its parts in order.
+        Text-only turns become one string; a turn with media keeps its parts in order. An assistant turn
+        named by its audio id gets that reply's transcript (``transcripts``) as its text.
         """
-        if isinstance(self.content, str):
-            return ChatMessage(role=self.role, content=self.content)
+        calls = [c.template_call() for c in self.tool_calls] if self.tool_calls else None
+        # A reply sent back as it came has its text as content and its audio: the content is the turn (the
+        # thinker takes an earlier turn as text); the id is looked up only for a turn with no text of its own.
+        if self.audio is not None and (self.content is None or self.content == []):
+            param = f"messages.{index}.audio.id"
+            if transcripts is None:
+                raise bad_request(f"{param}: this route keeps no earlier replies", param)
+            return ChatMessage(role=self.role, content=transcripts(self.audio.id, param), tool_calls=calls)
+        if self.content is None or isinstance(self.content, str):
+            return ChatMessage(
+                role=self.role, content=self.content or "", tool_calls=calls, tool_call_id=self.tool_call_id
+            )
         parts: list[types.TextPart | types.MediaPart] = []
-        for j, part in enumerate(self.content or []):
+        for j, part in enumerate(self.content):
             param = f"messages.{index}.content.{j}"
             if isinstance(part, TextPart):
                 parts.append(types.TextPart(text=part.text))
@@ -150,9 +213,8 @@ class Message(_Strict):
             else:
                 parts.append(_media_part(part, param, rules, audio_in_video))
         texts = [p.text for p in parts if isinstance(p, types.TextPart)]
-        if len(texts) == len(parts):
-            return ChatMessage(role=self.role, content="".join(texts))
-        return ChatMessage(role=self.role, content=parts)
+        content: str | list[types.TextPart | types.MediaPart] = "".join(texts) if len(texts) == len(parts) else parts
+        return ChatMessage(role=self.role, content=content, tool_calls=calls, tool_call_id=self.tool_call_id)
 
 
 class MMProcessorKwargs(_Strict):

@@ -311,11 +311,50 @@ function addImage(parent, src, alt) {
 const speaking = () => !$("#speak-option").hidden && $("#speak").checked;
 const voice = () => ($("#voice-select").hidden ? $("#voice-text").value.trim() : $("#voice-select").value) || undefined;
 
+/** The tools box as the request's `tools` (undefined when empty); bad JSON is an error naming the box. */
+function tools() {
+  const text = $("#tools-json").value.trim();
+  if (!text) return undefined;
+  let parsed;
+  try {
+    parsed = JSON.parse(text);
+  } catch (error) {
+    throw new Error(`tools: not JSON (${error.message})`);
+  }
+  return Array.isArray(parsed) ? parsed : [parsed];
+}
+
+/** A tool call of the reply as it streams in: its name and arguments, and a box for its result. */
+function showToolCall(reply, call) {
+  call.element ??= Object.assign(document.createElement("div"), { className: "tool-call" });
+  const code = Object.assign(document.createElement("code"), {
+    textContent: `${call.function.name}(${call.function.arguments})`,
+  });
+  call.result ??= Object.assign(document.createElement("input"), { className: "tool-result", placeholder: "its result" });
+  call.element.replaceChildren(code, call.result);
+  Object.assign(call.element.dataset, { id: call.id ?? "", name: call.function.name, arguments: call.function.arguments });
+  if (!call.element.isConnected) reply.item.append(call.element);
+}
+
+/** The user's turn (or, after a reply that called tools, the results typed for its calls), then the reply. */
 async function sendChat() {
   const text = $("#prompt").value.trim();
-  const content = attachments.length ? [{ type: "text", text }, ...attachments.map((a) => a.part)] : text;
-  addMessage("user", text, attachments.map((a) => `attached: ${a.name}`));
-  history.push({ role: "user", content });
+  const pending = [...document.querySelectorAll(".tool-call.awaiting")];
+  const turnStart = history.length;
+  if (pending.length) {
+    for (const element of pending) {
+      history.push({ role: "tool", tool_call_id: element.dataset.id, content: element.querySelector("input").value });
+      addMessage("tool", element.querySelector("input").value, [`result of ${element.dataset.name}`]);
+      element.classList.remove("awaiting");
+    }
+  } else if (!text && !attachments.length) {
+    throw new Error("say something first");
+  }
+  if (text || attachments.length) {
+    const content = attachments.length ? [{ type: "text", text }, ...attachments.map((a) => a.part)] : text;
+    addMessage("user", text, attachments.map((a) => `attached: ${a.name}`));
+    history.push({ role: "user", content });
+  }
   $("#prompt").value = "";
   attachments = [];
   $("#attachments").textContent = "";
@@ -327,6 +366,8 @@ async function sendChat() {
     modalities: speaking() ? ["text", "audio"] : ["text"],
   };
   if (speaking()) body.audio = { voice: voice(), format };
+  const offered = tools();
+  if (offered) Object.assign(body, { tools: offered, tool_choice: $("#tool-choice").value });
   const reply = addMessage("assistant", "");
   const report = new Report($("#chat-metrics"));
   player.reset();
@@ -334,6 +375,8 @@ async function sendChat() {
   let answer = "";
   let finished = false;
   let usage = null;
+  let finish = null;
+  const calls = []; // the reply's tool calls, by index, as their pieces stream in
   try {
     const response = await api("v1/chat/completions", { method: "POST", body: JSON.stringify(body) });
     for await (const data of sse(response)) {
@@ -344,6 +387,7 @@ async function sendChat() {
       const chunk = JSON.parse(data);
       if (chunk.error) throw new Error(chunk.error.message);
       usage = chunk.usage ?? usage;
+      finish = chunk.choices?.[0]?.finish_reason ?? finish;
       const delta = chunk.choices?.[0]?.delta ?? {};
       if (typeof delta.content === "string" && delta.content) {
         report.mark("ttft");
@@ -351,6 +395,14 @@ async function sendChat() {
         reply.body.textContent = answer;
       } else if (Array.isArray(delta.content)) {
         for (const part of delta.content) if (part.type === "image_url") addImage(reply.item, part.image_url.url, "image");
+      }
+      for (const piece of delta.tool_calls ?? []) {
+        report.mark("ttft");
+        const call = (calls[piece.index] ??= { id: null, type: "function", function: { name: "", arguments: "" } });
+        call.id = piece.id ?? call.id;
+        call.function.name += piece.function?.name ?? "";
+        call.function.arguments += piece.function?.arguments ?? "";
+        showToolCall(reply, call);
       }
       if (delta.audio?.data) {
         report.mark("ttfa");
@@ -360,13 +412,19 @@ async function sendChat() {
     // A stream that stops before [DONE] was cut short (the server reports errors in-band): never a reply.
     if (!finished) throw new Error("the stream ended before [DONE]: the reply is incomplete");
     await player.queue;
-    history.push({ role: "assistant", content: answer });
+    const made = calls.filter(Boolean);
+    const turn = { role: "assistant", content: answer || null };
+    if (made.length) turn.tool_calls = made.map(({ id, type, function: f }) => ({ id, type, function: f }));
+    history.push(turn);
+    made.forEach((call) => call.element.classList.add("awaiting")); // the next send carries their results
     const [data, parts] = audioReport();
     const tokens = usage ? [`${usage.completion_tokens} tokens`] : [];
-    report.done({ ...data, text: answer }, [...tokens, ...parts]);
+    const called = made.length ? [`${made.length} tool call(s): type each result, then Send`] : [];
+    report.done({ ...data, text: answer, toolCalls: made.length, finishReason: finish ?? "" }, [...tokens, ...called, ...parts]);
   } catch (error) {
-    history.pop(); // the user turn that got no answer
-    if (answer) reply.item.classList.add("failed");
+    history.length = turnStart; // the turn that got no answer
+    pending.forEach((element) => element.classList.add("awaiting"));
+    if (answer || calls.length) reply.item.classList.add("failed");
     else reply.item.remove();
     report.fail(error);
     throw error;
@@ -595,6 +653,7 @@ function main() {
   });
   $("#clear").addEventListener("click", () => {
     history = [];
+    attachments = [];
     $("#messages").replaceChildren();
   });
   $("#attach-file").addEventListener("change", (event) => busy($("#send"), async () => {

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from omni_serve.models.tool_calls import tool_call_parser_field
 from omni_serve.pacing import engine_config, min_step_field
 
 
@@ -44,6 +45,7 @@ class EngineArgs(BaseModel):
         default_factory=dict, description="Sampling fields forced on every request (e.g. the talker's stop token)."
     )
     codec_chunk: CodecChunkArgs | None = Field(None, description="Talker only: stream codec chunks to code2wav.")
+    tool_call_parser: str | None = tool_call_parser_field()
     min_step_s: float = min_step_field()  # omni_serve.pacing; paced in the stage's CPU worker (omni_serve.platforms)
     engine: dict[str, Any] = Field(
         default_factory=dict, description="vLLM-Omni stage engine args (OmniEngineArgs fields, worker/scheduler)."
@@ -63,6 +65,8 @@ class EngineArgs(BaseModel):
                 f"engine.distributed_executor_backend: tensor_parallel_size={tp} inside a Serve replica needs 'mp' "
                 "(the Ray executor loses the replica's placement group)"
             )
+        if self.tool_call_parser is not None and self.model_stage != "thinker":
+            raise ValueError("tool_call_parser: only the thinker parses tool calls from its output")
         if self.codec_chunk is not None and (self.model_stage != "talker" or self.pipeline != "qwen3_omni_moe"):
             raise ValueError("codec_chunk: only the qwen3_omni_moe talker streams codec chunks")
         return self

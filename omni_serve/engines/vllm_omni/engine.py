@@ -256,6 +256,13 @@ class VllmOmniEngine(StageEngine):
 
         return "its EngineCore process died" if isinstance(err, VllmEngineDead) else None
 
+    def invalid_input(self, err: BaseException) -> InvalidStageInput | None:
+        from vllm.exceptions import VLLMValidationError
+
+        if isinstance(err, VLLMValidationError):
+            return InvalidStageInput(str(err), err.parameter)
+        return None
+
     def stats(self) -> dict[str, Any]:
         """``running`` + ``waiting`` = ``in_flight``; ``aborted`` counts engine requests aborted,
         ``generated`` the tokens (codec steps for a talker) the engine produced since start;
@@ -337,12 +344,21 @@ class VllmOmniEngine(StageEngine):
                     with contextlib.suppress(BaseException):
                         await feeding
 
-    def _params(self, request: StageRequest, output_kind: str, **overrides: Any) -> Any:
-        """vLLM sampling params of one engine request: the call's sampling, ``overrides``, the stage's constraints."""
+    def _params(self, request: StageRequest, output_kind: str, sampling: Any = None, **overrides: Any) -> Any:
+        """vLLM sampling params of one engine request: the call's sampling (or ``sampling``), ``overrides``, the
+        stage's constraints. Structured outputs and logprobs are checked as vLLM's input processor checks them
+        (which also picks the structured-output backend, missing otherwise: these requests skip that processor)."""
         from vllm.sampling_params import RequestOutputKind
 
-        sampling = request.sampling.model_copy(update=overrides) if overrides else request.sampling
-        return vllm_sampling_params(sampling, self.args.sampling_constraints, RequestOutputKind[output_kind])
+        sampling = sampling if sampling is not None else request.sampling
+        sampling = sampling.model_copy(update=overrides) if overrides else sampling
+        params = vllm_sampling_params(sampling, self.args.sampling_constraints, RequestOutputKind[output_kind])
+        if params.structured_outputs is not None or params.logprobs is not None:
+            config = self._vllm_config
+            params.verify(
+                config.model_config, config.speculative_config, config.structured_outputs_config, self._tokenizer
+            )
+        return params
 
     def _handoff_in(self, handoff: HandoffPayload | None) -> HandoffPayload:
         """A downstream role's input: the upstream stage's handoff, which it cannot run without."""

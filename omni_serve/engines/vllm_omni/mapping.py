@@ -33,6 +33,12 @@ def vllm_sampling_params(sampling: SamplingParams, constraints: Mapping[str, Any
         # vLLM's own extra sampling parameters (ignore_eos, min_tokens, ...): vLLM-Omni's stages are vLLM engines.
         **{name: getattr(sampling, name) for name in SAMPLING_EXTENSIONS},
     }
+    if sampling.structured_outputs is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        values["structured_outputs"] = StructuredOutputsParams(
+            **sampling.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        )
     merged = merge_sampling_constraints(values, constraints)
     return VllmSamplingParams(**merged, output_kind=output_kind)
 
@@ -110,7 +116,9 @@ def multimodal_prompt(text: str, media: list[Decoded], audio_rate: int) -> dict[
     return {"prompt": text, "multi_modal_data": data, "mm_processor_kwargs": options}
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+def chat_prompt_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     """Prompt token ids of a chat: the template rendered as text, then encoded.
 
     Rendering to text first keeps this independent of what ``apply_chat_template(tokenize=True)``
@@ -118,7 +126,7 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]
     The template writes the special tokens itself, so none are added.
     """
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     except Exception as err:  # jinja2 raises TemplateError for conversations the template refuses
         raise InvalidStageInput(f"messages: the model's chat template refused them: {err}") from None
     return [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]

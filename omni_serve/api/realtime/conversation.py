@@ -1,4 +1,5 @@
-"""A session's conversation: its items (OpenAI's ``realtime.item`` messages) and the thinker's turns made from them.
+"""A session's conversation: its items (OpenAI's ``realtime.item``: messages, function calls and their outputs)
+and the thinker's turns made from them.
 
 User audio is kept as the pcm16 the client sent and goes to the entry stage as a WAV media part
 (the same samples behind a WAV header), through the same media path (by reference, decoded by the
@@ -21,12 +22,13 @@ from typing import Any, Literal
 from omni_serve import types
 from omni_serve.api.errors import stage_bad_request
 from omni_serve.api.openai.errors import bad_request
+from omni_serve.api.openai.messages import AssistantToolCall, CalledFunction
 from omni_serve.api.realtime.events import PCM_RATE, Item
 from omni_serve.media import inputs as media_input
 from omni_serve.media.encode import b64
 from omni_serve.types import ChatMessage, InvalidStageInput
 
-Role = Literal["user", "assistant", "system"]
+Role = Literal["user", "assistant", "system", "tool"]  # tool: a function call's output
 _CONTENT_TYPES: dict[str, set[str]] = {
     "user": {"input_text", "input_audio"},
     "system": {"input_text"},
@@ -95,8 +97,27 @@ class ConversationItem:
     role: Role
     parts: list[Part]
     status: Literal["completed", "incomplete", "in_progress"] = "completed"
+    type: Literal["message", "function_call", "function_call_output"] = "message"
+    call_id: str = ""  # a function call's and its output's
+    name: str = ""  # a function call's
+    arguments: str = ""  # a function call's: JSON text, as the thinker wrote it
+    output: str = ""  # a function call output's
+
+    def nbytes(self) -> int:
+        return (
+            sum(p.nbytes() for p in self.parts)
+            + len(self.call_id)
+            + len(self.name)
+            + len(self.arguments)
+            + len(self.output)
+        )
 
     def json(self, with_audio: bool = False) -> dict[str, Any]:
+        head = {"id": self.id, "type": self.type, "object": "realtime.item", "status": self.status}
+        if self.type == "function_call":
+            return {**head, "call_id": self.call_id, "name": self.name, "arguments": self.arguments}
+        if self.type == "function_call_output":
+            return {**head, "call_id": self.call_id, "output": self.output}
         content = []
         for part in self.parts:
             body: dict[str, Any] = {"type": part.type}
@@ -107,17 +128,18 @@ class ConversationItem:
             else:
                 body["text"] = part.text
             content.append(body)
-        return {
-            "id": self.id,
-            "type": "message",
-            "object": "realtime.item",
-            "status": self.status,
-            "role": self.role,
-            "content": content,
-        }
+        return {**head, "role": self.role, "content": content}
+
+    def template_call(self) -> dict[str, Any]:
+        """A function call as an assistant turn's ``tool_calls`` entry, as chat hands it to the template."""
+        return AssistantToolCall(
+            id=self.call_id, type="function", function=CalledFunction(name=self.name, arguments=self.arguments)
+        ).template_call()
 
     def chat_message(self) -> ChatMessage:
         """This item as one of the thinker's turns (assistant audio: its transcript)."""
+        if self.type == "function_call_output":
+            return ChatMessage(role="tool", content=self.output, tool_call_id=self.call_id)
         if self.role != "user":
             return ChatMessage(role=self.role, content="".join(p.text for p in self.parts))
         content: list[types.TextPart | types.MediaPart] = []
@@ -145,7 +167,25 @@ class ConversationItem:
 
 
 def item_from_client(item: Item, max_audio_bytes: int, takes_audio: bool) -> ConversationItem:
-    """A client's ``conversation.item.create`` item, its content checked against its role."""
+    """A client's ``conversation.item.create`` item, a message's content checked against its role."""
+    item_id = item.id or new_id("item")
+    if item.type == "function_call":
+        assert item.call_id is not None and item.name is not None and item.arguments is not None  # Item checked
+        return ConversationItem(
+            item_id,
+            "assistant",
+            [],
+            type="function_call",
+            call_id=item.call_id,
+            name=item.name,
+            arguments=item.arguments,
+        )
+    if item.type == "function_call_output":
+        assert item.call_id is not None and item.output is not None
+        return ConversationItem(
+            item_id, "tool", [], type="function_call_output", call_id=item.call_id, output=item.output
+        )
+    assert item.role is not None
     parts = []
     for j, content in enumerate(item.content):
         param = f"item.content.{j}"
@@ -165,7 +205,7 @@ def item_from_client(item: Item, max_audio_bytes: int, takes_audio: bool) -> Con
             if content.text is None:
                 raise bad_request(f"{param}.text: {content.type} needs text", f"{param}.text")
             parts.append(Part(content.type, content.text))
-    return ConversationItem(item.id or new_id("item"), item.role, parts)
+    return ConversationItem(item_id, item.role, parts)
 
 
 @dataclass
@@ -182,6 +222,10 @@ class Conversation:
         """Insert ``item`` after ``previous_item_id`` (the end when None); returns the item before it."""
         if any(i.id == item.id for i in self.items):
             raise bad_request(f"item.id: an item {item.id!r} already exists", "item.id")
+        if item.type == "function_call_output" and not any(
+            i.type == "function_call" and i.call_id == item.call_id for i in self.items
+        ):  # an output answers a call (OpenAI's rule for a tool message in chat)
+            raise bad_request(f"item.call_id: no function_call item has call_id {item.call_id!r}", "item.call_id")
         if previous_item_id is None:
             at = len(self.items)
         elif previous_item_id == "root":
@@ -195,7 +239,7 @@ class Conversation:
         self.items.remove(self.find(item_id))
 
     def nbytes(self) -> int:
-        return sum(part.nbytes() for item in self.items for part in item.parts)
+        return sum(item.nbytes() for item in self.items)
 
     def drop_unread_audio(self, need: int, max_audio_parts: int) -> int:
         """Drop the audio the thinker no longer reads, oldest first, until ``need`` bytes are free; the bytes freed."""
@@ -219,15 +263,22 @@ class Conversation:
         audio_items = self._user_audio()
         as_text = {i.id for i in audio_items[: max(0, len(audio_items) - max_audio_parts)]}
         head = [ChatMessage(role="system", content=instructions)] if instructions else []
-        turns = []
+        turns: list[ChatMessage] = []
         for item in self.items:
-            if item.id in as_text:
+            if item.type == "function_call":
+                if item.status != "completed":  # cut off while the thinker wrote it: no call was made
+                    continue
+                if turns and turns[-1].role == "assistant":  # the reply's text before it, or an earlier call
+                    turns[-1].tool_calls = [*(turns[-1].tool_calls or []), item.template_call()]
+                else:
+                    turns.append(ChatMessage(role="assistant", content="", tool_calls=[item.template_call()]))
+            elif item.id in as_text:
                 text = " ".join(p.text for p in item.parts if p.text)
                 if text:
                     turns.append(ChatMessage(role="user", content=text))
-            elif item.role == "user" or any(p.text for p in item.parts):  # not an empty, cancelled reply
+            elif item.role in ("user", "tool") or any(p.text for p in item.parts):  # not an empty, cancelled reply
                 message = item.chat_message()
-                if message.content:  # not a user turn whose audio was dropped and had no transcript
+                if message.content or item.role == "tool":  # not a user turn whose audio was dropped, untranscribed
                     turns.append(message)
         return head + turns
 

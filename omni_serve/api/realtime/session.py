@@ -165,12 +165,12 @@ class Session:
         elif isinstance(event, ev.ItemCreate):
             self.check_room()
             item = item_from_client(event.item, self.graph.max_audio_bytes, self.graph.takes_audio)
-            self.make_room(sum(p.nbytes() for p in item.parts))
+            self.make_room(item.nbytes())
             self._add_item(item, event.previous_item_id)
         elif isinstance(event, ev.ItemTruncate):
             item = self.conversation.find(event.item_id)
-            if item.role != "assistant":
-                raise bad_request("item_id: only assistant items can be truncated", "item_id")
+            if item.role != "assistant" or item.type != "message":
+                raise bad_request("item_id: only assistant messages can be truncated", "item_id")
             if event.content_index >= len(item.parts):
                 raise bad_request(f"content_index: item has {len(item.parts)} content parts", "content_index")
             item.truncate(event.content_index, event.audio_end_ms)

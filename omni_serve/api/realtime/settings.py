@@ -12,6 +12,7 @@ from omni_serve.api.openai.errors import bad_request
 from omni_serve.api.realtime import events as ev
 from omni_serve.api.realtime.input_audio import InputAudio
 from omni_serve.api.realtime.session_graph import SessionGraph
+from omni_serve.api.realtime.tools import ToolChoice, Tools, choice_json, tool_calling
 
 
 @dataclass
@@ -22,6 +23,9 @@ class Settings:
     turn: ev.TurnDetection | None = field(default_factory=ev.TurnDetection)
     transcription: ev.Transcription | None = None
     max_output_tokens: int | str = "inf"
+    tools: Tools = field(default_factory=list)
+    tool_choice: ToolChoice | None = None  # None: auto, OpenAI's default
+    parallel_tool_calls: bool | None = None  # None: true
 
     def json(self, session_id: str, model: str) -> dict[str, Any]:
         """OpenAI's ``realtime.session`` object."""
@@ -35,6 +39,9 @@ class Settings:
             "instructions": self.instructions,
             "output_modalities": self.modalities,
             "max_output_tokens": self.max_output_tokens,
+            "tools": [t.model_dump(exclude_none=True) for t in self.tools],
+            "tool_choice": choice_json(self.tool_choice),
+            "parallel_tool_calls": self.parallel_tool_calls is not False,
             "audio": {
                 "input": {
                     "format": fmt,
@@ -76,6 +83,10 @@ async def update(session: Session, config: ev.SessionConfig) -> None:
     turn_on = turn_set and audio.input is not None and audio.input.turn_detection is not None
     if turn_on and not graph.takes_audio:
         raise bad_request("session.audio.input.turn_detection: this graph takes no audio", "turn_detection")
+    tools = s.tools if config.tools is None else config.tools
+    choice = config.tool_choice if "tool_choice" in config.model_fields_set else s.tool_choice
+    parallel = s.parallel_tool_calls if config.parallel_tool_calls is None else config.parallel_tool_calls
+    tool_calling(tools, choice, parallel, "session.")  # checked as chat checks a request's tools
     if config.instructions is not None:  # instructions are bytes the session holds
         session.make_room(len(config.instructions) - len(s.instructions))
     # Validated whole: now applied.
@@ -87,6 +98,7 @@ async def update(session: Session, config: ev.SessionConfig) -> None:
         s.voice = voice
     if config.max_output_tokens is not None:
         s.max_output_tokens = config.max_output_tokens
+    s.tools, s.tool_choice, s.parallel_tool_calls = tools, choice, parallel
     if audio.input is not None and "transcription" in audio.input.model_fields_set:
         s.transcription = audio.input.transcription
     if turn_set and audio.input is not None:

@@ -12,6 +12,7 @@ HTTP requests on the replica.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.websockets import WebSocket
@@ -34,7 +35,7 @@ class Sessions:
 
     def __init__(self, limit: int):
         self.limit = limit
-        self.open: set[Session] = set()
+        self.open: dict[Session, Callable[[], int]] = {}  # each open session -> the bytes its client has not taken
 
     def full(self) -> APIError | None:
         if len(self.open) < self.limit:
@@ -47,10 +48,11 @@ class Sessions:
         )
 
     def stats(self) -> dict[str, Any]:
-        """Per open session: the bytes it holds, its unsent bytes and pending transcriptions (bounded by the limits)."""
+        """Per open session: the bytes it holds, the bytes its client has not taken, its pending transcriptions."""
         return {
             "sessions": len(self.open),
             "held_bytes": sorted(s.held_bytes() for s in self.open),
+            "unsent_bytes": sorted(unsent() for unsent in self.open.values()),
             "pending_transcriptions": sorted(len(s.transcriptions.tasks) for s in self.open),
         }
 

@@ -112,13 +112,13 @@ async def serve_session(
         await _close(websocket, outbox, code, refused.message)
         return
     session = Session(graph, outbox.put)
-    graph.sessions.open.add(session)
+    graph.sessions.open[session] = lambda: outbox.unsent
     ending: APIError | None = None
     try:
         session.send("session.created", session=session.session_json())
         ending = await _events(websocket, session, outbox, serve_limit_s)
     finally:
-        graph.sessions.open.discard(session)
+        graph.sessions.open.pop(session, None)
         await session.close()
         if ending is not None:
             outbox.put_last(ev.error_event(ending, None))

@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from omni_serve.api.realtime.admission import Sessions
-from omni_serve.api.realtime.session import Session, SessionGraph
+from omni_serve.api.realtime.session import Session
+from omni_serve.api.realtime.session_graph import SessionGraph
 from omni_serve.api.realtime.vad import VadWorkers
 from omni_serve.graph.config import RealtimeConfig
 from omni_serve.graph.stage_log import StageLog

@@ -47,7 +47,7 @@ from omni_serve.api.openai.transcriptions import TranscriptionReply, Transcripti
 from omni_serve.api.openai.voices import resolve_voice, voices_json
 from omni_serve.api.realtime.admission import Sessions
 from omni_serve.api.realtime.connection import serve_session
-from omni_serve.api.realtime.session import SessionGraph
+from omni_serve.api.realtime.session_graph import SessionGraph
 from omni_serve.api.realtime.vad import VadWorkers
 from omni_serve.api.sampling import StageSampling
 from omni_serve.api.serving import Serving

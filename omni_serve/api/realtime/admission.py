@@ -13,16 +13,14 @@ HTTP requests on the replica.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from starlette.websockets import WebSocket
 
 from omni_serve.api.auth import api_key_matches
 from omni_serve.api.hosts import origin_allowed
 from omni_serve.api.openai.errors import APIError
-
-if TYPE_CHECKING:
-    from omni_serve.api.realtime.session import Session, SessionGraph
+from omni_serve.graph.config import RealtimeConfig
 
 # Browsers cannot set headers on a websocket: OpenAI's browser SDK sends the key as a subprotocol.
 KEY_PROTOCOL = "openai-insecure-api-key."
@@ -30,12 +28,20 @@ POLICY_VIOLATION = 1008  # RFC 6455: the close code for a session that broke a r
 TRY_AGAIN_LATER = 1013  # RFC 6455 (IANA registry): the server is overloaded
 
 
+class OpenSession(Protocol):
+    """What the replica's accounts read of an open session."""
+
+    def held_bytes(self) -> int: ...
+
+    def pending_transcriptions(self) -> int: ...
+
+
 class Sessions:
     """The sessions one ingress replica holds (the room they take, and what tests and operators read of them)."""
 
     def __init__(self, limit: int):
         self.limit = limit
-        self.open: dict[Session, Callable[[], int]] = {}  # each open session -> the bytes its client has not taken
+        self.open: dict[OpenSession, Callable[[], int]] = {}  # each open session -> the bytes its client has not taken
 
     def full(self) -> APIError | None:
         if len(self.open) < self.limit:
@@ -53,12 +59,12 @@ class Sessions:
             "sessions": len(self.open),
             "held_bytes": sorted(s.held_bytes() for s in self.open),
             "unsent_bytes": sorted(unsent() for unsent in self.open.values()),
-            "pending_transcriptions": sorted(len(s.transcriptions.tasks) for s in self.open),
+            "pending_transcriptions": sorted(s.pending_transcriptions() for s in self.open),
         }
 
 
-def refusal(websocket: WebSocket, graph: SessionGraph, api_key: str | None) -> APIError | None:
-    """Why this connection may not open a session (auth, Origin, model), or None."""
+def refusal(websocket: WebSocket, model: str, limits: RealtimeConfig, api_key: str | None) -> APIError | None:
+    """Why this connection may not open a session to the graph serving ``model`` (auth, Origin, model), or None."""
     protocols = [p.strip() for p in websocket.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
     if api_key is not None:
         offered = [p[len(KEY_PROTOCOL) :] for p in protocols if p.startswith(KEY_PROTOCOL)]
@@ -71,14 +77,14 @@ def refusal(websocket: WebSocket, graph: SessionGraph, api_key: str | None) -> A
                 code="invalid_api_key",
             )
     origin = websocket.headers.get("origin")
-    if origin is not None and not origin_allowed(origin, websocket.headers.get("host"), graph.limits.allowed_origins):
+    if origin is not None and not origin_allowed(origin, websocket.headers.get("host"), limits.allowed_origins):
         message = f"origin {origin[:80]!r} is neither this server's nor listed in realtime.allowed_origins"
         return APIError(403, message, type="invalid_request_error", code="origin_not_allowed")
-    model = websocket.query_params.get("model")
-    if model is not None and model != graph.model:
+    asked = websocket.query_params.get("model")
+    if asked is not None and asked != model:
         return APIError(
             404,
-            f"model '{model}' does not exist; this server serves '{graph.model}'",
+            f"model '{asked}' does not exist; this server serves '{model}'",
             type="invalid_request_error",
             param="model",
             code="model_not_found",

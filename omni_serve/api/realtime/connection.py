@@ -26,7 +26,8 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from omni_serve.api.openai.errors import APIError
 from omni_serve.api.realtime import events as ev
 from omni_serve.api.realtime.admission import POLICY_VIOLATION, TRY_AGAIN_LATER, refusal
-from omni_serve.api.realtime.session import Session, SessionGraph
+from omni_serve.api.realtime.session import Session
+from omni_serve.api.realtime.session_graph import SessionGraph
 
 CLOSE_WAIT_S = 2.0  # how long the last events and the close frame may take to go out before the session is dropped
 
@@ -103,7 +104,7 @@ async def serve_session(
             await websocket.send_text(text)
 
     outbox = Outbox(send_text, graph.limits.max_unsent_bytes)
-    refused = refusal(websocket, graph, api_key)
+    refused = refusal(websocket, graph.model, graph.limits, api_key)
     code = POLICY_VIOLATION
     if refused is None and (refused := graph.sessions.full()) is not None:
         code = TRY_AGAIN_LATER

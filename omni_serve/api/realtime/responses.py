@@ -19,20 +19,37 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
 from omni_serve.api.openai.chat import SamplingRequest
 from omni_serve.api.openai.errors import APIError, bad_request, from_validation
 from omni_serve.api.realtime import events as ev
-from omni_serve.api.realtime.conversation import ConversationItem, Part, new_id
+from omni_serve.api.realtime.conversation import Conversation, ConversationItem, Part, new_id
+from omni_serve.api.realtime.session_graph import SessionGraph
+from omni_serve.api.realtime.settings import Settings
 from omni_serve.graph.orchestrator import OmniRequest
 from omni_serve.media.encode import b64, encode_audio
 from omni_serve.types import Modality, SamplingParams, Usage
 
-if TYPE_CHECKING:
-    from omni_serve.api.realtime.session import Session
+
+class Session(Protocol):
+    """What a response uses of its session (:class:`~omni_serve.api.realtime.session.Session`)."""
+
+    id: str
+    graph: SessionGraph
+    settings: Settings
+    conversation: Conversation
+    spoke: bool
+
+    def send(self, kind: str, **fields: Any) -> None: ...
+
+    def spend_bytes(self, n: int) -> None: ...
+
+    def check_room(self) -> None: ...
+
+    def fit(self) -> None: ...
 
 
 @dataclass

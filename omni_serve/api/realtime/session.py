@@ -3,23 +3,21 @@
 The session's parts, each in the module named after it: its settings and ``session.update``
 (:mod:`.settings`), the input audio buffer and its turns (:mod:`.input_audio`, the VAD in :mod:`.vad`),
 the conversation (:mod:`.conversation`), responses (:mod:`.responses`), ``input_audio_transcription``
-(:mod:`.transcription`); the websocket that feeds it (:mod:`.connection`) and who may open one
-(:mod:`.admission`). This module parses each client event, holds the session to its budgets (events
-and bytes per second, :mod:`.budget`; the bytes it holds) and dispatches it. No stage knows about
-sessions.
+(:mod:`.transcription`), what it uses of its ingress (:mod:`.session_graph`); the websocket that feeds
+it (:mod:`.connection`) and who may open one (:mod:`.admission`). Each part names what it uses of the
+session (a Protocol), so none imports this module. This module parses each client event, holds the
+session to its budgets (events and bytes per second, :mod:`.budget`; the bytes it holds) and
+dispatches it. No stage knows about sessions.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-from omni_serve.api.openai.chat import SamplingRequest
 from omni_serve.api.openai.errors import APIError, bad_request
 from omni_serve.api.realtime import events as ev
-from omni_serve.api.realtime.admission import Sessions
 from omni_serve.api.realtime.budget import TokenBucket
 from omni_serve.api.realtime.conversation import (
     Conversation,
@@ -32,34 +30,11 @@ from omni_serve.api.realtime.conversation import (
 )
 from omni_serve.api.realtime.input_audio import InputAudio
 from omni_serve.api.realtime.responses import Responses
+from omni_serve.api.realtime.session_graph import SessionGraph
 from omni_serve.api.realtime.settings import Settings, update
 from omni_serve.api.realtime.transcription import Transcriptions
-from omni_serve.api.realtime.vad import VadWorkers
-from omni_serve.graph.config import RealtimeConfig
-from omni_serve.graph.orchestrator import OmniRequest
-from omni_serve.graph.stage_log import StageLog
-from omni_serve.types import SamplingParams, StageOutput
 
 Send = Callable[[dict[str, Any]], None]  # queues one server event (the connection's outbox)
-
-
-@dataclass(frozen=True)
-class SessionGraph:
-    """What a session uses of its ingress: the graph's facts, the one way to run a request, the replica's sessions."""
-
-    model: str
-    outputs: Callable[[OmniRequest, str], AsyncIterator[StageOutput]]  # Serving.outputs
-    sampling: Callable[[SamplingRequest], dict[str, SamplingParams]]  # StageSampling.for_request
-    voice: Callable[[str, str], Awaitable[str | None]]  # (name, param) -> the graph's voice, or a 400
-    stage_log: Callable[[], StageLog]  # a fresh log for one request (what its stages did)
-    text_stage: str | None
-    speaks: bool  # the graph has an audio final output
-    takes_audio: bool  # the entry stage takes audio input
-    max_audio_parts: int  # media parts one request may carry (media_input.max_parts)
-    max_audio_bytes: int
-    limits: RealtimeConfig
-    sessions: Sessions  # the replica's open sessions (admission)
-    vad: VadWorkers  # the replica's VAD threads and models
 
 
 class Session:
@@ -104,6 +79,9 @@ class Session:
     def held_bytes(self) -> int:
         """What the session holds: its input audio buffer, its items' audio and text, its instructions."""
         return len(self.audio.buffer) + self.conversation.nbytes() + len(self.settings.instructions)
+
+    def pending_transcriptions(self) -> int:
+        return len(self.transcriptions.tasks)
 
     def make_room(self, n: int) -> None:
         """Room for ``n`` more bytes: the audio the thinker no longer reads dropped first, else refused."""

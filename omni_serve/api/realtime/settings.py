@@ -6,13 +6,12 @@ An update is validated whole before any of it applies: a refused update leaves t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from omni_serve.api.openai.errors import bad_request
 from omni_serve.api.realtime import events as ev
-
-if TYPE_CHECKING:
-    from omni_serve.api.realtime.session import Session
+from omni_serve.api.realtime.input_audio import InputAudio
+from omni_serve.api.realtime.session_graph import SessionGraph
 
 
 @dataclass
@@ -45,6 +44,17 @@ class Settings:
                 "output": {"format": fmt, "voice": self.voice},
             },
         }
+
+
+class Session(Protocol):
+    """What ``session.update`` uses of its session (:class:`~omni_serve.api.realtime.session.Session`)."""
+
+    graph: SessionGraph
+    settings: Settings
+    audio: InputAudio
+    spoke: bool
+
+    def make_room(self, n: int) -> None: ...
 
 
 async def update(session: Session, config: ev.SessionConfig) -> None:

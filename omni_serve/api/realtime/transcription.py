@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from omni_serve.api.openai.chat import SamplingRequest
 from omni_serve.api.openai.errors import APIError
@@ -21,11 +21,23 @@ from omni_serve.api.openai.transcriptions import Transcript, transcription_messa
 from omni_serve.api.openai.transcriptions import usage_json as transcription_usage
 from omni_serve.api.realtime import events as ev
 from omni_serve.api.realtime.conversation import ConversationItem
+from omni_serve.api.realtime.session_graph import SessionGraph
+from omni_serve.graph.config import RealtimeConfig
 from omni_serve.graph.orchestrator import OmniRequest
 from omni_serve.types import MediaPart, Modality
 
-if TYPE_CHECKING:
-    from omni_serve.api.realtime.session import Session
+
+class Session(Protocol):
+    """What a transcription uses of its session (:class:`~omni_serve.api.realtime.session.Session`)."""
+
+    graph: SessionGraph
+    limits: RealtimeConfig
+
+    def send(self, kind: str, **fields: Any) -> None: ...
+
+    def error(self, error: APIError, event_id: str | None) -> None: ...
+
+    def fit(self) -> None: ...
 
 
 class Transcriptions:

@@ -136,8 +136,8 @@ class RealtimeConfig(BaseModel):
         16 << 20,
         ge=1 << 20,
         description="Server events a session's client has not taken yet; beyond it the client is not reading and "
-        "the session is closed (error event, close 1008). Seen where the ingress writes the socket itself "
-        "(Serve's HAProxy ingress); behind Serve's Python proxy the proxy buffers instead (docs/realtime.md).",
+        "the session is closed (error event, close 1008). Seen only where the session's writes wait on the "
+        "client; deployed on Serve 2.60 they were not seen to, behind either ingress (docs/realtime.md).",
     )
     allowed_origins: list[str] = Field(
         default_factory=list,

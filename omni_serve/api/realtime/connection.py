@@ -4,11 +4,10 @@ Events are handled one at a time in arrival order. What the session sends goes t
 :class:`Outbox`: one writer task takes the events to the socket in order, so no producer (the event
 loop, the active response, a transcription) ever waits on the client, and the bytes the client has
 not taken are bounded: past ``realtime.max_unsent_bytes`` the client is not reading, and the session
-ends (its response cancelled, an ``error`` event, close 1008). The writer can only see that where
-the ingress writes the socket itself (Serve's HAProxy ingress, whose replica serves the connection);
-behind Serve's Python proxy each send is handed to the proxy at once (Serve 2.60 relays a websocket's
-messages through a Ray streaming generator, without backpressure), and a client that does not read
-is buffered there.
+ends (its response cancelled, an ``error`` event, close 1008). The writer sees that only where the
+websocket's sends wait on the client; deployed on Serve 2.60 they were not seen to, behind its Python
+proxy (a Ray streaming generator without backpressure relays them) nor behind its HAProxy ingress
+(docs/realtime.md, "A client that never reads").
 """
 
 from __future__ import annotations

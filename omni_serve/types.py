@@ -71,6 +71,11 @@ class StructuredOutputs(BaseModel):
         return chosen[0]
 
 
+# Generation lengths above this are refused outright, on every route and in every stage's sampling
+# (stages also cap at their context).
+MAX_TOKENS_LIMIT = 1 << 20
+
+
 class SamplingParams(BaseModel):
     """Sampling for one stage of one request: graph defaults merged with request overrides."""
 
@@ -79,7 +84,9 @@ class SamplingParams(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 means greedy decoding.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="0 disables top-k filtering.")
-    max_tokens: int = Field(256, ge=1, description="Tokens (or codec frames) this stage may generate.")
+    max_tokens: int = Field(
+        256, ge=1, le=MAX_TOKENS_LIMIT, description="Tokens (or codec frames) this stage may generate."
+    )
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="1.0 disables it.")
     seed: int | None = Field(None, description="Per-request seed; None draws one.")
     stop: list[str] = Field(default_factory=list, description="Stop strings (text stages).")

@@ -44,9 +44,11 @@ class FakeStages(StageTransport):
         hang: str | None = None,
         abort: str | None = None,
         hang_after_first: str | None = None,
+        length: str | None = None,
     ):
         self.calls: dict[str, list[StageRequest]] = defaultdict(list)
         self.chunks, self.fail, self.hang, self.abort = chunks, fail, hang, abort
+        self.length = length  # this stage's calls stop at their max_tokens (finish_reason LENGTH)
         self.hang_after_first = hang_after_first
         self.cancelled: list[str] = []
 
@@ -61,13 +63,15 @@ class FakeStages(StageTransport):
                 for word in ["hello ", "world"]:
                     yield StageOutput(stage=stage, text=word)
                 payload = HandoffPayload("fake.thinker2talker", {"hidden": np.ones((3, 4), np.float32)})
-                yield StageOutput(stage=stage, finished=True, finish_reason=FinishReason.STOP, handoff=payload)
+                reason = FinishReason.LENGTH if stage == self.length else FinishReason.STOP
+                yield StageOutput(stage=stage, finished=True, finish_reason=reason, handoff=payload)
             elif stage == "talker":
                 assert request.handoff.kind == "fake.thinker2talker"
                 for i in range(self.chunks):
                     payload = HandoffPayload("fake.codes", {"codes": np.full((2, 3), i)})
                     last = i == self.chunks - 1
                     reason = FinishReason.ABORT if last and stage == self.abort else FinishReason.STOP
+                    reason = FinishReason.LENGTH if stage == self.length else reason
                     yield StageOutput(
                         stage=stage, handoff=payload, finished=last, finish_reason=reason if last else None
                     )

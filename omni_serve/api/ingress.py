@@ -17,6 +17,7 @@ derives each stage call's engine id from the server's id.
 # ingress class travels to its replica by value, where string annotations no longer resolve.
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -38,14 +39,17 @@ from omni_serve.api.errors import from_failure, stage_bad_request
 from omni_serve.api.hosts import TrustedHosts
 from omni_serve.api.http import check_content_type, parse_json_object, read_body, read_form
 from omni_serve.api.openai.audio_replies import AudioReplies
-from omni_serve.api.openai.chat import ChatCompletionRequest, ChatReply, StreamOptions
+from omni_serve.api.openai.chat import ChatCompletionRequest, ChatReply, SamplingRequest, StreamOptions
 from omni_serve.api.openai.errors import APIError, bad_request, from_validation, http_exception_handler
 from omni_serve.api.openai.images import ImageGenerationRequest, ImagesReply
 from omni_serve.api.openai.messages import MediaRules
 from omni_serve.api.openai.speech import SpeechReply, SpeechRequest
 from omni_serve.api.openai.transcriptions import TranscriptionReply, TranscriptionRequest, transcription_messages
 from omni_serve.api.openai.voices import resolve_voice, voices_json
-from omni_serve.api.realtime.session import SessionGraph, serve_session
+from omni_serve.api.realtime.admission import Sessions
+from omni_serve.api.realtime.connection import serve_session
+from omni_serve.api.realtime.session_graph import SessionGraph
+from omni_serve.api.realtime.vad import VadWorkers
 from omni_serve.api.sampling import StageSampling
 from omni_serve.api.serving import Serving
 from omni_serve.graph.config import DEADLINE_MARGIN_S, GraphConfig, check_timeouts, load_graph
@@ -115,17 +119,21 @@ class Ingress:
         self._voices: list[str] | None = None  # asked from the stages once, on first need
         self.audio_replies = AudioReplies()  # transcripts of this replica's audio replies, for later turns
         playground.configure(self.graph, self._check_auth, self.serve_view)
+        realtime = self.graph.realtime
         self.session_graph = SessionGraph(
             model=self.graph.served_model_name,
             outputs=self.serving.outputs,
-            sampling=self.sampling.for_chat,
+            sampling=self.sampling.for_request,
             voice=self._voice,
+            stage_log=functools.partial(StageLog, self.graph),
             text_stage=self.text_stage,
             speaks=Modality.AUDIO in self.graph.modalities,
             takes_audio=Modality.AUDIO in self.graph.input_modalities,
             max_audio_parts=self.graph.media_input.max_parts,
             max_audio_bytes=self.graph.media_input.max_bytes,
-            limits=self.graph.realtime,
+            limits=realtime,
+            sessions=Sessions(realtime.max_sessions),
+            vad=VadWorkers(realtime.audio_workers, keep_models=realtime.max_sessions),
         )
 
     # ---- the engine in this replica (engine_in_ingress): Serve's hooks, handle methods, shutdown ------
@@ -147,6 +155,9 @@ class Ingress:
         local = getattr(self, "local", None)
         if local is not None:
             local.shutdown()  # Serve calls __del__ when the replica stops
+        session_graph = getattr(self, "session_graph", None)
+        if session_graph is not None:
+            session_graph.vad.shutdown()
 
     # ---- not HTTP: handle methods for tests and operators -------------------------------------
     def payload_loads(self) -> dict[str, int]:
@@ -160,6 +171,11 @@ class Ingress:
     def media_decodes(self) -> dict[str, int]:
         """How many media items this process decoded (the invariant says: none; the entry stage decodes)."""
         return media_input.decodes()
+
+    def realtime_stats(self) -> dict[str, Any]:
+        """This replica's realtime sessions: how many, the bytes each holds, its pending transcriptions, and
+        the seconds of audio the VAD scored (work done: the CPU it costs is bounded by the audio budget)."""
+        return {**self.session_graph.sessions.stats(), "vad_audio_s": self.session_graph.vad.audio_s}
 
     # ---- what the routes share -----------------------------------------------------------------
     def _check_auth(self, request: Request) -> None:
@@ -187,11 +203,16 @@ class Ingress:
             verb = "generate images" if produces is Modality.IMAGE else f"produce {produces.value}"
             raise bad_request(f"model '{self.graph.served_model_name}' does not {verb}", "model")
 
-    def _omni_request(self, request: Request, **fields: Any) -> OmniRequest:
-        """The internal request with its server-minted id and its deadline."""
+    def _omni_request(self, request: Request, arrived: float | None = None, **fields: Any) -> OmniRequest:
+        """The internal request with its server-minted id, its deadline and its stage log (what its stages did,
+        read by the reply: which stage stopped at its max_tokens, vLLM-Omni's stage metrics)."""
         client_id = request.headers.get("x-request-id") or None
         return OmniRequest(
-            request_id=uuid.uuid4().hex, client_request_id=client_id, deadline=self._deadline(request), **fields
+            request_id=uuid.uuid4().hex,
+            client_request_id=client_id,
+            deadline=self._deadline(request),
+            stage_log=StageLog(self.graph, start=arrived),
+            **fields,
         )
 
     def _deadline(self, request: Request) -> float | None:
@@ -290,15 +311,14 @@ class Ingress:
         messages = self._chat_messages(body)
         tools = body.tool_calling()
         voice = await self._voice(*body.requested_voice()) if Modality.AUDIO in modalities else None
-        stage_log = StageLog(self.graph, start=arrived) if body.return_stage_metrics else None
         omni = self._omni_request(
             request,
+            arrived,
             modalities=modalities,
-            sampling=self.sampling.for_chat(body),
+            sampling=self.sampling.for_request(body),
             messages=messages,
             voice=voice,
             return_prompt_text=bool(body.return_prompt_text),
-            stage_log=stage_log,
             tools=tools,
         )
         stream_options = body.stream_options or StreamOptions()
@@ -312,7 +332,8 @@ class Ingress:
             usage_on_every_chunk=stream_options.usage_on_every_chunk,
             prompt_text=omni.return_prompt_text,
             logprobs=bool(body.logprobs),
-            stage_log=stage_log,
+            stage_log=omni.stage_log,
+            stage_metrics=bool(body.return_stage_metrics),
             remember=self.audio_replies.remember,
         )
         return await self.serving.respond(omni, "chat", reply, stream=body.stream)
@@ -334,9 +355,7 @@ class Ingress:
         omni = self._omni_request(
             request,
             modalities={Modality.TEXT},
-            sampling=self.sampling.for_chat(
-                ChatCompletionRequest.model_construct(messages=[], temperature=body.temperature)
-            ),
+            sampling=self.sampling.for_request(SamplingRequest(temperature=body.temperature)),
             messages=transcription_messages(audio, body.language, body.prompt),
         )
         reply = TranscriptionReply(body.response_format, body.stream, self.text_stage, body.language)
@@ -385,7 +404,8 @@ class Ingress:
             voice=voice,
             reply=body.input,
         )
-        return await self.serving.respond(omni, "speech", SpeechReply(body.response_format), stream=True)
+        reply = SpeechReply(body.response_format, omni.stage_log)
+        return await self.serving.respond(omni, "speech", reply, stream=True)
 
     @api.post("/v1/images/generations")
     async def images_generations(self, request: Request) -> Response:

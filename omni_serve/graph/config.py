@@ -75,20 +75,69 @@ class StageConfig(BaseModel):
 
 
 class RealtimeConfig(BaseModel):
-    """Bounds of one ``/v1/realtime`` session (each ingress replica holds its sessions' state)."""
+    """Bounds of ``/v1/realtime`` sessions (each ingress replica holds its sessions' state): what one session may
+    hold (bytes, items, audio), spend (events, bytes and audio seconds per second of wall time) and leave unread,
+    and how many sessions one replica holds. Every breach is an ``error`` event (docs/realtime.md, Limits)."""
 
     model_config = ConfigDict(extra="forbid")
 
     max_session_minutes: float = Field(60.0, gt=0, description="A session is closed (1008) after this long.")
+    max_sessions: int = Field(
+        32,
+        ge=1,
+        description="Sessions one ingress replica holds at once; one more is refused (error event, close 1013). "
+        "Each session, idle or not, is one of the ingress's max_ongoing_requests for its whole life: keep this "
+        "below it, so HTTP requests keep room.",
+    )
     max_buffered_audio_s: float = Field(
         120.0, gt=0, description="Uncommitted input audio a session may hold; an append beyond it is refused."
     )
     max_items: int = Field(256, ge=2, description="Conversation items a session may hold.")
+    max_session_bytes: int = Field(
+        32 << 20,
+        ge=1 << 20,
+        description="Bytes one session holds: its input audio buffer, its items' audio and text, its instructions. "
+        "Beyond it the audio the thinker no longer reads (assistant audio, user audio older than "
+        "media_input.max_parts turns) is dropped, oldest first; what still does not fit is refused.",
+    )
     max_event_bytes: int = Field(
         15 << 20, ge=1024, description="One client event's size (OpenAI's 15 MiB append limit); larger is refused."
     )
     events_per_second: float = Field(
         100.0, gt=0, description="Client events per second (bursts of twice this); faster ones are refused."
+    )
+    bytes_per_second: float = Field(
+        8 << 20,
+        gt=0,
+        description="Bytes a session moves per second (bursts of max_session_bytes): each client event as "
+        "received, the user audio each response carries to the graph, the audio an item retrieval sends back. "
+        "Beyond it the event is refused. Bounds the ingress's parsing, coding and object-store work per session.",
+    )
+    audio_realtime_factor: float = Field(
+        4.0,
+        gt=0,
+        description="Seconds of input audio a session may append per second of wall time (bursts of "
+        "audio_burst_s); an append beyond it is refused. Bounds the server VAD's CPU per session.",
+    )
+    audio_burst_s: float = Field(30.0, gt=0, description="Input audio a session may append at once.")
+    audio_workers: int = Field(
+        2,
+        ge=1,
+        description="Threads per ingress replica that resample input audio and run the server VAD, off the "
+        "event loop; a session's audio runs on one of them at a time, in order.",
+    )
+    max_pending_transcriptions: int = Field(
+        4,
+        ge=1,
+        description="input_audio_transcription requests a session may have running or waiting; a turn committed "
+        "beyond it is not transcribed (an error event and ...transcription.failed).",
+    )
+    max_unsent_bytes: int = Field(
+        16 << 20,
+        ge=1 << 20,
+        description="Server events a session's client has not taken yet; beyond it the client is not reading and "
+        "the session is closed (error event, close 1008). Seen only where the session's writes wait on the "
+        "client; deployed on Serve 2.60 they were not seen to, behind either ingress (docs/realtime.md).",
     )
     allowed_origins: list[str] = Field(
         default_factory=list,
@@ -96,6 +145,14 @@ class RealtimeConfig(BaseModel):
         "own (same-origin: the Origin's host and port those of the request's Host); '*' allows any. Clients that "
         "send no Origin (not browsers) are not concerned.",
     )
+
+    @model_validator(mode="after")
+    def _event_fits_the_byte_budget(self) -> RealtimeConfig:
+        if self.max_event_bytes > self.max_session_bytes:  # the byte budget holds max_session_bytes at most
+            raise ValueError(
+                f"max_event_bytes ({self.max_event_bytes}) must not exceed max_session_bytes ({self.max_session_bytes})"
+            )
+        return self
 
 
 class GraphConfig(BaseModel):

@@ -106,5 +106,8 @@ class ImagesReply:
     def stream(self, outputs: AsyncIterator[StageOutput]) -> AsyncIterator[bytes]:
         raise TypeError("image replies are JSON, never streamed")
 
+    def headers(self, head: list[StageOutput]) -> dict[str, str]:
+        return {}
+
     def in_band_error(self, error: APIError) -> None:
         return None

@@ -24,7 +24,7 @@ class Modality(str, enum.Enum):
     TEXT = "text"
     AUDIO = "audio"
     IMAGE = "image"
-    VIDEO = "video"  # an input modality only
+    VIDEO = "video"  # chat input (video content parts); a final output of video graphs (/v1/videos)
 
 
 class FinishReason(str, enum.Enum):
@@ -162,6 +162,19 @@ class ImageParams(BaseModel):
     n: int = 1
 
 
+class VideoParams(BaseModel):
+    """Video-generation parameters for diffusion stages (``/v1/videos``)."""
+
+    width: int
+    height: int
+    num_frames: int
+    fps: float
+    num_inference_steps: int
+    guidance_scale: float
+    negative_prompt: str | None = None
+    seed: int | None = None
+
+
 @dataclass
 class StageRequest:
     """One call of one stage for one client request.
@@ -185,6 +198,7 @@ class StageRequest:
     stream_handoff: bool = False
     voice: str | None = None
     image: ImageParams | None = None
+    video: VideoParams | None = None
     # Text-to-speech: the assistant reply to speak. The thinker teacher-forces it (one forward
     # pass, no sampling) so the talker gets the hidden states of exactly this text.
     reply: str | None = None
@@ -216,6 +230,10 @@ class StageOutput:
     audio: np.ndarray | None = None  # float32 mono samples of this chunk
     sample_rate: int | None = None
     images: list[np.ndarray] = field(default_factory=list)  # uint8 HxWx3
+    # A finished video: the MP4 file as a uint8 array inside the stage; like a handoff it leaves the
+    # stage as its own stream item, owned by the caller, and the caller gets its ObjectRef.
+    video: Any = None
+    progress: float | None = None  # fraction of the call's work done (0..1), where the engine knows it
     handoff: Any = None  # HandoffPayload inside the engine, ObjectRef once it left the replica
     finished: bool = False
     finish_reason: FinishReason | None = None

@@ -194,8 +194,8 @@ def test_the_real_diffusion_config_takes_the_paced_runner() -> None:
     config = OmniDiffusionConfig.from_kwargs(**family.diffusion_config_kwargs(args))
     assert config.diffusion_model_runner_cls == family.PACED_DIFFUSION_RUNNER
     assert configured_min_step(config.additional_config) == 0.1
-    # vLLM-Omni's diffusion runner imports cache_dit, which only its GPU install brings.
-    pytest.importorskip("cache_dit", reason="vLLM-Omni's diffusion model runner needs cache_dit (GPU install)")
+    # vLLM-Omni's diffusion runner imports cache_dit (from PyPI; make test installs it).
+    require("cache_dit", "vLLM-Omni's diffusion model runner imports it; make test installs it")
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
     from omni_serve.platforms.paced import PacedStepwise

@@ -52,6 +52,12 @@ CHECKPOINTS: dict[str, TinyCheckpoint] = {
         TinyCheckpoint(
             "tiny-qwen3", "omni_serve.checkpoints.tiny_llm", "ensure_tiny_qwen3", "Qwen3 text LLM for the vllm engine"
         ),
+        TinyCheckpoint(
+            "tiny-wan2.2-ti2v",
+            "omni_serve.checkpoints.tiny_wan",
+            "ensure_tiny_wan",
+            "Wan 2.2 TI2V text-to-video (diffusers layout) for the vllm_omni_diffusion engine",
+        ),
     )
 }
 TINY = "tiny"  # the alias an engine family maps to its own tiny checkpoint

@@ -175,6 +175,17 @@ class VideoParams(BaseModel):
     seed: int | None = None
 
 
+class VideoRules(BaseModel):
+    """What a video stage makes: its defaults and limits (the ingress checks a job's request against them)."""
+
+    defaults: VideoParams  # what a request that names nothing gets (no seed)
+    size_multiple: int  # width and height are multiples of it
+    frame_multiple: int  # frame counts are frame_multiple x k + 1
+    max_pixels: int
+    max_frames: int
+    max_inference_steps: int
+
+
 @dataclass
 class StageRequest:
     """One call of one stage for one client request.

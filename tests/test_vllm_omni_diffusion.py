@@ -413,6 +413,14 @@ def test_cpu_client_gone_aborts_at_the_next_step(cpu_graph: Any, client: Any) ->
     assert _pixels(png).shape == (32, 32, 3)  # and it serves again
 
 
+def test_cpu_an_image_graph_has_no_video_routes(cpu_graph: Any) -> None:
+    import httpx
+
+    for method, path in (("POST", "/v1/videos"), ("GET", "/v1/videos"), ("GET", "/v1/videos/video_x/content")):
+        reply = httpx.request(method, f"{cpu_graph.base_url}{path}", timeout=30)
+        assert reply.status_code == 404 and reply.json()["error"]["message"] == "Not Found", (path, reply.text)
+
+
 # ---- the oracle: native vLLM-Omni on the same checkpoint ----------------------------------------
 
 
@@ -535,3 +543,4 @@ def test_gpu_client_gone_frees_the_engine(qwen_image: Any) -> None:
     stats = wait_until(idle, 300, "the engine to drop the request after the client left", interval_s=1)
     assert stats["served"] == served  # aborted, not finished: 100 steps at 2048x2048 take far longer
     assert _generate(qwen_image, seed=5, size="256x256")  # and serves again
+

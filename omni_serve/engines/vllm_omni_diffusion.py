@@ -94,6 +94,7 @@ from omni_serve.types import (
     StageOutput,
     StageRequest,
     VideoParams,
+    VideoRules,
 )
 
 logger = logging.getLogger("ray.serve")
@@ -336,7 +337,8 @@ def image_arrays(images: list[Any]) -> list[np.ndarray]:
 
 def video_frames(video: Any) -> np.ndarray:
     """uint8 frames [T, H, W, 3] of one video as vLLM-Omni's pipelines return it ([1,] T, H, W, 3 floats in
-    [0, 1]), rounded as vLLM-Omni's server rounds them before it encodes (clip, x 255, round half to even)."""
+    [0, 1]), rounded as vLLM-Omni's server rounds them before it encodes (clip, x 255, round half to even,
+    ``video_api_utils._PlanarFrameConverter``)."""
     frames = np.asarray(video)
     if frames.ndim == 5 and frames.shape[0] == 1:
         frames = frames[0]
@@ -344,7 +346,11 @@ def video_frames(video: Any) -> np.ndarray:
         raise EngineError(f"expected video frames [T, H, W, 3], got shape {frames.shape}")
     if frames.dtype == np.uint8:
         return np.ascontiguousarray(frames)
-    return np.rint(np.clip(frames.astype(np.float64), 0.0, 1.0) * 255.0).astype(np.uint8)
+    # In the frames' own float type, as vLLM-Omni's server does: float64 rounds some x.5 values the other
+    # way, and one changed input value changes what H.264 makes of a whole block.
+    scaled = np.clip(frames, 0.0, 1.0)
+    scaled *= 255.0
+    return np.rint(scaled).astype(np.uint8)
 
 
 def video_multiples(model_path: str) -> tuple[int, int]:
@@ -379,7 +385,7 @@ class VllmOmniDiffusionEngine(StageEngine):
         self._state: dict[str, str] = {}  # engine request id -> "waiting" | "running"
         self._served = 0
         self.output_type = IMAGE  # what vLLM-Omni declares the pipeline makes (set at start)
-        self._video_multiples = (SIZE_MULTIPLE, 1)  # (size, frames) of a video checkpoint (read at start)
+        self._video_rules: VideoRules | None = None  # a video checkpoint's defaults and limits (known at start)
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -417,7 +423,8 @@ class VllmOmniDiffusionEngine(StageEngine):
         name = od_config.model_class_name
         self.output_type = get_diffusion_output_type(name)
         if self.output_type == VIDEO:
-            self._video_multiples = video_multiples(_local_checkpoint(model, self.args.revision))
+            multiples = video_multiples(_local_checkpoint(model, self.args.revision))
+            self._video_rules = video_params.rules(self.args, *multiples)
         elif self.output_type != IMAGE or name not in QWEN_IMAGE_PIPELINES:
             raise EngineError(
                 f"stage {self.stage_name}: {self.args.model} is a {name!r} checkpoint (vLLM-Omni: "
@@ -438,6 +445,9 @@ class VllmOmniDiffusionEngine(StageEngine):
 
         return InvalidStageInput(f"stage {self.stage_name}: {err}") if isinstance(err, OmniClientError) else None
 
+    def video_rules(self) -> VideoRules | None:
+        return self._video_rules
+
     def shutdown(self) -> None:
         engine, self._engine = self._engine, None
         if engine is not None:
@@ -450,6 +460,7 @@ class VllmOmniDiffusionEngine(StageEngine):
             "running": states.count("running"),
             "client_requests": self.calls.requests(),
             "served": self._served,
+            "aborted": self.calls.aborted,
         }
 
     async def _abort(self, handles: list[str]) -> None:
@@ -468,10 +479,10 @@ class VllmOmniDiffusionEngine(StageEngine):
         if self._engine is None:
             raise EngineError(f"stage {self.stage_name}: engine not started")
         video: VideoParams | None = None
-        if self.output_type == VIDEO:
+        if self._video_rules is not None:
             if request.image is not None:
                 raise InvalidStageInput(f"model: stage {self.stage_name} makes videos, not images", param="model")
-            video = video_params.resolve_video_params(request, self.args, *self._video_multiples)
+            video = video_params.resolve_video_params(request, self._video_rules)
             text_prompt, sampling = video_request_fields(prompt_of(request), video)
             expected = 1
         else:

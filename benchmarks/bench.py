@@ -2,6 +2,12 @@
 
     python benchmarks/bench.py --start-tiny                    # starts the tiny CPU graph itself
     python benchmarks/bench.py --url http://127.0.0.1:8000     # any running omni_serve
+    python benchmarks/bench.py --gpu [--dry-run]               # the vLLM-Omni graph on one GPU (see below)
+
+``--gpu`` starts ``graphs/tiny_omni_vllm.yaml`` packed onto one CUDA GPU (``tests/one_gpu.py``: bfloat16,
+GPU shares thinker 0.3 / talker 0.3 / code2wav 0.2, vLLM-Omni stage engines) on a private Ray cluster and
+measures streamed text + audio at C=1 and C=8 (no HF baseline); ``--dry-run`` prints what it would deploy
+and run, starting nothing. ``benchmarks/vs_vllm_omni.py --gpu`` puts native vLLM-Omni beside it.
 
 Scenario ``image+audio-in`` sends the text scenario's prompt with a 640x480 JPEG (``image_url`` data
 URL) and 5 s of 16 kHz WAV (``input_audio``) in the same message: compare it with ``text`` at the
@@ -76,6 +82,10 @@ class Scenario:
     concurrency: int
     messages: list[dict[str, Any]] = field(default_factory=lambda: MESSAGES)
     reply_tokens: int | None = None  # the handoff sweep's thinker reply length (None: --max-tokens)
+    # omni_serve's own request fields (stage_sampling, return_stage_metrics); False: OpenAI's only, for a
+    # server that is not omni_serve (native vLLM-Omni in benchmarks/vs_vllm_omni.py --gpu), which then
+    # runs every stage with its own defaults.
+    omni_fields: bool = True
     samples: list[Sample] = field(default_factory=list)
     wall_s: float = 0.0
 
@@ -126,18 +136,18 @@ def _stage_seconds(metrics: dict[str, Any] | None) -> dict[str, float]:
 
 def _body(args: argparse.Namespace, sc: Scenario, seed: int) -> dict[str, Any]:
     audio, stream = sc.audio, sc.stream
-    stage_sampling: dict[str, Any] = {args.talker_stage: _talker_sampling(args)} if audio else {}
-    if sc.reply_tokens:  # the handoff sweep: every reply has exactly this many thinker tokens
-        stage_sampling["thinker"] = {"ignore_eos": True}
     body: dict[str, Any] = {
         "model": args.model,
         "messages": sc.messages,
         "max_tokens": sc.reply_tokens or args.max_tokens,
         "seed": seed,
         "stream": stream,
-        "stage_sampling": stage_sampling or None,
-        "return_stage_metrics": True,
     }
+    if sc.omni_fields:
+        stage_sampling: dict[str, Any] = {args.talker_stage: _talker_sampling(args)} if audio else {}
+        if sc.reply_tokens:  # the handoff sweep: every reply has exactly this many thinker tokens
+            stage_sampling["thinker"] = {"ignore_eos": True}
+        body.update(stage_sampling=stage_sampling or None, return_stage_metrics=True)
     if audio:
         body.update(modalities=["text", "audio"], audio={"format": "wav"})
     return {k: v for k, v in body.items() if v is not None}
@@ -177,11 +187,15 @@ async def _one(client: httpx.AsyncClient, args: argparse.Namespace, sc: Scenario
                 sample.stage_s |= _stage_seconds(chunk.get("metrics"))
                 delta = chunk["choices"][0]["delta"] if chunk.get("choices") else {}
                 now = time.perf_counter() - start
-                if delta.get("content") and sample.ttft is None:
+                # An audio chunk: omni_serve's in delta.audio.data, native vLLM-Omni's in delta.content,
+                # both marked by vLLM-Omni's chunk-level "modality" (as vLLM-Omni's own benchmark client reads them).
+                is_audio = chunk.get("modality") == "audio" or bool(delta.get("audio"))
+                if delta.get("content") and not is_audio and sample.ttft is None:
                     sample.ttft = now
-                if delta.get("audio"):
+                audio_data = (delta.get("audio") or {}).get("data") or (delta.get("content") if is_audio else None)
+                if audio_data:
                     sample.ttfa = sample.ttfa if sample.ttfa is not None else now
-                    sample.audio_s += _audio_seconds(delta["audio"]["data"])
+                    sample.audio_s += _audio_seconds(audio_data)
         sample.e2e = time.perf_counter() - start
     except Exception as err:  # recorded, counted as an error in the table
         sample.error = f"{type(err).__name__}: {err}"
@@ -372,7 +386,19 @@ def main() -> None:
     parser.add_argument("--sweep-requests", type=int, nargs=2, default=[4, 16], help="requests at C=1 and at C>1")
     parser.add_argument("--pacings", nargs="+", default=["paced", "unpaced"], choices=["paced", "unpaced"])
     parser.add_argument("--ray-cpus", type=int, default=4, help="the sweep's Ray cluster: logical CPUs to schedule on")
+    parser.add_argument(
+        "--gpu",
+        action="store_true",
+        help="start graphs/tiny_omni_vllm.yaml on one CUDA GPU (tests/one_gpu.py); defaults: "
+        + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in GPU_DEFAULTS.items()),
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the plan (graph config, runs) and start nothing")
     args = parser.parse_args()
+    if args.gpu:
+        gpu_mode(args, parser)
+    if args.dry_run:
+        print(json.dumps(plan(args), indent=2))
+        return
     if args.handoff_sweep:
         handoff_sweep(args)
         return
@@ -388,8 +414,8 @@ def main() -> None:
         ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="serve", log_to_driver=False)
         started_ray = True
         port = int(args.url.rsplit(":", 1)[1])
-        deploy_graph_file(args.graph, ray.get_runtime_context().gcs_address, port, _fixed(args.replicas))
-        wait_healthy(args.url)
+        deploy_graph_file(args.graph, ray.get_runtime_context().gcs_address, port, graph_mutation(args))
+        wait_healthy(args.url, timeout_s=900 if args.gpu else 300)
     try:
         for name in args.scenarios:
             stream, audio, media = SCENARIOS[name]
@@ -413,12 +439,68 @@ def main() -> None:
     report(args, rows)
 
 
+# --gpu: what it changes from the CPU defaults (flags the command line gives keep their value).
+GPU_DEFAULTS: dict[str, Any] = {
+    "graph": "tiny_omni_vllm.yaml",
+    "scenarios": ["stream-text+audio"],
+    "concurrency": [1, 8],
+    "requests": 16,
+    "baseline": False,
+}
+
+
+def gpu_mode(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """``--gpu``: start the one-GPU graph; GPU_DEFAULTS where the command line left the CPU default."""
+    if args.handoff_sweep:
+        parser.error("--gpu: the handoff sweep paces CPU engines; it has no GPU mode")
+    args.start_tiny = True
+    for key, value in GPU_DEFAULTS.items():
+        if getattr(args, key) == parser.get_default(key):
+            setattr(args, key, value)
+    if args.graph != GPU_DEFAULTS["graph"]:
+        parser.error(f"--gpu packs {GPU_DEFAULTS['graph']} onto one GPU (tests/one_gpu.py); --graph {args.graph}?")
+
+
+def graph_mutation(args: argparse.Namespace) -> Any:
+    """The edit --start-tiny deploys the graph with: fixed replicas, or (--gpu) the one-GPU variant."""
+    if not args.gpu:
+        return _fixed(args.replicas)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/one_gpu.py: the variant's one source
+    from tests.one_gpu import one_gpu
+
+    return one_gpu()
+
+
+def plan(args: argparse.Namespace) -> dict[str, Any]:
+    """What a run would deploy (--start-tiny / --gpu) and measure; imports neither Ray nor an engine."""
+    from omni_serve.cli.launch import load_graph_file
+
+    config = None
+    if args.start_tiny:
+        config = load_graph_file(args.graph)
+        graph_mutation(args)(config)
+    runs = [
+        {"scenario": name, "concurrency": c, "requests": args.requests}
+        for name in args.scenarios
+        for c in args.concurrency
+    ]
+    return {"url": args.url, "serve_config": config, "runs": runs, "baseline": args.baseline, "out": args.out}
+
+
+def machine() -> str:
+    """This machine's CPUs, and its CUDA GPU when there is one (what a figure was measured on)."""
+    import torch
+
+    gpu = f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
+    return f"{os.cpu_count()} CPUs{gpu}"
+
+
 def report(
     args: argparse.Namespace, rows: list[dict[str, Any]], summary: str = "", cols: list[str] | None = None
 ) -> None:
     """Write the run's JSON (args, machine, load, rows) to ``--out`` and print the table."""
     load = os.getloadavg()
-    result = {"args": vars(args), "machine": f"{os.cpu_count()} CPUs", "load_avg_at_end": load, "rows": rows}
+    result = {"args": vars(args), "machine": machine(), "load_avg_at_end": load, "rows": rows}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

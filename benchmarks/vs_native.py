@@ -100,13 +100,24 @@ def omni_server(port: int, ingress: str, log: Path) -> contextlib.AbstractContex
 @contextlib.contextmanager
 def server(argv: list[str], ready_url: str, log: Path) -> Iterator[subprocess.Popen]:
     """The server ``argv`` in its own session, once ``ready_url`` answers 200; stopped with its process tree."""
-    with log.open("w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_ready(ready_url, proc, log)
+    with servers([(argv, ready_url, log)]) as (proc,):
         yield proc
+
+
+@contextlib.contextmanager
+def servers(specs: list[tuple[list[str], str, Path]]) -> Iterator[list[subprocess.Popen]]:
+    """Several servers ``(argv, ready_url, log)`` started at once, yielded when every one is ready; all stopped."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for argv, _, log in specs:
+            with log.open("w") as out:
+                procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+        for proc, (_, ready_url, log) in zip(procs, specs, strict=True):
+            wait_ready(ready_url, proc, log)
+        yield procs
     finally:
-        stop(proc)
+        for proc in procs:
+            stop(proc)
 
 
 def fixed_replicas(config: dict[str, Any]) -> None:

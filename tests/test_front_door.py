@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from tests.conftest import HTTP_PORT, wait_until
@@ -24,7 +25,7 @@ from tests.haproxy import served_by_ingress_replicas
 
 REPO = Path(__file__).resolve().parent.parent
 SERVE_PORT = HTTP_PORT + 2  # +1 is the session cluster's metrics port
-NOISE = [" INFO ", "GET /health", "rope_parameters", "Loading weights", "Cannot deregister", "dashboard"]
+NOISE = [" INFO ", "GET /health", "rope_parameters", "Loading weights", "Cannot deregister", "dashboard", "Token auth"]
 BROKEN = ["SIGTERM received", "Aborted", "Traceback", "make: ***", "Error"]
 
 needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="needs GNU make")
@@ -97,6 +98,11 @@ def test_make_serve_prints_one_ready_line_and_stops_on_sigterm(tmp_path: Path) -
         assert httpx.get(f"{url}/", follow_redirects=True, timeout=30).headers["content-type"].startswith("text/html")
         # Serve's HAProxy ingress by default: the ingress replica, not the backup proxy, served these.
         served_by_ingress_replicas(lambda: httpx.get(f"{url}/v1/models", timeout=30), stats_port=SERVE_PORT + 1)
+        # ... whose stats page and Prometheus endpoint listen on loopback only (Serve binds them to every
+        # interface; omni_serve/cli/haproxy_loopback.sh), like the API itself.
+        listening = [c.laddr for c in psutil.net_connections("tcp") if c.status == "LISTEN"]
+        for port in (SERVE_PORT, SERVE_PORT + 1, SERVE_PORT + 2):
+            assert {a.ip for a in listening if a.port == port} == {"127.0.0.1"}, (port, listening)
     finally:
         os.killpg(make.pid, signal.SIGTERM)
         make.wait(timeout=120)

@@ -61,3 +61,17 @@ def test_a_chunked_form_past_the_limit_is_413_even_when_each_file_is_under_it() 
     assert f"over {LIMIT} bytes" in reply.json()["error"]
     reply = CLIENT.post("/upload", content=chunked(body(part("file", b"a" * (LIMIT + 1)))), headers=FORM)
     assert reply.status_code == 413, reply.text
+
+
+def test_a_json_route_refuses_a_body_without_a_content_type() -> None:
+    """A cross-site fetch sends a string body as text/plain, a form's as a form: all need to say JSON (415)."""
+    import pytest
+
+    from omni_serve.api.http import check_content_type
+
+    check_content_type("application/json; charset=utf-8")
+    check_content_type("application/vnd.api+json")
+    for content_type in (None, "", "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; b=x"):
+        with pytest.raises(APIError) as refused:
+            check_content_type(content_type)
+        assert refused.value.status == 415 and "application/json" in refused.value.message

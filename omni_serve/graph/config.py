@@ -43,7 +43,8 @@ class StageConfig(BaseModel):
         description="The edge from `input` streams: this stage's call starts on the upstream's first handoff chunk "
         "and reads the rest as the upstream produces them (waiting when it gets ahead), instead of starting from "
         "the upstream's final handoff. One call per request. Only for engines that read streamed input (the "
-        "transformers talker); false: one call per upstream handoff (code2wav: one per codec chunk).",
+        "transformers talker, and the vllm_omni Qwen3-Omni talker through vLLM-Omni's async chunks: each family's "
+        "reads_streamed_input); false: one call per upstream handoff (code2wav: one per codec chunk).",
     )
     default_sampling: SamplingParams = Field(
         default_factory=SamplingParams, description="Sampling defaults; requests override them."
@@ -89,8 +90,11 @@ class RealtimeConfig(BaseModel):
     events_per_second: float = Field(
         100.0, gt=0, description="Client events per second (bursts of twice this); faster ones are refused."
     )
-    allowed_origins: list[str] | None = Field(
-        None, description="Browser Origins allowed to open a session (None: any; clients without Origin always)."
+    allowed_origins: list[str] = Field(
+        default_factory=list,
+        description="Browser Origins (e.g. 'https://app.example') allowed to open a session besides the server's "
+        "own (same-origin: the Origin's host and port those of the request's Host); '*' allows any. Clients that "
+        "send no Origin (not browsers) are not concerned.",
     )
 
 
@@ -119,7 +123,15 @@ class GraphConfig(BaseModel):
     served_model_name: str = Field(description="Model id reported by /v1/models and accepted in requests.")
     stages: list[StageConfig] = Field(min_length=1, description="The stages; order is only cosmetic.")
     api_key: str | None = Field(
-        None, description="If set (or OMNI_SERVE_API_KEY is), requests need 'Authorization: Bearer <key>'."
+        None,
+        description="If set (or OMNI_SERVE_API_KEY is), requests need 'Authorization: Bearer <key>'. A graph "
+        "Serve binds to a non-loopback address without one logs a warning naming this setting.",
+    )
+    allowed_hosts: list[str] | None = Field(
+        None,
+        description="Host names requests may carry (Starlette TrustedHostMiddleware rules: names without the port, "
+        "'*.example.com' for subdomains, '*' any); others get 400. None: only loopback names when Serve's "
+        "http_options.host is a loopback address (DNS rebinding protection), else any.",
     )
     max_request_bytes: int = Field(1 << 20, ge=1024, description="Request bodies above this size get 413.")
     stage_timeout_s: float = Field(

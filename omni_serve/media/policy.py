@@ -206,7 +206,7 @@ async def resolve(host: str, port: int, policy: MediaPolicy, param: str) -> list
     loop = asyncio.get_running_loop()
     try:
         infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), policy.connect_timeout_s)
-    except (OSError, TimeoutError):
+    except (OSError, asyncio.TimeoutError):  # not the builtin TimeoutError before Python 3.11
         raise _refused(param, f"host '{host}' does not resolve") from None
     return list(dict.fromkeys(ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos))
 
@@ -260,7 +260,7 @@ async def fetch(url: str, param: str, policy: MediaPolicy, max_bytes: int) -> by
             if urlsplit(url).scheme.lower() == "file":
                 return await asyncio.to_thread(_read_local, url, param, policy, max_bytes)
             return await _fetch_http(url, param, policy, max_bytes)
-    except TimeoutError:
+    except asyncio.TimeoutError:  # what wait_for and async_timeout raise on 3.10 (the builtin only from 3.11)
         raise _refused(param, f"fetching the media took longer than {policy.fetch_timeout_s:g} s") from None
 
 

@@ -26,6 +26,7 @@ from typing import Any
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from omni_serve.api.auth import api_key_matches
+from omni_serve.api.hosts import origin_allowed
 from omni_serve.api.openai.chat import ChatCompletionRequest
 from omni_serve.api.openai.errors import APIError, bad_request
 from omni_serve.api.openai.transcriptions import transcription_messages
@@ -567,9 +568,8 @@ def _refusal(websocket: WebSocket, graph: SessionGraph, api_key: str | None) -> 
                 code="invalid_api_key",
             )
     origin = websocket.headers.get("origin")
-    allowed = graph.limits.allowed_origins
-    if origin is not None and allowed is not None and origin not in allowed:
-        message = f"origin {origin!r} is not allowed (realtime.allowed_origins)"
+    if origin is not None and not origin_allowed(origin, websocket.headers.get("host"), graph.limits.allowed_origins):
+        message = f"origin {origin[:80]!r} is neither this server's nor listed in realtime.allowed_origins"
         return APIError(403, message, type="invalid_request_error", code="origin_not_allowed")
     model = websocket.query_params.get("model")
     if model is not None and model != graph.model:

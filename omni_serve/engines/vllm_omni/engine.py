@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any
 
 from omni_serve.engines.base import StageEngine
@@ -92,6 +92,35 @@ def newest_multimodal(merged: Any, newer: Any) -> None:
         for later in newer.outputs:
             if later.index == completion.index and getattr(later, "multimodal_output", None) is not None:
                 completion.multimodal_output = later.multimodal_output
+
+
+DEVICE_INIT_WAIT_S = 900  # how long a stage start waits for the others on its GPU (then starts anyway, warned)
+
+
+@contextlib.contextmanager
+def _device_init_lock(stage_id: int, engine_args: dict[str, Any]) -> Iterator[None]:
+    """Hold vLLM-Omni's per-GPU start lock from the EngineCore's spawn until its handshake.
+
+    vLLM sizes its KV cache from the GPU memory it sees free before and after a profiling run, so two
+    engines starting on one GPU at once (stages with fractional ``num_gpus``) count each other's
+    allocations as their own, or see memory freed mid-profile and fail its check. vLLM-Omni's
+    ``StageRuntime`` starts co-located stages one at a time under these file locks (one per physical
+    device, in /tmp); replicas on one node take the same ones, so native vLLM-Omni and omni_serve on
+    one GPU wait for each other too. The devices are the replica's, as Ray set them
+    (``CUDA_VISIBLE_DEVICES``). Only on GPUs: CPU engines size their cache from ``kv_cache_memory_bytes``.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda_alike():
+        yield
+        return
+    from vllm_omni.engine.stage_init_utils import acquire_device_locks, release_device_locks
+
+    fds = acquire_device_locks(stage_id, engine_args, DEVICE_INIT_WAIT_S)
+    try:
+        yield
+    finally:
+        release_device_locks(fds)
 
 
 def _fail_into(task: asyncio.Task[None], queue: Any) -> None:
@@ -166,8 +195,9 @@ class VllmOmniEngine(StageEngine):
         # client's constructor waits for a ready engine: the client must be made after leaving the
         # context, as vLLM-Omni's StageRuntime does (creating it inside deadlocks every stage start).
         # log_stats: the EngineCore then sends scheduler stats (running/waiting) with its outputs.
-        with launch_stage_replica(vllm_config, executor_class, True, self.args.stage_id, stage_config=cfg) as res:
-            manager, coordinator, zmq = res.manager, res.coordinator, res.addresses
+        with _device_init_lock(self.args.stage_id, engine_args):
+            with launch_stage_replica(vllm_config, executor_class, True, self.args.stage_id, stage_config=cfg) as res:
+                manager, coordinator, zmq = res.manager, res.coordinator, res.addresses
         addresses = {"input_address": zmq.inputs[0], "output_address": zmq.outputs[0]}
         if zmq.frontend_stats_publish_address is not None:
             addresses["stats_update_address"] = zmq.frontend_stats_publish_address
@@ -228,14 +258,19 @@ class VllmOmniEngine(StageEngine):
 
     def stats(self) -> dict[str, Any]:
         """``running`` + ``waiting`` = ``in_flight``; ``aborted`` counts engine requests aborted,
-        ``generated`` the tokens (codec steps for a talker) the engine produced since start.
+        ``generated`` the tokens (codec steps for a talker) the engine produced since start;
+        ``device`` and ``dtype``: where and in what the started EngineCore runs the model (its VllmConfig).
 
         ``in_flight`` is vLLM's own count of unfinished engine requests (its output processor drops
         a request only when it finishes or is aborted, so a request left running shows here); the
         split comes from the EngineCore's latest scheduler stats (:mod:`omni_serve.engines.scheduler`).
         """
         in_flight = self._processor.get_num_unfinished_requests() if self._processor is not None else 0
-        return {**self._scheduler.queue(in_flight), **self.calls.stats(), "generated": self._generated}
+        placed: dict[str, str] = {}
+        if self._vllm_config is not None:
+            dtype = self._vllm_config.model_config.dtype
+            placed = {"device": str(self._vllm_config.device_config.device_type), "dtype": str(dtype).split(".")[-1]}
+        return {**self._scheduler.queue(in_flight), **self.calls.stats(), "generated": self._generated, **placed}
 
     async def _abort(self, handles: list[str]) -> None:
         if self._client is not None:

@@ -1,0 +1,32 @@
+#!/bin/sh
+# HAProxy as Ray Serve 2.60 starts it (`haproxy -db -f CONFIG [-sf PIDS] [-x SOCKET]`, anew for every
+# start and reload), with what Serve's config template opens to everyone kept to this machine:
+#   - its stats page (`listen stats`, `bind *:$RAY_SERVE_HAPROXY_STATS_PORT`) and its Prometheus endpoint
+#     (`bind :$RAY_SERVE_HAPROXY_METRICS_PORT`), which listen on every interface: bound to 127.0.0.1;
+#   - its admin socket (`stats socket ... mode 666 level admin`: any local user could drain servers):
+#     mode 600, its owner only (Serve's proxy, the same user, talks to it).
+# Ray has no setting for these (ray/serve/_private/haproxy_templates.py); it has one for the binary,
+# RAY_SERVE_HAPROXY_BINARY_PATH, which omni_serve.cli.run points here, with OMNI_SERVE_HAPROXY_BINARY
+# naming the real one. A config without the stats line to rewrite (a changed template) fails the start
+# loudly rather than leaving the page open.
+set -eu
+real="${OMNI_SERVE_HAPROXY_BINARY:?OMNI_SERVE_HAPROXY_BINARY must name the real haproxy binary}"
+stats="${RAY_SERVE_HAPROXY_STATS_PORT:-8404}"
+metrics="${RAY_SERVE_HAPROXY_METRICS_PORT:-9101}"
+previous=""
+for arg do
+  shift
+  if [ "$previous" = "-f" ]; then
+    sed -e "s/^\([[:space:]]*bind \)\*:${stats}\$/\1127.0.0.1:${stats}/" \
+        -e "s/^\([[:space:]]*bind \):${metrics}\$/\1127.0.0.1:${metrics}/" \
+        -e "s/^\([[:space:]]*stats socket .*\) mode 666 /\1 mode 600 /" "$arg" > "$arg.loopback"
+    if ! grep -q "^[[:space:]]*bind 127.0.0.1:${stats}\$" "$arg.loopback"; then
+      echo "omni_serve haproxy_loopback.sh: no 'bind *:${stats}' stats line in $arg to keep on loopback" >&2
+      exit 1
+    fi
+    arg="$arg.loopback"
+  fi
+  set -- "$@" "$arg"
+  previous="$arg"
+done
+exec "$real" "$@"

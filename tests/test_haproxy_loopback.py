@@ -1,0 +1,89 @@
+"""omni_serve/cli/haproxy_loopback.sh over the config Ray Serve 2.60 itself writes: its stats page and Prometheus
+endpoint bound to 127.0.0.1, its admin socket its owner's only, and the result a config HAProxy accepts.
+
+(The live check, `make serve`'s HAProxy listening on loopback only: tests/test_front_door.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from omni_serve.cli.run import HAPROXY_LOOPBACK, real_haproxy_binary
+
+STATS, METRICS = 22993, 22994
+
+
+def serve_config(tmp_path: Path) -> Path:
+    """The HAProxy config Serve's proxy writes (its own template and renderer), for a loopback HTTP frontend."""
+    os.environ["RAY_SERVE_HAPROXY_STATS_PORT"], os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(STATS), str(METRICS)
+    try:
+        script = (
+            "import sys\n"
+            "from ray.serve._private.haproxy import HAProxyApi, HAProxyConfig\n"
+            "d = sys.argv[1]\n"
+            "cfg = HAProxyConfig(socket_path=d + '/admin.sock', server_state_base=d, server_state_file=d + '/state',"
+            " metrics_socket_path=d + '/metrics.sock')\n"
+            "HAProxyApi(cfg=cfg, config_file_path=d + '/haproxy.cfg')._generate_config_file_internal()\n"
+        )
+        # A process of its own: Serve reads the ports from the environment when it is imported.
+        subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, timeout=120)
+    finally:
+        del os.environ["RAY_SERVE_HAPROXY_STATS_PORT"], os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"]
+    return tmp_path / "haproxy.cfg"
+
+
+def wrapped(tmp_path: Path, real: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "OMNI_SERVE_HAPROXY_BINARY": real,
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(STATS),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(METRICS),
+    }
+    return subprocess.run([str(HAPROXY_LOOPBACK), *args], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_the_wrapper_keeps_serves_stats_and_admin_socket_to_this_machine(tmp_path: Path) -> None:
+    config = serve_config(tmp_path)
+    original = config.read_text()
+    assert f"bind *:{STATS}" in original and f"bind :{METRICS}" in original and " mode 666 level admin" in original
+    # A stand-in binary that prints the arguments and the config it was given.
+    echo = tmp_path / "echo-haproxy"
+    echo.write_text('#!/bin/sh\necho "$@"\nwhile [ "$1" != "-f" ]; do shift; done\ncat "$2"\n')
+    echo.chmod(0o755)
+    result = wrapped(tmp_path, str(echo), "-db", "-f", str(config), "-sf", "123")
+    assert result.returncode == 0, result.stderr
+    argv, _, seen = result.stdout.partition("\n")
+    assert argv == f"-db -f {config}.loopback -sf 123"
+    assert f"bind 127.0.0.1:{STATS}" in seen and f"bind 127.0.0.1:{METRICS}" in seen
+    assert f"*:{STATS}" not in seen and f"bind :{METRICS}" not in seen
+    assert " mode 600 level admin" in seen and "mode 666" not in seen
+    assert config.read_text() == original  # Serve's own file is left as Serve wrote it
+
+
+def test_haproxy_accepts_the_rewritten_config(tmp_path: Path) -> None:
+    config = serve_config(tmp_path)
+    result = wrapped(tmp_path, real_haproxy_binary(), "-c", "-f", str(config))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "valid" in (result.stdout + result.stderr).lower()
+
+
+def test_a_config_without_the_stats_line_fails_the_start(tmp_path: Path) -> None:
+    config = tmp_path / "haproxy.cfg"
+    config.write_text("global\n    maxconn 10\n")
+    result = wrapped(tmp_path, "/bin/true", "-db", "-f", str(config))
+    assert result.returncode == 1 and "stats line" in result.stderr
+
+
+@pytest.mark.parametrize("given", [None, "/usr/sbin/my-haproxy"])
+def test_the_real_binary_is_rays_or_the_one_the_operator_named(monkeypatch: pytest.MonkeyPatch, given) -> None:
+    if given is None:
+        monkeypatch.delenv("RAY_SERVE_HAPROXY_BINARY_PATH", raising=False)
+        assert os.access(real_haproxy_binary(), os.X_OK)
+    else:
+        monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", given)
+        assert real_haproxy_binary() == given

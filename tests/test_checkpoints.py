@@ -25,6 +25,7 @@ def test_registry_names_each_builder_once() -> None:
     assert list(checkpoints.CHECKPOINTS) == [
         "tiny-qwen3-omni",
         "tiny-qwen-image",
+        "tiny-qwen-image-edit",
         "tiny-qwen3",
         "tiny-wan2.2-ti2v",
         "tiny-glm-image",
@@ -33,6 +34,7 @@ def test_registry_names_each_builder_once() -> None:
     assert {c.name for c in checkpoints.CHECKPOINTS.values()} == {
         tiny_omni.TINY_NAME,
         tiny_image.TINY_NAME,
+        tiny_image.TINY_EDIT_NAME,
         tiny_llm.TINY_LLM_NAME,
         tiny_wan.TINY_NAME,
         tiny_glm_image.TINY_NAME,

@@ -413,8 +413,13 @@ def test_cpu_client_gone_aborts_at_the_next_step(cpu_graph: Any, client: Any) ->
     assert _pixels(png).shape == (32, 32, 3)  # and it serves again
 
 
-def test_cpu_an_image_graph_has_no_video_routes(cpu_graph: Any) -> None:
+def test_cpu_an_image_graph_has_no_video_routes_and_edits_nothing(cpu_graph: Any) -> None:
     import httpx
+
+    files = {"prompt": (None, "blue"), "image": ("a.png", b"\x89PNG\r\n\x1a\n", "image/png")}
+    reply = httpx.post(f"{cpu_graph.base_url}/v1/images/edits", files=files, timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "image", reply.text
+    assert "does not edit images" in reply.json()["error"]["message"]
 
     for method, path in (("POST", "/v1/videos"), ("GET", "/v1/videos"), ("GET", "/v1/videos/video_x/content")):
         reply = httpx.request(method, f"{cpu_graph.base_url}{path}", timeout=30)

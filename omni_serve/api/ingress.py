@@ -39,7 +39,7 @@ from omni_serve.api.hosts import TrustedHosts
 from omni_serve.api.http import check_content_type, parse_json_object, read_body, read_form
 from omni_serve.api.openai.chat import ChatCompletionRequest, ChatReply, StreamOptions
 from omni_serve.api.openai.errors import APIError, bad_request, from_validation, http_exception_handler
-from omni_serve.api.openai.images import ImageGenerationRequest, ImagesReply
+from omni_serve.api.openai.images import ImageEditRequest, ImageGenerationRequest, ImagesReply
 from omni_serve.api.openai.messages import MediaRules
 from omni_serve.api.openai.speech import SpeechReply, SpeechRequest
 from omni_serve.api.openai.transcriptions import TranscriptionReply, TranscriptionRequest, transcription_messages
@@ -59,7 +59,7 @@ from omni_serve.graph.transport import LocalStage, RemoteStages, StageTransport
 from omni_serve.media import inputs as media_input
 from omni_serve.models import video_params
 from omni_serve.payload import payload_loads
-from omni_serve.types import ChatMessage, InvalidStageInput, MediaPart, Modality, VideoRules
+from omni_serve.types import ChatMessage, InvalidStageInput, MediaPart, Modality, TextPart, VideoRules
 
 logger = logging.getLogger("ray.serve")
 
@@ -398,6 +398,50 @@ class Ingress:
             image=body.image_params(),
         )
         return await self.serving.respond(omni, "images", ImagesReply(), stream=False)
+
+    @api.post("/v1/images/edits")
+    async def images_edits(self, request: Request) -> Response:
+        """OpenAI's image edit (multipart: ``image``, the instruction in ``prompt``) on a graph whose image stage
+        takes images. The image is a chat image part by another name: the same formats, byte limit and path
+        (by reference to the entry stage, which decodes it; never decoded here)."""
+        self._check_auth(request)
+        limit = max(self.graph.max_request_bytes, self.graph.media_input.max_bytes + (64 << 10))
+        fields, files = await read_form(request, limit)
+        try:
+            body = ImageEditRequest.model_validate(fields)
+        except ValidationError as err:
+            raise from_validation(err) from None
+        self._check_model(body.model, produces=Modality.IMAGE)
+        if Modality.IMAGE not in self.graph.input_modalities:
+            raise bad_request(f"model '{self.graph.served_model_name}' does not edit images (it takes none)", "image")
+        image = self._image_file(files)
+        omni = self._omni_request(
+            request,
+            modalities={Modality.IMAGE},
+            sampling=self.sampling.defaults(body.seed),
+            messages=[ChatMessage(role="user", content=[image, TextPart(text=body.prompt)])],
+            image=body.image_params(),
+        )
+        return await self.serving.respond(omni, "images", ImagesReply(), stream=False)
+
+    def _image_file(self, files: dict[str, bytes]) -> MediaPart:
+        """The edit's one source image, its format sniffed and allowed, its size bounded; not decoded. A ``mask``
+        (OpenAI's inpainting area) is refused: the served edit pipelines edit by instruction, whole."""
+        for name in files:
+            if name not in ("image", "image[]"):
+                if name == "mask":
+                    raise bad_request("mask: not supported (this model edits the whole image by the instruction)", name)
+                raise bad_request(f"{name}: unknown field", name)
+        data = files.get("image", files.get("image[]"))
+        if data is None:
+            raise bad_request("image: an image file is required (multipart field 'image')", "image")
+        if "image" in files and "image[]" in files:
+            raise bad_request("image: this model edits one image per request", "image")
+        if len(data) > self.graph.media_input.max_bytes:
+            message = f"image: over the limit of {self.graph.media_input.max_bytes} bytes"
+            raise APIError(413, message, type="invalid_request_error", param="image")
+        self._media_check(media_input.check_format, data, "image", "image")
+        return MediaPart(type="image", param="image", data=data)
 
     # ---- /v1/videos: OpenAI's video jobs (omni_serve.api.video_jobs) ------------------------------
     def _video_route(self, request: Request) -> str:

@@ -50,6 +50,12 @@ CHECKPOINTS: dict[str, TinyCheckpoint] = {
             "Qwen-Image (diffusers layout) for the diffusers and vllm_omni_diffusion engines",
         ),
         TinyCheckpoint(
+            "tiny-qwen-image-edit",
+            "omni_serve.checkpoints.tiny_image",
+            "ensure_tiny_qwen_image_edit",
+            "Qwen-Image-Edit (the same weights, image + instruction in) for the vllm_omni_diffusion engine",
+        ),
+        TinyCheckpoint(
             "tiny-qwen3", "omni_serve.checkpoints.tiny_llm", "ensure_tiny_qwen3", "Qwen3 text LLM for the vllm engine"
         ),
         TinyCheckpoint(

@@ -91,6 +91,7 @@ from omni_serve.types import (
     FinishReason,
     ImageParams,
     InvalidStageInput,
+    Modality,
     StageOutput,
     StageRequest,
     VideoParams,
@@ -103,7 +104,9 @@ logger = logging.getLogger("ray.serve")
 SIZE_MULTIPLE = 16
 # The image pipeline classes (model_index.json ``_class_name``) whose request mapping this family implements;
 # every pipeline vLLM-Omni declares a video maker takes the video mapping.
-QWEN_IMAGE_PIPELINES = frozenset({"QwenImagePipeline"})
+QWEN_IMAGE_PIPELINES = frozenset({"QwenImagePipeline", "QwenImageEditPipeline"})
+# Of those, the ones that edit: the request carries the source image (/v1/images/edits, a chat image part).
+EDIT_PIPELINES = frozenset({"QwenImageEditPipeline"})
 IMAGE, VIDEO = "image", "video"  # vLLM-Omni's final output types this family serves
 TINY = "tiny-qwen-image"  # what model: tiny names
 # How often a step-scheduled call looks at its request's step index (progress).
@@ -212,6 +215,11 @@ class EngineArgs(BaseModel):
     default_num_frames: int = Field(121, ge=1, description="Video: frames when the request gives none.")
     default_fps: float = Field(24.0, gt=0, le=video_params.MAX_FPS, description="Video: frames per second of the MP4.")
     max_frames: int = Field(241, ge=1, description="Video: most frames a request may ask for.")
+    image_input: bool = Field(
+        False,
+        description="The pipeline edits images (Qwen-Image-Edit): every request carries one source image "
+        "(/v1/images/edits, or an image part in chat), which the stage decodes; must match the checkpoint.",
+    )
     min_step_s: float = min_step_field()  # omni_serve.pacing; per scheduled denoising step (needs step_execution)
 
     @model_validator(mode="after")
@@ -230,6 +238,11 @@ class EngineArgs(BaseModel):
 
 def create(stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
     return VllmOmniDiffusionEngine(stage_name, engine_args)
+
+
+def input_modalities(args: EngineArgs) -> set[Modality]:
+    """An editing stage takes the source image as chat input (and /v1/images/edits); the others text only."""
+    return {Modality.TEXT, Modality.IMAGE} if args.image_input else {Modality.TEXT}
 
 
 # ---------------------------------------------------------------------------
@@ -430,6 +443,11 @@ class VllmOmniDiffusionEngine(StageEngine):
                 f"stage {self.stage_name}: {self.args.model} is a {name!r} checkpoint (vLLM-Omni: "
                 f"{self.output_type}); this family serves {sorted(QWEN_IMAGE_PIPELINES)} and video pipelines"
             )
+        if self.args.image_input != (name in EDIT_PIPELINES):
+            raise EngineError(
+                f"stage {self.stage_name}: {self.args.model} is a {name!r} checkpoint: set image_input: "
+                f"{str(name in EDIT_PIPELINES).lower()} (requests to an editing pipeline carry the image to edit)"
+            )
         return DiffusionEngine.make_engine(od_config)
 
     def _mark_dead(self) -> None:  # the executor's failure callback (a worker process died)
@@ -488,8 +506,16 @@ class VllmOmniDiffusionEngine(StageEngine):
         else:
             if request.video is not None:
                 raise InvalidStageInput(f"model: stage {self.stage_name} makes images, not videos", param="model")
+            source = self._source_image(request)
+            if source is not None and request.image is not None and not request.image.width:  # size "auto"
+                height, width = source.shape[:2]
+                request.image = request.image.model_copy(update={"width": width, "height": height})
             params = resolve_image_params(request, self.args)
             text_prompt, sampling = diffusion_request_fields(prompt_of(request), params)
+            if source is not None:
+                from PIL import Image
+
+                text_prompt["multi_modal_data"] = {"image": Image.fromarray(source)}
             expected = params.n
         rid = self.calls.mint(request.request_id)
         engine_request = OmniDiffusionRequest(
@@ -536,6 +562,23 @@ class VllmOmniDiffusionEngine(StageEngine):
             finished=True,
             finish_reason=FinishReason.STOP,
         )
+
+    def _source_image(self, request: StageRequest) -> np.ndarray | None:
+        """An editing stage's one source image (decoded by the stage from the request's image part); None otherwise."""
+        from omni_serve.media.inputs import Image
+
+        media = request.media or []
+        if not self.args.image_input:
+            if media:
+                raise InvalidStageInput(f"messages: stage {self.stage_name} takes no images", param="messages")
+            return None
+        images = [item.pixels for item in media if isinstance(item, Image)]
+        if len(images) != 1 or len(media) != 1:
+            raise InvalidStageInput(
+                f"image: stage {self.stage_name} edits exactly one image per request (got {len(media)} media item(s))",
+                param="image",
+            )
+        return images[0]
 
     async def _engine_outputs(self, engine_request: Any) -> AsyncIterator[Any]:
         """The engine's outputs for one request (each ``outputs[0]``), with its step progress between them.

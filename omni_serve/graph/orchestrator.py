@@ -62,6 +62,7 @@ from omni_serve.types import (
     StageOutput,
     StageRequest,
     ToolCalling,
+    VideoParams,
 )
 
 logger = logging.getLogger("ray.serve")
@@ -109,6 +110,7 @@ class OmniRequest:
     messages: list[ChatMessage] | None = None
     voice: str | None = None  # already validated against the graph's voices
     image: ImageParams | None = None
+    video: VideoParams | None = None
     reply: str | None = None  # text-to-speech: the entry stage speaks this instead of generating
     client_request_id: str | None = None  # the client's X-Request-ID: a label for logs, never a key
     deadline: float | None = None  # time.monotonic() by which the whole walk must be done
@@ -182,6 +184,7 @@ class Orchestrator:
             messages=request.messages,
             voice=request.voice,
             image=request.image,
+            video=request.video,
             reply=request.reply,
             client_request_id=request.client_request_id,
             return_prompt_text=request.return_prompt_text,
@@ -282,6 +285,7 @@ class Orchestrator:
             stream_handoff=self._streams_downstream(child, walk),
             voice=walk.request.voice,
             image=walk.request.image,
+            video=walk.request.video,
             client_request_id=walk.request.client_request_id,
         )
 

@@ -26,7 +26,7 @@ from omni_serve.media.inputs import MediaInputConfig, load_media
 from omni_serve.media.inputs import decodes as media_decodes
 from omni_serve.media.policy import MediaPolicy
 from omni_serve.payload import HandoffPayload, payload_loads
-from omni_serve.types import FinishReason, MediaPart, StageOutput, StageRequest
+from omni_serve.types import FinishReason, MediaPart, StageOutput, StageRequest, VideoRules
 
 logger = logging.getLogger("ray.serve")
 
@@ -164,6 +164,10 @@ class Stage:
     def voices(self) -> list[str]:
         """The engine's voice names; the ingress asks once and validates requests against them."""
         return self.engine.voices()
+
+    def video_rules(self) -> VideoRules | None:
+        """What the engine makes of a video request; the ingress asks once and checks video jobs against it."""
+        return self.engine.video_rules()
 
     def stats(self) -> dict[str, Any]:
         """Calls served by this replica plus engine stats (tests and autoscaling read these)."""

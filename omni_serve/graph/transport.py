@@ -74,20 +74,28 @@ PAYLOAD_FOLLOWS = _Marker.PAYLOAD_FOLLOWS  # an enum member: stays itself throug
 
 
 def stream_items(output: StageOutput, wanted: bool, padding_bytes: int = 0) -> list[Any]:
-    """What a stage yields for one engine output: the output, then its payload when one is wanted.
+    """What a stage yields for one engine output: the output, then its payload when one is wanted, then its
+    video when it carries one.
 
     A payload no downstream stage will read (``wanted`` is the request's ``wants_handoff``) is
     dropped here, whatever the engine family, so it is never serialized or stored.
     ``padding_bytes`` adds a tensor no engine reads (the stage's ``handoff_padding_bytes``: tests and
-    benchmarks model production-sized handoffs with the tiny model).
+    benchmarks model production-sized handoffs with the tiny model). A video (a final result too large
+    for the output itself) travels the way a payload does: its own item, owned by the caller, never
+    deserialized where the output is read (:func:`_next_unresolved`).
     """
+    items: list[Any] = [output]
     payload = output.handoff
     if not isinstance(payload, HandoffPayload) or not wanted:
         output.handoff = None
-        return [output]
-    payload = padded(payload, padding_bytes)
-    output.handoff, output.handoff_bytes = PAYLOAD_FOLLOWS, payload.nbytes
-    return [output, payload]
+    else:
+        payload = padded(payload, padding_bytes)
+        output.handoff, output.handoff_bytes = PAYLOAD_FOLLOWS, payload.nbytes
+        items.append(payload)
+    if output.video is not None:
+        items.append(output.video)
+        output.video = PAYLOAD_FOLLOWS
+    return items
 
 
 @dataclasses.dataclass
@@ -440,6 +448,8 @@ class RemoteStages(StageTransport):
                     raise asyncio.CancelledError() from None
                 if output.handoff is PAYLOAD_FOLLOWS:
                     output.handoff = await _next_unresolved(items)
+                if output.video is PAYLOAD_FOLLOWS:
+                    output.video = await _next_unresolved(items)
                 yield output
                 output = None
             done = True
@@ -504,5 +514,12 @@ class LocalStage(StageTransport):
     async def voices(self, stage: str) -> list[str]:
         return self.stage.voices()
 
-    def _attempt(self, stage: str, request: StageRequest) -> AsyncGenerator[StageOutput, None]:
-        return self.stage.generate(request)  # one stage: it yields no handoff
+    async def _attempt(self, stage: str, request: StageRequest) -> AsyncGenerator[StageOutput, None]:
+        items = self.stage.generate(request)  # one stage: it yields no handoff
+        try:
+            async for output in items:
+                if output.video is PAYLOAD_FOLLOWS:  # in process: the video itself, not a reference
+                    output.video = await anext(items)
+                yield output
+        finally:
+            await items.aclose()

@@ -41,6 +41,11 @@ class HandoffPayload:
     def __reduce__(self):  # noqa: D105 - see class docstring
         return (load_payload, (self.kind, self.tensors, self.meta))
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its arrays (what it weighs in the object store, near enough)."""
+        return sum(array.nbytes for array in self.tensors.values())
+
 
 def detached(payload: HandoffPayload) -> HandoffPayload:
     """``payload`` with its arrays copied from the object store into this process's memory.

@@ -24,7 +24,7 @@ class Modality(str, enum.Enum):
     TEXT = "text"
     AUDIO = "audio"
     IMAGE = "image"
-    VIDEO = "video"  # an input modality only
+    VIDEO = "video"  # chat input (video content parts); a final output of video graphs (/v1/videos)
 
 
 class FinishReason(str, enum.Enum):
@@ -71,6 +71,11 @@ class StructuredOutputs(BaseModel):
         return chosen[0]
 
 
+# Generation lengths above this are refused outright, on every route and in every stage's sampling
+# (stages also cap at their context).
+MAX_TOKENS_LIMIT = 1 << 20
+
+
 class SamplingParams(BaseModel):
     """Sampling for one stage of one request: graph defaults merged with request overrides."""
 
@@ -79,7 +84,9 @@ class SamplingParams(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 means greedy decoding.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="0 disables top-k filtering.")
-    max_tokens: int = Field(256, ge=1, description="Tokens (or codec frames) this stage may generate.")
+    max_tokens: int = Field(
+        256, ge=1, le=MAX_TOKENS_LIMIT, description="Tokens (or codec frames) this stage may generate."
+    )
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="1.0 disables it.")
     seed: int | None = Field(None, description="Per-request seed; None draws one.")
     stop: list[str] = Field(default_factory=list, description="Stop strings (text stages).")
@@ -257,6 +264,30 @@ class TokenLogprob:
     top: list[tuple[str, float]] = field(default_factory=list)
 
 
+class VideoParams(BaseModel):
+    """Video-generation parameters for diffusion stages (``/v1/videos``)."""
+
+    width: int
+    height: int
+    num_frames: int
+    fps: float
+    num_inference_steps: int
+    guidance_scale: float
+    negative_prompt: str | None = None
+    seed: int | None = None
+
+
+class VideoRules(BaseModel):
+    """What a video stage makes: its defaults and limits (the ingress checks a job's request against them)."""
+
+    defaults: VideoParams  # what a request that names nothing gets (no seed)
+    size_multiple: int  # width and height are multiples of it
+    frame_multiple: int  # frame counts are frame_multiple x k + 1
+    max_pixels: int
+    max_frames: int
+    max_inference_steps: int
+
+
 @dataclass
 class StageRequest:
     """One call of one stage for one client request.
@@ -281,6 +312,7 @@ class StageRequest:
     stream_handoff: bool = False
     voice: str | None = None
     image: ImageParams | None = None
+    video: VideoParams | None = None
     # Text-to-speech: the assistant reply to speak. The thinker teacher-forces it (one forward
     # pass, no sampling) so the talker gets the hidden states of exactly this text.
     reply: str | None = None
@@ -299,6 +331,9 @@ class StageRequest:
     # A fan-in call (its stage reads several upstream stages, ``inputs``): each one's final handoff, in the
     # order of ``inputs``. ObjectRefs on the wire; the stage resolves them (payloads), as it does ``handoff``.
     handoffs: list[Any] | None = None
+    # Where this call waits for its caller to catch up when it runs a window ahead
+    # (omni_serve.graph.flow.Window); None: the caller pulls each output itself (in process).
+    window: Any = None
 
 
 @dataclass
@@ -317,7 +352,12 @@ class StageOutput:
     audio: np.ndarray | None = None  # float32 mono samples of this chunk
     sample_rate: int | None = None
     images: list[np.ndarray] = field(default_factory=list)  # uint8 HxWx3
+    # A finished video: the MP4 file as a uint8 array inside the stage; like a handoff it leaves the
+    # stage as its own stream item, owned by the caller, and the caller gets its ObjectRef.
+    video: Any = None
+    progress: float | None = None  # fraction of the call's work done (0..1), where the engine knows it
     handoff: Any = None  # HandoffPayload inside the engine, ObjectRef once it left the replica
+    handoff_bytes: int = 0  # the handoff payload's array bytes, set where it is yielded (flow control)
     finished: bool = False
     finish_reason: FinishReason | None = None
     # Token counts so far: text stages set them on every output (the ingress streams them as

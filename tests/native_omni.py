@@ -66,6 +66,27 @@ FAMILIES: dict[str, Family] = {
         # 64 codec frames at most (5.1 s of audio): a random talker rarely samples codec EOS.
         sampling_overrides={0: {"max_tokens": 64}},
     ),
+    "ming_flash_omni": Family(
+        pipeline="ming_flash_omni",
+        checkpoint="tiny-ming-flash-omni",
+        deploy="ming_flash_omni.yaml",
+        stage_overrides={
+            0: {"max_model_len": 2048, "max_num_batched_tokens": 2048},
+            1: {"max_num_batched_tokens": 4096},
+        },
+        # 16 text tokens: the talker speaks the thinker's whole text, a few seconds of audio.
+        sampling_overrides={0: {"max_tokens": 16}},
+        sample_rate=44100,
+        samples_per_frame=882,  # the AudioVAE's hop; a talker step is 4 latents, each upsampled 4x
+    ),
+    "voxtral_tts": Family(
+        pipeline="voxtral_tts",
+        checkpoint="tiny-voxtral-tts",
+        deploy="voxtral_tts.yaml",
+        stage_overrides={0: {"max_model_len": 1024, "max_num_batched_tokens": 1024}},
+        # 64 codec frames at most (5.1 s of audio).
+        sampling_overrides={0: {"max_tokens": 64}},
+    ),
 }
 
 
@@ -89,15 +110,25 @@ ORACLE_REQUESTS: dict[str, dict[str, dict[str, Any]]] = {
             "x_vector_only_mode": True, "seed": 7,
         },
     },
+    # No seed: Voxtral's LM is greedy and its tiny checkpoint's codes do not depend on the flow-matching noise
+    # (tiny_voxtral_tts.ACOUSTIC_HEAD_SCALE), so a request alone fixes the reply.
+    "voxtral_tts": {
+        "preset_casual_male": {"input": "Hello from the tiny talker.", "voice": "casual_male"},
+        "preset_neutral_female": {"input": "Hello from the tiny talker.", "voice": "neutral_female"},
+        "clone": {"input": "Hello from the tiny talker.", "ref_audio": "tone:440"},
+    },
 }  # fmt: skip
 
 
 def cpu_deploy_config(family: Family, async_chunk: bool = True) -> dict[str, Any]:
-    """vLLM-Omni's deploy config of ``family``, made for a CPU host. Each change, and why:
+    """vLLM-Omni's deploy config of ``family``, made for a CPU host (``async_chunk`` only where vLLM-Omni's turns it
+    on: Ming-flash-omni's declares no chunked handoff). Each change, and why:
 
     - ``model_runner: v1`` and no ``platforms:`` section: omni_serve's CPU workers run vLLM-Omni's v1
       model runners (the XPU/NPU/ROCm sections of the shipped configs pick v1 the same way);
-    - per stage: no ``devices`` and no ``gpu_memory_utilization`` (no GPU), a fixed KV cache in bytes
+    - per stage: no ``devices``, no ``gpu_memory_utilization`` and no tensor parallelism (one CPU device, which
+      vLLM's CPU workers split no further: Ming-flash-omni's thinker ships with ``tensor_parallel_size: 4``), a
+      fixed KV cache in bytes
       (``kv_cache_memory_bytes``), ``enforce_eager`` (no torch.compile / graphs: a fast start), no async
       scheduling (vLLM's CPU platform turns it off), ``max_num_seqs`` at most 4 (2 cores); the dtypes stay
       vLLM-Omni's (Qwen3-TTS's talker only runs in bfloat16: ``tiny_qwen3_tts``);
@@ -108,10 +139,10 @@ def cpu_deploy_config(family: Family, async_chunk: bool = True) -> dict[str, Any
     config = yaml.safe_load((_DEPLOY_DIR / family.deploy).read_text())
     config.pop("platforms", None)
     config["model_runner"] = "v1"
-    config["async_chunk"] = async_chunk
+    config["async_chunk"] = async_chunk and bool(config.get("async_chunk", False))
     for stage in config["stages"]:
         sid = stage["stage_id"]
-        for key in ("devices", "gpu_memory_utilization"):
+        for key in ("devices", "gpu_memory_utilization", "tensor_parallel_size"):
             stage.pop(key, None)
         stage.update(
             enforce_eager=True,
@@ -142,6 +173,18 @@ class SpeechReply:
 
 
 @dataclasses.dataclass
+class ChatReply:
+    """One ``/v1/chat/completions`` answer as sent."""
+
+    status: int
+    content: bytes
+    content_type: str
+
+    def json(self) -> Any:
+        return json.loads(self.content)
+
+
+@dataclasses.dataclass
 class NativeServer:
     family: Family
     base_url: str
@@ -161,6 +204,16 @@ class NativeServer:
                 if chunk:
                     chunks.append(chunk)
             return SpeechReply(response.status_code, b"".join(chunks), response.headers.get("content-type", ""), chunks)
+
+    def chat(self, timeout_s: float = 600, **fields: Any) -> ChatReply:
+        """POST ``/v1/chat/completions`` with ``fields`` (OpenAI's, plus vLLM-Omni's ``modalities``)."""
+        body = {"model": self.family.checkpoint, **fields}
+        with (
+            httpx.Client(timeout=timeout_s) as client,
+            client.stream("POST", f"{self.base_url}/v1/chat/completions", json=body) as response,
+        ):
+            content = b"".join(response.iter_bytes())
+        return ChatReply(response.status_code, content, response.headers.get("content-type", ""))
 
     def models(self) -> Any:
         return httpx.get(f"{self.base_url}/v1/models", timeout=30).json()
@@ -241,13 +294,14 @@ def serve(
     family = FAMILIES[name]
     model_path = ensure(family.checkpoint)
     deploy = log.with_suffix(".deploy.yaml")
-    deploy.write_text(yaml.safe_dump(cpu_deploy_config(family, async_chunk), sort_keys=False))
+    config = cpu_deploy_config(family, async_chunk)
+    deploy.write_text(yaml.safe_dump(config, sort_keys=False))
     argv = vllm_cli.argv(
         "vllm-omni", "serve", str(model_path), "--omni", "--deploy-config", str(deploy),
         "--served-model-name", family.checkpoint, "--host", "127.0.0.1", "--port", str(port),
         # vLLM-Omni's 600 s / 300 s startup limits: a loaded 2-core host can take longer to start two stages.
         "--init-timeout", str(int(ready_timeout_s)), "--stage-init-timeout", str(int(ready_timeout_s)),
-        *([] if async_chunk else ["--no-async-chunk"]),
+        *([] if config["async_chunk"] else ["--no-async-chunk"]),
     )  # fmt: skip
     with log.open("w") as out:
         proc = subprocess.Popen(

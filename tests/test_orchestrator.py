@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
@@ -43,9 +44,11 @@ class FakeStages(StageTransport):
         hang: str | None = None,
         abort: str | None = None,
         hang_after_first: str | None = None,
+        length: str | None = None,
     ):
         self.calls: dict[str, list[StageRequest]] = defaultdict(list)
         self.chunks, self.fail, self.hang, self.abort = chunks, fail, hang, abort
+        self.length = length  # this stage's calls stop at their max_tokens (finish_reason LENGTH)
         self.hang_after_first = hang_after_first
         self.cancelled: list[str] = []
 
@@ -60,13 +63,15 @@ class FakeStages(StageTransport):
                 for word in ["hello ", "world"]:
                     yield StageOutput(stage=stage, text=word)
                 payload = HandoffPayload("fake.thinker2talker", {"hidden": np.ones((3, 4), np.float32)})
-                yield StageOutput(stage=stage, finished=True, finish_reason=FinishReason.STOP, handoff=payload)
+                reason = FinishReason.LENGTH if stage == self.length else FinishReason.STOP
+                yield StageOutput(stage=stage, finished=True, finish_reason=reason, handoff=payload)
             elif stage == "talker":
                 assert request.handoff.kind == "fake.thinker2talker"
                 for i in range(self.chunks):
                     payload = HandoffPayload("fake.codes", {"codes": np.full((2, 3), i)})
                     last = i == self.chunks - 1
                     reason = FinishReason.ABORT if last and stage == self.abort else FinishReason.STOP
+                    reason = FinishReason.LENGTH if stage == self.length else reason
                     yield StageOutput(
                         stage=stage, handoff=payload, finished=last, finish_reason=reason if last else None
                     )
@@ -272,3 +277,56 @@ def test_fan_in_fails_when_a_branch_finishes_without_a_handoff() -> None:
         asyncio.run(collect(Orchestrator(FAN_IN, stages), fan_in_request()))
     assert failure.value.stage == "right" and "no final handoff for mix" in str(failure.value.cause)
     assert "mix" not in stages.calls
+
+
+AUDIO_CHUNK = 48000  # float32 samples per code2wav output: 192 KB, the size of a 25-frame chunk
+
+
+class ManyChunks(FakeStages):
+    """A talker that speaks ``chunks`` codec chunks; code2wav decodes each at once into 192 KB of audio."""
+
+    def __init__(self, chunks: int):
+        super().__init__(chunks=chunks)
+        self.talker_outputs = 0
+
+    async def _attempt(self, stage: str, request: StageRequest) -> AsyncIterator[StageOutput]:
+        if stage == "code2wav":
+            self.calls[stage].append(request)
+            index = int(request.handoff.tensors["codes"][0, 0])
+            audio = np.full(AUDIO_CHUNK, index, np.float32)
+            yield StageOutput(stage=stage, audio=audio, sample_rate=24000, finished=True)
+            return
+        async for output in super()._attempt(stage, request):
+            self.talker_outputs += stage == "talker"
+            yield output
+
+
+def test_a_client_that_stops_reading_holds_back_code2wav_and_the_talker_then_gets_everything() -> None:
+    """The code2wav end of a slow reader: the walk holds at most its byte budget plus one output per queue
+    (the root's relay, the talker's queue and relay, one queue per code2wav call: 3 + max_fanout), code2wav
+    gets no call its client cannot take, the talker is not read further; reading again delivers it all."""
+    stages, budget, fanout = ManyChunks(chunks=300), 1 << 20, 4
+    orchestrator = Orchestrator(GRAPH, stages, max_fanout=fanout, buffer_bytes=budget)
+
+    async def go() -> tuple[int, int, int, int, list[int]]:
+        audio: list[int] = []
+        async with contextlib.aclosing(orchestrator.run(request(Modality.TEXT, Modality.AUDIO))) as outputs:
+            async for output in outputs:
+                if output.audio is not None:
+                    audio.append(int(output.audio[0]))
+                if len(audio) == 2:
+                    break
+            await asyncio.sleep(1.0)  # the client reads nothing: everything upstream runs as far as it may
+            made, talked = len(stages.calls["code2wav"]), stages.talker_outputs
+            held = (made - len(audio)) * AUDIO_CHUNK * 4  # audio bytes made that the client has not taken
+            async for output in outputs:  # the client reads again: the rest of the reply, in order
+                if output.audio is not None:
+                    audio.append(int(output.audio[0]))
+        return made, talked, held, len(audio), audio
+
+    made, talked, held, _, audio = asyncio.run(go())
+    queues = 3 + fanout
+    assert held <= budget + queues * (AUDIO_CHUNK * 4 + 512), f"{held} bytes of audio held for the client"
+    assert made <= 2 + budget // (AUDIO_CHUNK * 4) + queues, f"{made} code2wav calls for a client that read 2"
+    assert talked <= made + fanout + 2 * 16, f"the talker was read for {talked} chunks"  # + the talker's queues
+    assert audio == list(range(300)), "the reply is not whole and in order after the client read again"

@@ -118,3 +118,96 @@ def test_livekit_realtime_model_talks_to_omni_serve(graph) -> None:
             _check_audio(pcm, frames)
             spoke += 1
     assert spoke, "neither reply had audio"
+
+
+def test_livekit_function_tool_is_called_and_its_output_answered(graph) -> None:
+    """An agent's ``@function_tool`` through the plugin: ``update_tools`` offers it (``session.tools``),
+    ``generate_reply(tool_choice="required")`` gets the call as the generation's function stream, LiveKit's own
+    ``execute_function_call`` runs the tool, ``update_chat_ctx`` sends its output back (a
+    ``function_call_output`` item) and the next ``generate_reply`` is answered in audio.
+
+    The tool takes no arguments (``raw_schema``, its object closed). The plugin sends no sampling fields, and the
+    random tiny thinker, forced into the call's JSON, writes whitespace inside its braces until its ``max_tokens``
+    (the chat and realtime tool tests bias whitespace away with ``logit_bias``; LiveKit cannot send one): the call
+    arrives named, with the arguments the parser could close (none), in a response ``incomplete`` for
+    ``max_output_tokens``, and LiveKit runs the tool with ``{}``, as it does for empty arguments."""
+    from livekit.agents import llm
+    from livekit.plugins.openai.realtime import RealtimeModel
+
+    ran: list[str] = []
+    schema = {
+        "name": "get_time",
+        "description": "The time now.",
+        "parameters": {"type": "object", "properties": {}, "required": [], "additionalProperties": False},
+    }
+
+    @llm.function_tool(raw_schema=schema)
+    async def get_time(raw_arguments: dict[str, object]) -> str:
+        ran.append(repr(raw_arguments))
+        return "It is noon."
+
+    async def talk() -> tuple[list[Any], tuple[str, bytes, list[Any]], list[dict[str, Any]], list[Any]]:
+        model = RealtimeModel(
+            model=MODEL,
+            base_url=f"{graph.base_url}/v1",
+            api_key="unused",
+            voice="alloy",
+            modalities=["audio"],
+            turn_detection=None,
+            input_audio_transcription=None,
+        )
+        session = model.session()
+        seen: list[dict[str, Any]] = []
+        errors: list[Any] = []
+        done: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+        def received(event: dict[str, Any]) -> None:
+            seen.append(event)
+            if event["type"] == "response.done":
+                done.put_nowait(event["response"])
+
+        session.on("openai_server_event_received", received)
+        session.on("error", errors.append)
+        try:
+            async with asyncio.timeout(240):
+                await session.update_tools([get_time])
+                ctx = session.chat_ctx.copy()
+                ctx.add_message(role="user", content="What time is it?")
+                await session.update_chat_ctx(ctx)
+                asked = await asyncio.wait_for(session.generate_reply(tool_choice="required"), 60)
+                calls = [call async for call in asked.function_stream]
+                await done.get()
+                results = []
+                for call in calls:
+                    tool_call = llm.FunctionToolCall(name=call.name, arguments=call.arguments, call_id=call.call_id)
+                    results.append(await llm.utils.execute_function_call(tool_call, llm.ToolContext([get_time])))
+                ctx = session.chat_ctx.copy()
+                ctx.items.extend(r.fnc_call_out for r in results if r.fnc_call_out is not None)
+                await session.update_chat_ctx(ctx)
+                answered = await asyncio.wait_for(session.generate_reply(tool_choice="none"), 60)
+                reply = await _reply(answered)
+                await done.get()  # the reply's response.done, before the session closes
+        finally:
+            await session.aclose()
+            await model.aclose()
+        return calls, reply, seen, errors
+
+    calls, (said, pcm, frames), seen, errors = asyncio.run(talk())
+    assert not errors, errors
+    (call,) = calls
+    assert call.name == "get_time" and call.call_id
+    assert len(ran) == 1  # LiveKit ran the tool
+    created = [e["item"] for e in seen if e["type"] == "conversation.item.added"]
+    (output,) = [i for i in created if i["type"] == "function_call_output"]
+    assert (output["call_id"], output["output"]) == (call.call_id, "It is noon.")
+    done = [e["response"] for e in seen if e["type"] == "response.done"]
+    assert [[i["type"] for i in r["output"]] for r in done] == [["function_call"], ["message"]]
+    assert done[0]["output"][0]["call_id"] == call.call_id and done[0]["output"][0]["arguments"] == call.arguments
+    length = {"type": "incomplete", "reason": "max_output_tokens"}
+    assert all(r["status"] == "completed" or r["status_details"] == length for r in done), done
+    assert not [e for e in seen if e["type"] == "response.output_audio.delta" and e["response_id"] == done[0]["id"]]
+    assert said and said == done[1]["output"][0]["content"][0]["transcript"]
+    sent = [
+        e["delta"] for e in seen if e["type"] == "response.output_audio.delta" and e["response_id"] == done[1]["id"]
+    ]
+    assert pcm == b"".join(base64.b64decode(d) for d in sent)

@@ -5,31 +5,49 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from omni_serve.api.realtime.session import Session, SessionGraph
+from omni_serve.api.realtime.admission import Sessions
+from omni_serve.api.realtime.session import Session
+from omni_serve.api.realtime.session_graph import SessionGraph
+from omni_serve.api.realtime.vad import VadWorkers
 from omni_serve.graph.config import RealtimeConfig
-from omni_serve.types import StageOutput, Usage
+from omni_serve.graph.stage_log import StageLog
+from omni_serve.types import StageOutput, ToolCallDelta, Usage
+from tests.test_orchestrator import GRAPH
 
 CREATE = json.dumps({"type": "response.create", "response": {"output_modalities": ["text"]}})
 
 
-def graph(outputs: Callable[[Any, str], AsyncIterator[StageOutput]]) -> SessionGraph:
+def graph(
+    outputs: Callable[[Any, str], AsyncIterator[StageOutput]],
+    limits: RealtimeConfig | None = None,
+    *,
+    takes_audio: bool = False,
+    speaks: bool = False,
+    sampling: Callable[[Any], dict[str, Any]] = lambda request: {},
+) -> SessionGraph:
+    """A session's view of a graph whose outputs are scripted (``outputs`` plays the orchestrator)."""
+
     async def voice(name: str, param: str) -> str | None:
         return None
 
+    limits = limits or RealtimeConfig()
     return SessionGraph(
         model="m",
         outputs=outputs,
-        sampling=lambda request: {},
+        sampling=sampling,
         voice=voice,
+        stage_log=lambda: StageLog(GRAPH),
         text_stage="thinker",
-        speaks=False,
-        takes_audio=False,  # no VAD: the session starts with turn detection off
+        speaks=speaks,
+        takes_audio=takes_audio,  # False: no VAD, the session starts with turn detection off
         max_audio_parts=4,
         max_audio_bytes=1 << 20,
-        limits=RealtimeConfig(),
+        limits=limits,
+        sessions=Sessions(limits.max_sessions),
+        vad=VadWorkers(limits.audio_workers, keep_models=2),
     )
 
 
@@ -37,14 +55,10 @@ async def replying(request: Any, route: str) -> AsyncIterator[StageOutput]:
     yield StageOutput(stage="thinker", text="hello", finished=True, usage=Usage(prompt_tokens=3, completion_tokens=1))
 
 
-def recorder() -> tuple[list[dict[str, Any]], Callable[[dict[str, Any]], Awaitable[None]]]:
+def recorder() -> tuple[list[dict[str, Any]], Callable[[dict[str, Any]], None]]:
     """The events a session sends, and the send that records them."""
     events: list[dict[str, Any]] = []
-
-    async def send(event: dict[str, Any]) -> None:
-        events.append(event)
-
-    return events, send
+    return events, events.append
 
 
 def statuses(events: list[dict[str, Any]]) -> list[str]:
@@ -52,8 +66,8 @@ def statuses(events: list[dict[str, Any]]) -> list[str]:
 
 
 async def settle(session: Session) -> None:
-    if session.response is not None and session.response.task is not None:
-        await asyncio.gather(session.response.task, return_exceptions=True)
+    if session.responses.active is not None and session.responses.active.task is not None:
+        await asyncio.gather(session.responses.active.task, return_exceptions=True)
 
 
 def test_a_response_cancelled_before_its_relay_ran_still_ends_and_frees_the_session() -> None:
@@ -61,7 +75,7 @@ def test_a_response_cancelled_before_its_relay_ran_still_ends_and_frees_the_sess
         events, send = recorder()
         session = Session(graph(replying), send)
         await session.handle(CREATE)  # the relay task exists but has not run yet
-        await session.cancel("turn_detected")  # as a barge-in in the same audio append does
+        await session.responses.cancel("turn_detected")  # as a barge-in in the same audio append does
         await session.handle(CREATE)
         await settle(session)
         return events
@@ -76,11 +90,10 @@ def test_a_cancel_while_the_response_finishes_does_not_cut_off_response_done() -
         events: list[dict[str, Any]] = []
         cancels: list[asyncio.Task[None]] = []
 
-        async def send(event: dict[str, Any]) -> None:
+        def send(event: dict[str, Any]) -> None:
             events.append(event)
             if event["type"] == "response.output_text.done":  # the response is sending its closing events
-                cancels.append(asyncio.ensure_future(session.cancel("client_cancelled")))
-                await asyncio.sleep(0)  # the cancel runs here, mid-finish
+                cancels.append(asyncio.ensure_future(session.responses.cancel("client_cancelled")))
 
         session = Session(graph(replying), send)
         await session.handle(CREATE)
@@ -147,7 +160,7 @@ def test_a_graph_without_audio_input_refuses_input_audio_and_says_it_detects_no_
     async def run() -> list[dict[str, Any]]:
         events, send = recorder()
         session = Session(graph(replying), send)
-        await session.send("session.created", session=session.session_json())
+        session.send("session.created", session=session.session_json())
         await session.handle(json.dumps({"type": "input_audio_buffer.append", "audio": "AAAAAA=="}))
         await session.handle(json.dumps({"type": "input_audio_buffer.commit"}))
         await session.handle(CREATE)  # the conversation still answers
@@ -160,3 +173,183 @@ def test_a_graph_without_audio_input_refuses_input_audio_and_says_it_detects_no_
     assert errors[0]["param"] == "audio" and "takes no audio" in errors[0]["message"], errors
     assert not [e for e in events if e["type"] == "input_audio_buffer.committed"]
     assert statuses(events) == ["completed"]
+
+
+# ---- function calling: what the session makes of the entry stage's calls (the parsing is the stage's) ----------
+
+TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
+
+
+def update(**session: Any) -> str:
+    return json.dumps({"type": "session.update", "session": {"type": "realtime", **session}})
+
+
+def test_tools_are_checked_as_chat_checks_them_and_errors_name_the_realtime_field() -> None:
+    async def run() -> tuple[list[dict[str, Any]], Session]:
+        events, send = recorder()
+        session = Session(graph(replying), send)
+        for bad in (
+            update(tools=[{"type": "mcp", "server_label": "x"}]),
+            update(tools=[TOOL], tool_choice={"type": "function", "name": "nope"}),
+            update(tools=[TOOL, TOOL]),
+            update(tool_choice="required"),  # no tools to choose from
+            update(tools=[{**TOOL, "name": "has space"}]),
+            json.dumps({"type": "response.create", "response": {"tool_choice": "required"}}),
+            json.dumps({"type": "conversation.item.create", "item": {"type": "function_call", "name": "get_weather"}}),
+            json.dumps(
+                {
+                    "type": "conversation.item.create",
+                    "item": {"type": "function_call_output", "call_id": "c", "output": ""},
+                }
+            ),  # answers no call
+        ):
+            await session.handle(bad)
+        await session.handle(update(tool_choice="auto"))  # auto with no tools: the default, accepted
+        return events, session
+
+    events, session = asyncio.run(run())
+    errors = [e["error"] for e in events if e["type"] == "error"]
+    assert [e["param"] for e in errors] == [
+        "session.tools.0",
+        "session.tool_choice.name",
+        "session.tools",
+        "session.tool_choice",
+        "session.tools.0.name",
+        "response.tool_choice",
+        "item",
+        "item.call_id",
+    ], errors
+    assert "nope" in errors[1]["message"] and "session.tool_choice.name" in errors[1]["message"]
+    assert "mcp" in errors[0]["message"] and "call_id" in errors[6]["message"]
+    assert session.settings.tools == [] and session.settings.tool_choice == "auto"
+    assert not [e for e in events if e["type"] == "response.created"]
+
+
+def call_pieces(*texts: str) -> list[ToolCallDelta]:
+    return [ToolCallDelta(0, "call_1", "get_weather", texts[0]), *(ToolCallDelta(0, arguments=t) for t in texts[1:])]
+
+
+def test_a_response_that_only_calls_a_tool_has_one_function_call_item_and_the_request_carries_the_tools() -> None:
+    requests: list[Any] = []
+
+    async def calling(request: Any, route: str) -> AsyncIterator[StageOutput]:
+        requests.append(request)
+        yield StageOutput(stage="thinker", tool_calls=call_pieces('{"unit"', ': "c"}'))
+        yield StageOutput(stage="thinker", finished=True, usage=Usage(prompt_tokens=3, completion_tokens=9))
+
+    async def run() -> tuple[list[dict[str, Any]], Session]:
+        events, send = recorder()
+        session = Session(graph(calling), send)
+        await session.handle(update(tools=[TOOL], tool_choice={"type": "function", "name": "get_weather"}))
+        await session.handle(CREATE)
+        await settle(session)
+        return events, session
+
+    events, session = asyncio.run(run())
+    (request,) = requests
+    assert request.tools.tools == [{"type": "function", "function": {"name": "get_weather", "description": None,
+                                    "parameters": TOOL["parameters"]}}]  # fmt: skip
+    assert request.tools.function == "get_weather"
+    kinds = [e["type"] for e in events if e["type"].startswith("response.")]
+    assert kinds == [
+        "response.created",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.done",
+    ], kinds
+    (item,) = events[-1]["response"]["output"]
+    assert item == {"id": item["id"], "type": "function_call", "object": "realtime.item", "status": "completed",
+                    "call_id": "call_1", "name": "get_weather", "arguments": '{"unit": "c"}'}  # fmt: skip
+    assert [i.type for i in session.conversation.items] == ["function_call"]
+
+
+def test_a_call_cut_off_by_a_cancel_is_incomplete_and_is_no_call_in_the_next_prompt() -> None:
+    requests: list[Any] = []
+
+    async def calling_forever(request: Any, route: str) -> AsyncIterator[StageOutput]:
+        requests.append(request)
+        if len(requests) == 1:
+            yield StageOutput(stage="thinker", text="Sure. ")
+            yield StageOutput(stage="thinker", tool_calls=call_pieces('{"unit"'))
+            await asyncio.Event().wait()  # the thinker still writing the call
+        async for output in replying(request, route):
+            yield output
+
+    async def run() -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+
+        def send(event: dict[str, Any]) -> None:
+            events.append(event)
+            if event["type"] == "response.function_call_arguments.delta":
+                asyncio.ensure_future(session.handle(json.dumps({"type": "response.cancel"})))
+
+        session = Session(graph(calling_forever), send)
+        await session.handle(update(tools=[TOOL]))
+        await session.handle(CREATE)
+        await settle(session)
+        await session.handle(CREATE)
+        await settle(session)
+        return events
+
+    events = asyncio.run(run())
+    assert statuses(events) == ["cancelled", "completed"]
+    cancelled = next(e for e in events if e["type"] == "response.done")["response"]
+    message, call = cancelled["output"]
+    assert (message["status"], message["content"][0]["text"]) == ("incomplete", "Sure. ")
+    assert (call["status"], call["arguments"]) == ("incomplete", '{"unit"')
+    done = next(e for e in events if e["type"] == "response.function_call_arguments.done")
+    assert done["arguments"] == '{"unit"' and done["output_index"] == 1
+    (turn,) = requests[1].messages  # the reply's text, without the call it never finished
+    assert (turn.role, turn.content, turn.tool_calls) == ("assistant", "Sure. ", None)
+
+
+def test_calls_and_their_outputs_are_the_history_chat_makes_of_them() -> None:
+    """Client-sent items: a reply's text and its two calls are one assistant turn with ``tool_calls`` (arguments as
+    a JSON object when they parse, as chat hands them to the template), each output a ``tool`` turn."""
+    requests: list[Any] = []
+
+    async def recording(request: Any, route: str) -> AsyncIterator[StageOutput]:
+        requests.append(request)
+        async for output in replying(request, route):
+            yield output
+
+    def create(item: dict[str, Any]) -> str:
+        return json.dumps({"type": "conversation.item.create", "item": item})
+
+    async def run() -> list[dict[str, Any]]:
+        events, send = recorder()
+        session = Session(graph(recording), send)
+        await session.handle(
+            create({"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]})
+        )
+        await session.handle(
+            create(
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me see."}]}
+            )
+        )
+        for call_id, arguments in (("a", '{"unit": "c"}'), ("b", "not json")):
+            await session.handle(create({"type": "function_call", "call_id": call_id, "name": "get_weather",
+                                         "arguments": arguments}))  # fmt: skip
+        for call_id in ("a", "b"):
+            await session.handle(
+                create({"type": "function_call_output", "call_id": call_id, "output": f"out {call_id}"})
+            )
+        await session.handle(CREATE)
+        await settle(session)
+        return events
+
+    events = asyncio.run(run())
+    assert not [e for e in events if e["type"] == "error"], events
+    user, assistant, tool_a, tool_b = requests[0].messages
+    assert (user.role, assistant.role, assistant.content) == ("user", "assistant", "Let me see.")
+    assert assistant.tool_calls == [
+        {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": {"unit": "c"}}},
+        {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments": "not json"}},
+    ]
+    assert [(t.role, t.content, t.tool_call_id) for t in (tool_a, tool_b)] == [
+        ("tool", "out a", "a"),
+        ("tool", "out b", "b"),
+    ]

@@ -29,6 +29,7 @@ from omni_serve.types import FinishReason, StageOutput, StageRequest, Usage
 GRAPHS = Path(__file__).resolve().parent.parent / "graphs"
 CHAT, SPEECH, VOICES = "/v1/chat/completions", "/v1/audio/speech", "/v1/audio/voices"
 REALTIME, TRANSCRIPTIONS, IMAGES = "/v1/realtime", "/v1/audio/transcriptions", "/v1/images/generations"
+EDITS, VIDEOS = "/v1/images/edits", "/v1/videos"
 
 
 def answered(graph: GraphConfig) -> set[str]:
@@ -66,6 +67,9 @@ def test_shipped_graphs_answer_by_their_outputs() -> None:
         assert answered(shipped(name)) == speech_to_speech, name
     assert answered(shipped("single_stage_llm.yaml")) == {CHAT}
     assert answered(shipped("tiny_image.yaml")) == {IMAGES}
+    assert shipped("tiny_image.yaml").routes()[EDITS] == "its entry stage takes no images"
+    assert answered(shipped("tiny_image_edit_vllm_omni.yaml")) == {IMAGES, EDITS}
+    assert answered(shipped("tiny_video.yaml")) == {VIDEOS}
     tts = load_graph(TTS_GRAPH)
     assert tts.entry_prompt == "speech" and answered(tts) == {SPEECH, VOICES}
     assert "takes text to speak, not a conversation" in tts.routes()[CHAT]

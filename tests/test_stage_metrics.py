@@ -92,7 +92,10 @@ CODE2WAV = {
 
 
 def reply(log: StageLog | None) -> ChatReply:
-    return ChatReply("r1", "tiny", {Modality.TEXT, Modality.AUDIO}, "wav", "thinker", include_usage=True, stage_log=log)
+    return ChatReply(
+        "r1", "tiny", {Modality.TEXT, Modality.AUDIO}, "wav", "thinker", include_usage=True, stage_log=log,
+        stage_metrics=log is not None,
+    )  # fmt: skip
 
 
 def streamed(log: StageLog | None) -> list[dict[str, Any]]:

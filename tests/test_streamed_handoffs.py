@@ -26,7 +26,8 @@ from omni_serve.engines import transformers as te
 from omni_serve.engines.base import StageEngine
 from omni_serve.graph.channel import MAX_BUFFERED_CHUNKS, Channels, ProducerFailed
 from omni_serve.graph.config import GraphConfig, GraphConfigError, load_graph
-from omni_serve.graph.orchestrator import MAX_BUFFERED_OUTPUTS, OmniRequest, Orchestrator, StageFailed
+from omni_serve.graph.flow import MAX_QUEUED_OUTPUTS
+from omni_serve.graph.orchestrator import OmniRequest, Orchestrator, StageFailed
 from omni_serve.graph.transport import CHANNELS_ACTOR_PREFIX, StageTransport
 from omni_serve.models import qwen3_omni as q
 from omni_serve.payload import HandoffPayload
@@ -274,8 +275,15 @@ GRAPH = GraphConfig.model_validate(
 class StreamingFakes(StageTransport):
     """A thinker that yields a chunk per word; a talker that yields one codec chunk per row chunk it read."""
 
-    def __init__(self, words: int = 6, thinker_fails_after: int | None = None, talker_stops_after: int | None = None):
+    def __init__(
+        self,
+        words: int = 6,
+        thinker_fails_after: int | None = None,
+        talker_stops_after: int | None = None,
+        talker_fails: bool = False,
+    ):
         self.words, self.fails_after, self.stops_after = words, thinker_fails_after, talker_stops_after
+        self.talker_fails = talker_fails
         self.calls: dict[str, list[StageRequest]] = defaultdict(list)
         self.talker_read: list[Any] = []
         self.talker_error: BaseException | None = None
@@ -297,6 +305,8 @@ class StreamingFakes(StageTransport):
                 yield StageOutput(stage=stage, text=f"w{i} ", handoff=HandoffPayload("rows", {"i": np.array([i])}))
             yield StageOutput(stage=stage, finished=True, finish_reason=FinishReason.STOP)
         elif stage == "talker":
+            if self.talker_fails:
+                raise RuntimeError("talker exploded")
             try:
                 async for chunk in request.handoff.chunks():
                     self.talker_read.append(int(chunk.tensors["i"][0]))
@@ -366,8 +376,116 @@ def test_a_talker_that_ends_early_stops_the_feed() -> None:
     assert len(refused) <= 1, refused
 
 
+def left_open(stages: StreamingFakes, leave: Any = None, stall_first_write: bool = False) -> int:
+    """Run one request, leaving when ``leave(output)`` says so (None: read it all, or let it fail); the
+    channels left open once the walk ended. ``stall_first_write``: the feed's first write never returns
+    (a channels actor slow to answer), so the client leaves while it is on its way."""
+    channels = stages._channels()
+    if stall_first_write:
+        write = channels.write
+
+        async def stalled(key: str, items: list[Any], **kwargs: Any) -> bool:
+            open_ = await write(key, items, **kwargs)
+            if kwargs.get("first"):
+                await asyncio.Event().wait()
+            return open_
+
+        channels.write = stalled  # type: ignore[method-assign]
+    request = OmniRequest(
+        request_id="leaves",
+        modalities={Modality.TEXT, Modality.AUDIO},
+        sampling={s.name: SamplingParams() for s in GRAPH.stages},
+        messages=HELLO,
+    )
+
+    async def go() -> int:
+        with contextlib.suppress(StageFailed):
+            async with contextlib.aclosing(Orchestrator(GRAPH, stages).run(request)) as outputs:
+                async for output in outputs:
+                    if leave is not None and leave(output):
+                        break
+        return channels.open_channels()
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    "leave",
+    [
+        lambda o: bool(o.text),  # on the first text delta: the talker's call exists only as a task not yet run
+        lambda o: o.audio is not None,  # on the first audio chunk
+        lambda o: o.audio is not None and int(o.audio[0]) == 3,  # mid-stream
+    ],
+    ids=["first-text-delta", "first-audio-chunk", "mid-stream"],
+)
+def test_a_client_that_leaves_at_any_point_leaves_no_channel_open(leave: Any) -> None:
+    assert left_open(StreamingFakes(words=6), leave) == 0
+
+
+def test_a_client_that_leaves_while_the_first_chunk_is_written_leaves_no_channel_open() -> None:
+    assert left_open(StreamingFakes(words=6), lambda o: bool(o.text), stall_first_write=True) == 0
+
+
+@pytest.mark.parametrize(
+    "stages",
+    [lambda: StreamingFakes(words=6, thinker_fails_after=1), lambda: StreamingFakes(words=6, talker_fails=True)],
+    ids=["producer-fails-after-the-first-chunk", "consumer-fails-at-once"],
+)
+def test_a_failed_request_leaves_no_channel_open(stages: Any) -> None:
+    assert left_open(stages()) == 0
+
+
+@pytest.mark.parametrize("when", ["first-chunk-written", "first-text-delta"])
+def test_a_walk_cancelled_right_after_its_response_starts_leaves_no_channel_open(when: str) -> None:
+    """A realtime barge-in cancels the task that reads the walk (``response.cancel`` just after
+    ``response.create``). Cancelled the moment the talker's feed has its first chunk (the talker's call is
+    then a task that has not run yet), or on the reply's first text delta, the walk still closes the
+    channel it opened."""
+    stages = StreamingFakes(words=6)
+    channels = stages._channels()
+    write = channels.write
+    opened: list[int] = []
+    reader: asyncio.Task[None] | None = None
+
+    def barge_in() -> None:
+        assert reader is not None
+        opened.append(channels.open_channels())
+        reader.cancel()
+
+    async def first_written(key: str, items: list[Any], **kwargs: Any) -> bool:
+        open_ = await write(key, items, **kwargs)
+        if kwargs.get("first") and when == "first-chunk-written":
+            barge_in()  # from the walk's producer task, as the session's task would: the reader is cancelled
+        return open_
+
+    channels.write = first_written  # type: ignore[method-assign]
+    request = OmniRequest(
+        request_id="barge-in",
+        modalities={Modality.TEXT, Modality.AUDIO},
+        sampling={s.name: SamplingParams() for s in GRAPH.stages},
+        messages=HELLO,
+    )
+
+    async def go() -> int:
+        nonlocal reader
+
+        async def respond() -> None:
+            async for output in Orchestrator(GRAPH, stages).run(request):
+                if output.text and when == "first-text-delta" and not opened:
+                    barge_in()
+
+        reader = asyncio.create_task(respond())
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(reader, 30)
+        return channels.open_channels()
+
+    left = asyncio.run(go())
+    assert opened == [1], f"cancelled with {opened} channels open: the test missed its window"
+    assert left == 0
+
+
 def test_a_client_that_reads_slowly_holds_its_request_back_instead_of_buffering_it() -> None:
-    """What the walk buffers for one request is bounded (MAX_BUFFERED_OUTPUTS per queue, channel bound)."""
+    """What the walk buffers for one request is bounded (MAX_QUEUED_OUTPUTS per queue, channel bound)."""
     stages = StreamingFakes(words=400)
     request = OmniRequest(
         request_id="slow",
@@ -389,7 +507,7 @@ def test_a_client_that_reads_slowly_holds_its_request_back_instead_of_buffering_
     read, produced = asyncio.run(go())
     # The merge queue (16), one code2wav sink (16) and the outputs in hand: the thinker is held back
     # at a few dozen outputs past what the client read, not 400.
-    assert produced <= read + 3 * MAX_BUFFERED_OUTPUTS, f"{produced} thinker outputs made, {read} read"
+    assert produced <= read + 3 * MAX_QUEUED_OUTPUTS, f"{produced} thinker outputs made, {read} read"
 
 
 # ---- graph level (Ray, HTTP) ---------------------------------------------------------------------

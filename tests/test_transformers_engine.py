@@ -18,6 +18,7 @@ from omni_serve.engines.transformers import sampling
 from omni_serve.models import qwen3_omni as q
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import (
+    MAX_TOKENS_LIMIT,
     ChatMessage,
     FinishReason,
     InvalidStageInput,
@@ -478,6 +479,29 @@ def test_talker_ignore_eos_runs_to_max_tokens(engines: dict[str, StageEngine], g
     assert talk(engines, greedy_handoff, max_tokens=14, seed=seed, **TALK)[-1].usage.completion_tokens < 14
     ignoring = talk(engines, greedy_handoff, max_tokens=14, seed=seed, ignore_eos=True, **TALK)[-1]
     assert ignoring.finish_reason is FinishReason.LENGTH and ignoring.usage.completion_tokens == 14
+
+
+def test_talker_sizes_its_step_rows_by_its_context_not_by_max_tokens(
+    engines: dict[str, StageEngine], greedy_handoff: HandoffPayload, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The talker allocates one row per step it may take up front: a request's max_tokens (up to the API's
+    bound, 2**20) must not size it, the talker's context does (it could not take more steps anyway)."""
+    steps: list[int] = []
+    real = q.TrailingText.__init__
+
+    def recording(self: q.TrailingText, inputs: Any, n: int) -> None:
+        steps.append(n)
+        real(self, inputs, n)
+
+    monkeypatch.setattr(q.TrailingText, "__init__", recording)
+    def stops_early(seed: int) -> bool:
+        return talk(engines, greedy_handoff, max_tokens=14, seed=seed, **TALK)[-1].usage.completion_tokens < 14
+
+    seed = next(s for s in range(50) if stops_early(s))
+    steps.clear()
+    final = talk(engines, greedy_handoff, max_tokens=MAX_TOKENS_LIMIT, seed=seed, **TALK)[-1]
+    context = engines["talker"].config.talker_config.text_config.max_position_embeddings  # type: ignore[attr-defined]
+    assert final.finish_reason is FinishReason.STOP and steps and steps[0] <= context + 1, (steps, context)
 
 
 # --- logprobs, structured outputs and tool calls (the thinker) ------------------------------------------

@@ -1,10 +1,14 @@
-"""The ``vllm_omni_diffusion`` family: Qwen-Image on vLLM-Omni 0.30's DiffusionEngine.
+"""The ``vllm_omni_diffusion`` family: vLLM-Omni 0.30's DiffusionEngine, for real on CPU and on GPUs.
 
 CPU tests (always run; the ones needing vLLM-Omni skip when ``vllm_omni`` is not installed, and fail under CI):
 engine-args validation, every passthrough name checked against the real 0.30 config classes
 (``OmniDiffusionConfig``, ``DiffusionParallelConfig``, ``DiffusionCacheConfig``) and built
-into them, the pure request -> vLLM-Omni mapping, and the stream/abort/stats bookkeeping
-against a stand-in for ``DiffusionEngine`` (the real one needs CUDA).
+into them, the pure request -> vLLM-Omni mapping, and the real engine: graphs/tiny_image_vllm_omni.yaml
+(the tiny Qwen-Image on vLLM-Omni's DiffusionEngine through omni_serve's CPU platform) deployed with
+`serve run`, its denoising steps paced (``min_step_s``) so requests are certainly in flight when the
+tests look, called over HTTP with the official client and through the stage's Serve handle; and the
+oracle: native vLLM-Omni (``vllm-omni serve <tiny-qwen-image> --omni``, same platform) makes the same
+PNG for a seed (:mod:`tests.native_vllm_omni`).
 
 GPU tests (marker ``gpu``; skipped without CUDA) serve graphs/qwen_image_vllm_omni.yaml
 through Serve and HTTP. vLLM-Omni 0.30's diffusion ``load_format: dummy`` builds no pipeline
@@ -53,7 +57,6 @@ from omni_serve.engines.vllm_omni_diffusion import (
 from omni_serve.types import (
     ChatMessage,
     EngineError,
-    FinishReason,
     ImageParams,
     InvalidStageInput,
     SamplingParams,
@@ -268,95 +271,12 @@ def test_pil_images_become_uint8_rgb_arrays() -> None:
     assert array.dtype == np.uint8 and array.shape == (48, 64, 3) and array[0, 0].tolist() == [10, 20, 30]
 
 
-# ---- stream / abort / stats against a stand-in DiffusionEngine ---------------------------------
+# ---- CPU: the real engine, graphs/tiny_image_vllm_omni.yaml behind Serve and HTTP ------------------
 
-
-class _Executor:
-    def check_health(self) -> None:
-        pass
-
-
-class FakeDiffusionEngine:
-    """What VllmOmniDiffusionEngine uses of DiffusionEngine: step_streaming, abort, executor."""
-
-    def __init__(self) -> None:
-        self.executor = _Executor()
-        self.aborted: list[str] = []
-        self.requests: list[Any] = []
-        self.release = asyncio.Event()
-
-    def abort(self, request_id: str | list[str]) -> None:
-        self.aborted += [request_id] if isinstance(request_id, str) else list(request_id)
-
-    async def step_streaming(self, request: Any) -> Any:
-        from vllm_omni.diffusion.data import DIFFUSION_REQUEST_LIFECYCLE_KEY, DIFFUSION_REQUEST_STARTED
-        from vllm_omni.outputs import OmniRequestOutput
-
-        self.requests.append(request)
-        started = {DIFFUSION_REQUEST_LIFECYCLE_KEY: DIFFUSION_REQUEST_STARTED}
-        yield [OmniRequestOutput.from_diffusion(request.request_id, images=[], custom_output=started, finished=False)]
-        await self.release.wait()
-        sampling = request.sampling_params
-        size = (sampling.width, sampling.height)
-        frames = [Image.new("RGB", size, (i, 0, 0)) for i in range(sampling.num_outputs_per_prompt)]
-        yield [OmniRequestOutput.from_diffusion(request.request_id, images=frames)]
-
-
-def _engine_with_fake() -> tuple[VllmOmniDiffusionEngine, FakeDiffusionEngine]:
-    engine = VllmOmniDiffusionEngine("image", graph_engine_args())
-    fake = FakeDiffusionEngine()
-    engine._engine = fake
-    return engine, fake
-
-
-def test_stream_yields_the_images_and_tracks_waiting_running(vllm_omni: Any) -> None:
-    async def go() -> None:
-        engine, fake = _engine_with_fake()
-        outputs: list[Any] = []
-
-        async def consume() -> None:
-            outputs.extend([o async for o in engine.stream(request(image(seed=4, n=2)), None)])
-
-        task = asyncio.create_task(consume())
-        for _ in range(100):
-            await asyncio.sleep(0)
-            if engine.stats()["running"]:
-                break
-        assert engine.stats() == {"waiting": 0, "running": 1, "client_requests": 1, "served": 0}
-        fake.release.set()
-        await task
-        [out] = outputs
-        assert out.finished and out.finish_reason == FinishReason.STOP and out.stage == "image"
-        assert [a.shape for a in out.images] == [(48, 64, 3)] * 2 and out.images[1][0, 0, 0] == 1
-        assert engine.stats() == {"waiting": 0, "running": 0, "client_requests": 0, "served": 1}
-        [sent] = fake.requests
-        assert sent.prompt == {"prompt": "a red fox"}  # no negative prompt given: no true CFG
-        assert sent.sampling_params.seed == 4 and fake.aborted == []
-        await engine.check_health()
-
-    asyncio.run(go())
-
-
-def test_cancelled_call_aborts_its_engine_request(vllm_omni: Any) -> None:
-    async def go() -> None:
-        engine, fake = _engine_with_fake()
-
-        async def consume() -> None:
-            async for _ in engine.generate(request(image(seed=4), rid="gone"), None):  # as the stage calls it
-                pass
-
-        task = asyncio.create_task(consume())
-        for _ in range(100):
-            await asyncio.sleep(0)
-            if engine.stats()["running"]:
-                break
-        task.cancel()  # the client left: the ladder aborts the call's engine request
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert fake.aborted == ["gone-0"]
-        assert engine.stats() == {"waiting": 0, "running": 0, "client_requests": 0, "served": 0}
-
-    asyncio.run(go())
+CPU_GRAPH = "tiny_image_vllm_omni.yaml"
+CPU_MODEL = "tiny-qwen-image"
+PACE = 0.2  # s per denoising step (min_step_s): requests stay in flight long enough to look at them
+ORACLE = {"prompt": "a red fox in the snow", "size": "64x48", "num_inference_steps": 3, "seed": 42}
 
 
 def test_not_started_and_handoff_are_engine_errors(vllm_omni: Any) -> None:
@@ -368,10 +288,169 @@ def test_not_started_and_handoff_are_engine_errors(vllm_omni: Any) -> None:
         asyncio.run(first(engine))
     with pytest.raises(EngineError, match="not started"):
         asyncio.run(engine.check_health())
-    engine._engine = FakeDiffusionEngine()
+    engine._engine = object()  # started as far as the check goes; a handoff is refused before it is used
     with pytest.raises(EngineError, match="no upstream handoff"):
         asyncio.run(first(engine, object()))
 
+
+@pytest.fixture(scope="module")
+def cpu_graph(graphs) -> Iterator[Any]:
+    from tests.conftest import graph_variant
+
+    require("vllm_omni", VLLM_OMNI_HOW)
+    require("cache_dit", "vLLM-Omni's diffusion model runner imports it; make test installs it")
+    graphs.deploy(CPU_GRAPH, mutate=graph_variant(fixed_replicas=1, engine_args={"image": {"min_step_s": PACE}}))
+    graphs.wait_healthy(timeout_s=600)
+    yield graphs
+    graphs.delete()
+
+
+@pytest.fixture(scope="module")
+def client(cpu_graph) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=f"{cpu_graph.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def _pngs(reply: Any) -> list[bytes]:
+    return [base64.b64decode(item.b64_json) for item in reply.data]
+
+
+def _pixels(png: bytes) -> np.ndarray:
+    decoded = Image.open(io.BytesIO(png))
+    assert decoded.format == "PNG" and decoded.mode == "RGB"
+    return np.asarray(decoded)
+
+
+def _create(client: Any, **body: Any) -> list[bytes]:
+    extra = {k: body.pop(k) for k in ("num_inference_steps", "seed", "negative_prompt", "guidance_scale") if k in body}
+    reply = client.images.generate(model=CPU_MODEL, response_format="b64_json", extra_body=extra, **body)
+    return _pngs(reply)
+
+
+def _stats(graph: Any) -> dict[str, Any]:
+    return graph.handle("image").stats.remote().result()
+
+
+def _idle(graph: Any) -> dict[str, Any] | None:
+    stats = _stats(graph)
+    return None if stats["waiting"] + stats["running"] + stats["client_requests"] else stats
+
+
+def test_cpu_png_of_requested_size_and_same_seed_same_image(client: Any) -> None:
+    [png] = _create(client, prompt="a red fox in the snow", size="64x48", num_inference_steps=2, seed=5)
+    assert _pixels(png).shape == (48, 64, 3)
+    assert _create(client, prompt="a red fox in the snow", size="64x48", num_inference_steps=2, seed=5) == [png]
+    assert _create(client, prompt="a red fox in the snow", size="64x48", num_inference_steps=2, seed=6) != [png]
+
+
+def test_cpu_n_images_and_true_cfg(client: Any) -> None:
+    images = _create(
+        client, prompt="a fox", size="32x32", n=2, num_inference_steps=2, seed=7, negative_prompt="blurry"
+    )
+    assert [_pixels(p).shape for p in images] == [(32, 32, 3)] * 2 and images[0] != images[1]
+    # True CFG ran: without the negative prompt (no CFG) the same seed draws another image.
+    plain = _create(client, prompt="a fox", size="32x32", n=2, num_inference_steps=2, seed=7)
+    assert plain != images
+
+
+def test_cpu_bad_size_is_a_400_from_the_stage(cpu_graph: Any) -> None:
+    import httpx
+
+    reply = httpx.post(
+        f"{cpu_graph.base_url}/v1/images/generations", json={**ORACLE, "size": "72x48"}, timeout=120
+    )  # not a multiple of 16: vLLM-Omni would round it down
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "size", reply.text
+
+
+def test_cpu_steps_paced_without_a_core_and_progress_reported(cpu_graph: Any) -> None:
+    """min_step_s on vLLM-Omni's diffusion engine: each denoising step it schedules takes at least PACE, waited
+    in the replica (its worker runs in process) without a core; the call reports its steps as they end."""
+    import psutil
+    import ray
+
+    from tests.test_engine_pacing import assert_paced, measured
+    from tests.test_faults import replica_names
+
+    [replica] = replica_names("image")
+    pid = ray.get(ray.get_actor(replica, namespace="serve").__ray_call__.remote(lambda _self: os.getpid()))
+    wait_until(lambda: _idle(cpu_graph), 120, "an idle image stage before the test")
+    steps = 6
+    call = StageRequest("paced", SamplingParams(), messages=[ChatMessage(role="user", content="a fox")],
+                        image=image(num_inference_steps=steps, seed=3))  # fmt: skip
+    with measured([psutil.Process(pid)]) as usage:
+        outputs = list(cpu_graph.handle("image").options(stream=True).generate.remote(call))
+    assert_paced(usage, steps, PACE)
+    *progress, final = outputs
+    assert final.finished and [a.shape for a in final.images] == [(48, 64, 3)]
+    reported = [o.progress for o in progress]
+    assert reported[0] == 0.0 and reported[-1] == 1.0 and reported == sorted(set(reported)), reported
+    assert all(round(p * steps) == p * steps for p in reported), reported  # whole steps: k / steps
+
+
+def test_cpu_client_gone_aborts_at_the_next_step(cpu_graph: Any, client: Any) -> None:
+    """The client leaves while the engine certainly works on its request (its state says so): the engine drops
+    it at the next scheduled step (step_execution), long before its 100 paced steps could end."""
+    import json
+    import socket
+    from urllib.parse import urlparse
+
+    wait_until(lambda: _idle(cpu_graph), 120, "an idle image stage before the test")
+    before = _stats(cpu_graph)
+    body = json.dumps({**ORACLE, "num_inference_steps": 100}).encode()
+    url = urlparse(cpu_graph.base_url)
+    sock = socket.create_connection((url.hostname, url.port), timeout=120)
+    sock.sendall(
+        f"POST /v1/images/generations HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+        + body
+    )
+    wait_until(lambda: _stats(cpu_graph)["running"] >= 1, 120, "the request to start in the engine")
+    sock.close()  # the client leaves mid-request
+    stats = wait_until(lambda: _idle(cpu_graph), 60, "the engine to drop the request after the client left")
+    assert stats["served"] == before["served"]  # aborted, not finished
+    [png] = _create(client, prompt="a fox", size="32x32", num_inference_steps=1, seed=1)
+    assert _pixels(png).shape == (32, 32, 3)  # and it serves again
+
+
+def test_cpu_an_image_graph_has_no_video_routes_and_edits_nothing(cpu_graph: Any) -> None:
+    import httpx
+
+    files = {"prompt": (None, "blue"), "image": ("a.png", b"\x89PNG\r\n\x1a\n", "image/png")}
+    reply = httpx.post(f"{cpu_graph.base_url}/v1/images/edits", files=files, timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "unsupported_route", reply.text
+    assert "does not answer /v1/images/edits: its entry stage takes no images" in reply.json()["error"]["message"]
+
+    for method, path in (("POST", "/v1/videos"), ("GET", "/v1/videos"), ("GET", "/v1/videos/video_x/content")):
+        reply = httpx.request(method, f"{cpu_graph.base_url}{path}", timeout=30)
+        assert reply.status_code == 404 and reply.json()["error"]["message"] == "Not Found", (path, reply.text)
+
+
+# ---- the oracle: native vLLM-Omni on the same checkpoint ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def native_image() -> Iterator[str]:
+    from omni_serve.checkpoints.tiny_image import ensure_tiny_qwen_image
+    from tests.conftest import HTTP_PORT
+    from tests.native_vllm_omni import native_server
+
+    require("vllm_omni", VLLM_OMNI_HOW)
+    with native_server(ensure_tiny_qwen_image(), HTTP_PORT + 10, "--dtype", "float32") as url:
+        yield url
+
+
+def test_cpu_png_equals_native_vllm_omni(client: Any, native_image: str) -> None:
+    """For a seed, the graph's image is native vLLM-Omni's, pixel for pixel: the same engine on the same platform,
+    the request mapped to the same sampling (omni_serve's guidance_scale is native's true_cfg_scale). The PNG
+    files differ only in their zlib stream: native writes them with the least compression
+    (``encode_image_base64_with_compression(..., 100)``), omni_serve with Pillow's default level."""
+    from tests.native_vllm_omni import images
+
+    ours = _create(client, **ORACLE)
+    native = images(native_image, {**ORACLE, "true_cfg_scale": 4.0, "generator_device": "cpu"})
+    assert len(ours) == len(native) == 1
+    assert np.array_equal(_pixels(ours[0]), _pixels(native[0]))
 
 # ---- GPU: the shipped graph behind Serve and HTTP ----------------------------------------------
 
@@ -469,3 +548,4 @@ def test_gpu_client_gone_frees_the_engine(qwen_image: Any) -> None:
     stats = wait_until(idle, 300, "the engine to drop the request after the client left", interval_s=1)
     assert stats["served"] == served  # aborted, not finished: 100 steps at 2048x2048 take far longer
     assert _generate(qwen_image, seed=5, size="256x256")  # and serves again
+

@@ -32,7 +32,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 async def read_form(request: Request, limit: int) -> tuple[dict[str, str], dict[str, bytes]]:
-    """A ``multipart/form-data`` body (OpenAI's audio uploads): its text fields and its files' bytes.
+    """A ``multipart/form-data`` body (OpenAI's audio, image and video uploads): its text fields and its files' bytes.
 
     Refused with 415 in another Content-Type and 413 once the body passes ``limit`` bytes, declared or
     read: Starlette's parser spools files (to disk past 1 MiB) as it reads, so the limit is enforced on
@@ -48,6 +48,8 @@ async def read_form(request: Request, limit: int) -> tuple[dict[str, str], dict[
     files: dict[str, bytes] = {}
     async with _bounded(request, limit).form(max_files=4, max_fields=32) as form:
         for key, value in form.multi_items():
+            if key in fields or key in files:  # one value a field: a second would silently replace the first
+                raise bad_request(f"{key}: given more than once", key)
             if isinstance(value, str):
                 fields[key] = value
             else:

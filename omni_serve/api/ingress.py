@@ -17,6 +17,7 @@ derives each stage call's engine id from the server's id.
 # ingress class travels to its replica by value, where string annotations no longer resolve.
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -30,7 +31,7 @@ from ray import serve
 from ray.serve._private.http_util import parse_request_timeout_header
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from omni_serve.api import hosts, playground
 from omni_serve.api.auth import check_auth
@@ -38,16 +39,21 @@ from omni_serve.api.errors import from_failure, stage_bad_request
 from omni_serve.api.hosts import TrustedHosts
 from omni_serve.api.http import check_content_type, parse_json_object, read_body, read_form
 from omni_serve.api.openai.audio_replies import AudioReplies
-from omni_serve.api.openai.chat import ChatCompletionRequest, ChatReply, StreamOptions
+from omni_serve.api.openai.chat import ChatCompletionRequest, ChatReply, SamplingRequest, StreamOptions
 from omni_serve.api.openai.errors import APIError, bad_request, from_validation, http_exception_handler
-from omni_serve.api.openai.images import ImageGenerationRequest, ImagesReply
+from omni_serve.api.openai.images import ImageEditRequest, ImageGenerationRequest, ImagesReply
 from omni_serve.api.openai.messages import MediaRules
 from omni_serve.api.openai.speech import SpeechReply, SpeechRequest
 from omni_serve.api.openai.transcriptions import TranscriptionReply, TranscriptionRequest, transcription_messages
+from omni_serve.api.openai.videos import VideoCreateRequest, VideoJob, not_found, refuse_files
 from omni_serve.api.openai.voices import resolve_voice, voices_json
-from omni_serve.api.realtime.session import SessionGraph, serve_session
+from omni_serve.api.realtime.admission import Sessions
+from omni_serve.api.realtime.connection import serve_session
+from omni_serve.api.realtime.session_graph import SessionGraph
+from omni_serve.api.realtime.vad import VadWorkers
 from omni_serve.api.sampling import StageSampling
 from omni_serve.api.serving import Serving
+from omni_serve.api.video_jobs import ACTOR_PREFIX, VideoJobs, actor_key_of, new_job_id, owner_of, unpack
 from omni_serve.graph.config import DEADLINE_MARGIN_S, GraphConfig, check_timeouts, load_graph
 from omni_serve.graph.metrics import RequestMetrics
 from omni_serve.graph.orchestrator import OmniRequest, Orchestrator, StageFailed
@@ -56,8 +62,9 @@ from omni_serve.graph.stage import Stage
 from omni_serve.graph.stage_log import StageLog
 from omni_serve.graph.transport import LocalStage, RemoteStages, StageTransport
 from omni_serve.media import inputs as media_input
+from omni_serve.models import video_params
 from omni_serve.payload import payload_loads
-from omni_serve.types import ChatMessage, InvalidStageInput, MediaPart, Modality
+from omni_serve.types import ChatMessage, InvalidStageInput, MediaPart, Modality, TextPart, VideoRules
 
 logger = logging.getLogger("ray.serve")
 
@@ -93,6 +100,10 @@ class Ingress:
         else:
             transport = RemoteStages(stages)
         self.transport = transport
+        self._stage_handles = stages  # the video jobs actor calls the stages with them
+        self._video_jobs: Any = None  # this replica's VideoJobs actor, started by the first video job
+        self._peer_video_jobs: dict[str, Any] = {}  # other replicas' VideoJobs actors, by key
+        self._video_rules: VideoRules | None = None  # the video stage's, asked once
         self.serving = Serving(Orchestrator(self.graph, transport), RequestMetrics())
         self.sampling = StageSampling(self.graph)
         self.api_key = self.graph.api_key or os.environ.get("OMNI_SERVE_API_KEY") or None
@@ -117,17 +128,21 @@ class Ingress:
         self._voices: list[str] | None = None  # asked from the stages once, on first need
         self.audio_replies = AudioReplies()  # transcripts of this replica's audio replies, for later turns
         playground.configure(self.graph, self._check_auth, self.serve_view)
+        realtime = self.graph.realtime
         self.session_graph = SessionGraph(
             model=self.graph.served_model_name,
             outputs=self.serving.outputs,
-            sampling=self.sampling.for_chat,
+            sampling=self.sampling.for_request,
             voice=self._voice,
+            stage_log=functools.partial(StageLog, self.graph),
             text_stage=self.text_stage,
             speaks=Modality.AUDIO in self.graph.modalities,
             takes_audio=Modality.AUDIO in self.graph.input_modalities,
             max_audio_parts=self.graph.media_input.max_parts,
             max_audio_bytes=self.graph.media_input.max_bytes,
-            limits=self.graph.realtime,
+            limits=realtime,
+            sessions=Sessions(realtime.max_sessions),
+            vad=VadWorkers(realtime.audio_workers, keep_models=realtime.max_sessions),
             unavailable=self._unanswered("/v1/realtime"),
         )
 
@@ -150,15 +165,27 @@ class Ingress:
         local = getattr(self, "local", None)
         if local is not None:
             local.shutdown()  # Serve calls __del__ when the replica stops
+        session_graph = getattr(self, "session_graph", None)
+        if session_graph is not None:
+            session_graph.vad.shutdown()
 
     # ---- not HTTP: handle methods for tests and operators -------------------------------------
     def payload_loads(self) -> dict[str, int]:
         """How many handoff payloads this process deserialized (the invariant says: none)."""
         return payload_loads()
 
+    def buffered(self) -> dict[str, int]:
+        """What the requests running in this replica hold for their clients (omni_serve.graph.flow)."""
+        return self.serving.orchestrator.buffered()
+
     def media_decodes(self) -> dict[str, int]:
         """How many media items this process decoded (the invariant says: none; the entry stage decodes)."""
         return media_input.decodes()
+
+    def realtime_stats(self) -> dict[str, Any]:
+        """This replica's realtime sessions: how many, the bytes each holds, its pending transcriptions, and
+        the seconds of audio the VAD scored (work done: the CPU it costs is bounded by the audio budget)."""
+        return {**self.session_graph.sessions.stats(), "vad_audio_s": self.session_graph.vad.audio_s}
 
     # ---- what the routes share -----------------------------------------------------------------
     def _check_auth(self, request: Request) -> None:
@@ -191,11 +218,16 @@ class Ingress:
         why = self.routes[route]
         return None if why is None else f"model '{self.graph.served_model_name}' does not answer {route}: {why}"
 
-    def _omni_request(self, request: Request, **fields: Any) -> OmniRequest:
-        """The internal request with its server-minted id and its deadline."""
+    def _omni_request(self, request: Request, arrived: float | None = None, **fields: Any) -> OmniRequest:
+        """The internal request with its server-minted id, its deadline and its stage log (what its stages did,
+        read by the reply: which stage stopped at its max_tokens, vLLM-Omni's stage metrics)."""
         client_id = request.headers.get("x-request-id") or None
         return OmniRequest(
-            request_id=uuid.uuid4().hex, client_request_id=client_id, deadline=self._deadline(request), **fields
+            request_id=uuid.uuid4().hex,
+            client_request_id=client_id,
+            deadline=self._deadline(request),
+            stage_log=StageLog(self.graph, start=arrived),
+            **fields,
         )
 
     def _deadline(self, request: Request) -> float | None:
@@ -297,15 +329,14 @@ class Ingress:
         messages = self._chat_messages(body)
         tools = body.tool_calling()
         voice = await self._voice(*body.requested_voice()) if Modality.AUDIO in modalities else None
-        stage_log = StageLog(self.graph, start=arrived) if body.return_stage_metrics else None
         omni = self._omni_request(
             request,
+            arrived,
             modalities=modalities,
-            sampling=self.sampling.for_chat(body),
+            sampling=self.sampling.for_request(body),
             messages=messages,
             voice=voice,
             return_prompt_text=bool(body.return_prompt_text),
-            stage_log=stage_log,
             tools=tools,
         )
         stream_options = body.stream_options or StreamOptions()
@@ -319,7 +350,8 @@ class Ingress:
             usage_on_every_chunk=stream_options.usage_on_every_chunk,
             prompt_text=omni.return_prompt_text,
             logprobs=bool(body.logprobs),
-            stage_log=stage_log,
+            stage_log=omni.stage_log,
+            stage_metrics=bool(body.return_stage_metrics),
             remember=self.audio_replies.remember,
         )
         return await self.serving.respond(omni, "chat", reply, stream=body.stream)
@@ -339,9 +371,7 @@ class Ingress:
         omni = self._omni_request(
             request,
             modalities={Modality.TEXT},
-            sampling=self.sampling.for_chat(
-                ChatCompletionRequest.model_construct(messages=[], temperature=body.temperature)
-            ),
+            sampling=self.sampling.for_request(SamplingRequest(temperature=body.temperature)),
             messages=transcription_messages(audio, body.language, body.prompt),
         )
         reply = TranscriptionReply(body.response_format, body.stream, self.text_stage, body.language)
@@ -390,7 +420,8 @@ class Ingress:
             voice=voice,
             reply=body.input,
         )
-        return await self.serving.respond(omni, "speech", SpeechReply(body.response_format), stream=True)
+        reply = SpeechReply(body.response_format, omni.stage_log)
+        return await self.serving.respond(omni, "speech", reply, stream=True)
 
     @api.post("/v1/images/generations")
     async def images_generations(self, request: Request) -> Response:
@@ -405,3 +436,228 @@ class Ingress:
             image=body.image_params(),
         )
         return await self.serving.respond(omni, "images", ImagesReply(), stream=False)
+
+    @api.post("/v1/images/edits")
+    async def images_edits(self, request: Request) -> Response:
+        """OpenAI's image edit (multipart: ``image``, the instruction in ``prompt``) on a graph whose image stage
+        takes images. The image is a chat image part by another name: the same formats, byte limit and path
+        (by reference to the entry stage, which decodes it; never decoded here)."""
+        self._check_auth(request)
+        limit = max(self.graph.max_request_bytes, self.graph.media_input.max_bytes + (64 << 10))
+        fields, files = await read_form(request, limit)
+        try:
+            body = ImageEditRequest.model_validate(fields)
+        except ValidationError as err:
+            raise from_validation(err) from None
+        self._check_model(body.model, "/v1/images/edits")
+        image = self._image_file(files)
+        omni = self._omni_request(
+            request,
+            modalities={Modality.IMAGE},
+            sampling=self.sampling.defaults(body.seed),
+            messages=[ChatMessage(role="user", content=[image, TextPart(text=body.prompt)])],
+            image=body.image_params(),
+        )
+        return await self.serving.respond(omni, "images", ImagesReply(), stream=False)
+
+    def _image_file(self, files: dict[str, bytes]) -> MediaPart:
+        """The edit's one source image, its format sniffed and allowed, its size bounded; not decoded. A ``mask``
+        (OpenAI's inpainting area) is refused: the served edit pipelines edit by instruction, whole."""
+        for name in files:
+            if name not in ("image", "image[]"):
+                if name == "mask":
+                    raise bad_request("mask: not supported (this model edits the whole image by the instruction)", name)
+                raise bad_request(f"{name}: unknown field", name)
+        data = files.get("image", files.get("image[]"))
+        if data is None:
+            raise bad_request("image: an image file is required (multipart field 'image')", "image")
+        if "image" in files and "image[]" in files:
+            raise bad_request("image: this model edits one image per request", "image")
+        if len(data) > self.graph.media_input.max_bytes:
+            message = f"image: over the limit of {self.graph.media_input.max_bytes} bytes"
+            raise APIError(413, message, type="invalid_request_error", param="image")
+        self._media_check(media_input.check_format, data, "image", "image")
+        return MediaPart(type="image", param="image", data=data)
+
+    # ---- /v1/videos: OpenAI's video jobs (omni_serve.api.video_jobs) ------------------------------
+    def _video_route(self, request: Request) -> str:
+        """Auth, and 404 on a graph that makes no video (the routes exist only where videos do); the owner key."""
+        if self.routes["/v1/videos"] is not None:
+            raise APIError(404, "Not Found", type="invalid_request_error")
+        self._check_auth(request)
+        return owner_of(request.headers.get("authorization"))
+
+    def _own_video_jobs(self) -> tuple[str, Any]:
+        """(key, handle) of this replica's VideoJobs actor, started on first use.
+
+        No CPU, on this node, owned by this replica's process (it dies with the replica, and with it the
+        replica's jobs: the module docstring of omni_serve.api.video_jobs says what that means), named
+        after the replica's actor id, which every job id carries.
+        """
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        context = ray.get_runtime_context()
+        key = context.get_actor_id() or context.get_worker_id()[:32]
+        if self._video_jobs is None:
+            self._video_jobs = (
+                ray.remote(VideoJobs)
+                .options(
+                    name=f"{ACTOR_PREFIX}{key}",
+                    num_cpus=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(context.get_node_id(), soft=False),
+                    max_concurrency=1000,
+                )
+                .remote(self.graph.model_dump(mode="json"), self._stage_handles)
+            )
+        return key, self._video_jobs
+
+    async def _video_jobs_of(self, video_id: str) -> Any:
+        """The VideoJobs actor that runs ``video_id``: this replica's, or another's found by name; 404 if none."""
+        import ray
+
+        key = actor_key_of(video_id)
+        if key is None:
+            raise not_found(video_id)
+        own_key, own = self._own_video_jobs() if self._video_jobs is not None else (None, None)
+        if key == own_key:
+            return own
+        if key not in self._peer_video_jobs:
+            try:
+                self._peer_video_jobs[key] = await asyncio.to_thread(ray.get_actor, f"{ACTOR_PREFIX}{key}")
+            except ValueError:  # no such actor: its replica stopped (or never existed)
+                raise not_found(video_id) from None
+        return self._peer_video_jobs[key]
+
+    async def _ask_video_jobs(self, video_id: str, method: str, *args: Any) -> dict[str, Any]:
+        """One call of the actor that runs ``video_id``; a dead actor (its replica stopped) is a 404."""
+        from ray.exceptions import RayActorError
+
+        jobs = await self._video_jobs_of(video_id)
+        try:
+            return unpack(await getattr(jobs, method).remote(video_id, *args))
+        except RayActorError:
+            self._peer_video_jobs.pop(actor_key_of(video_id) or "", None)
+            raise not_found(video_id) from None
+
+    async def _video_stage_rules(self) -> VideoRules:
+        """The video stage's defaults and limits (asked once; a stage that cannot answer fails the request)."""
+        if self._video_rules is None:
+            stage = next(s.name for s in self.graph.stages if s.final_output is Modality.VIDEO)
+            try:
+                rules = await self._stage_handles[stage].video_rules.remote()
+            except Exception as err:
+                raise from_failure(StageFailed(stage, err), "video_rules") from None
+            if rules is None:
+                raise APIError(500, f"stage '{stage}' makes no video", type="server_error", code="not_a_video_stage")
+            self._video_rules = rules
+        return self._video_rules
+
+    async def _video_form(self, request: Request) -> VideoCreateRequest:
+        """The create body: OpenAI's multipart form (what its client sends), or the same fields as JSON."""
+        media = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
+        if media == "multipart/form-data":
+            fields, files = await read_form(request, self.graph.max_request_bytes)
+            refuse_files(files)
+            data: dict[str, Any] = dict(fields)
+        else:
+            check_content_type(request.headers.get("content-type"))
+            data = parse_json_object(await read_body(request, self.graph.max_request_bytes))
+        try:
+            return VideoCreateRequest.model_validate(data)
+        except ValidationError as err:
+            raise from_validation(err) from None
+
+    @api.post("/v1/videos")
+    async def videos_create(self, request: Request) -> JSONResponse:
+        """OpenAI's video API: the job answers at once (queued) and runs apart from this request."""
+        owner = self._video_route(request)
+        body = await self._video_form(request)
+        self._check_model(body.model, "/v1/videos")
+        rules = await self._video_stage_rules()
+        params = body.video_params(rules.defaults)
+        self._media_check(video_params.check, params, rules)  # 400 naming the field, before any job exists
+        omni = self._omni_request(
+            request,
+            modalities={Modality.VIDEO},
+            sampling=self.sampling.defaults(body.seed),
+            messages=body.messages(),
+            video=params,
+        )
+        omni.deadline = None  # a job is not bound by this HTTP request's time limit (stage_timeout_s still is)
+        key, jobs = self._own_video_jobs()
+        job = VideoJob(
+            id=new_job_id(key),
+            owner=owner,
+            model=self.graph.served_model_name,
+            prompt=body.prompt,
+            params=params,
+            created_at=int(time.time()),
+        )
+        return JSONResponse(unpack(await jobs.create.remote(job, omni))["job"])
+
+    @api.get("/v1/videos/{video_id}")
+    async def videos_retrieve(self, video_id: str, request: Request) -> JSONResponse:
+        owner = self._video_route(request)
+        return JSONResponse((await self._ask_video_jobs(video_id, "get", owner))["job"])
+
+    @api.delete("/v1/videos/{video_id}")
+    async def videos_delete(self, video_id: str, request: Request) -> JSONResponse:
+        """Forget the job; a running one's stage call is cancelled, which aborts its engine request."""
+        owner = self._video_route(request)
+        return JSONResponse((await self._ask_video_jobs(video_id, "delete", owner))["job"])
+
+    @api.get("/v1/videos/{video_id}/content")
+    async def videos_content(self, video_id: str, request: Request, variant: str = "video") -> Response:
+        """The MP4, read from the object store by reference and streamed out (never copied whole here)."""
+        import ray
+
+        owner = self._video_route(request)
+        if variant != "video":
+            raise bad_request(f"variant: only 'video' is made (got '{variant:.40}')", "variant")
+        answer = await self._ask_video_jobs(video_id, "content", owner)
+        [result] = answer["result"]
+        video = await result if isinstance(result, ray.ObjectRef) else result  # zero-copy from shared memory
+        data = memoryview(video).cast("B")
+
+        async def chunks() -> Any:
+            for start in range(0, len(data), 1 << 20):
+                yield bytes(data[start : start + (1 << 20)])
+
+        headers = {"content-length": str(len(data)), "content-disposition": f'attachment; filename="{video_id}.mp4"'}
+        return StreamingResponse(chunks(), media_type="video/mp4", headers=headers)
+
+    @api.get("/v1/videos")
+    async def videos_list(
+        self, request: Request, limit: int = 20, order: str = "desc", after: str | None = None
+    ) -> JSONResponse:
+        """The caller's jobs on every ingress replica (each replica's VideoJobs actor, found by name)."""
+        import ray
+
+        owner = self._video_route(request)
+        if not 1 <= limit <= 100:
+            raise bad_request(f"limit: must be in [1, 100] (got {limit})", "limit")
+        if order not in ("asc", "desc"):
+            raise bad_request(f"order: 'asc' or 'desc' (got '{order:.20}')", "order")
+        names = await asyncio.to_thread(ray.util.list_named_actors)
+        jobs: list[dict[str, Any]] = []
+        for name in (n for n in names if isinstance(n, str) and n.startswith(ACTOR_PREFIX)):
+            try:
+                actor = await asyncio.to_thread(ray.get_actor, name)
+                jobs += await actor.list.remote(owner)
+            except Exception:  # an actor that stopped meanwhile: its jobs are gone
+                continue
+        jobs.sort(key=lambda job: (job["created_at"], job["id"]), reverse=order == "desc")
+        if after is not None:
+            ids = [job["id"] for job in jobs]
+            jobs = jobs[ids.index(after) + 1 :] if after in ids else []
+        page = jobs[:limit]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": len(jobs) > limit,
+            }
+        )

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from omni_serve.api.openai.chat import ChatCompletionRequest
+from omni_serve.api.openai.chat import SamplingRequest
 from omni_serve.api.openai.errors import bad_request, from_validation
 from omni_serve.engines import honoured_sampling, unhonoured_sampling
 from omni_serve.graph.config import GraphConfig
@@ -51,7 +51,11 @@ class StageSampling:
             return defaults
         return {name: params.model_copy(update={"seed": seed}) for name, params in defaults.items()}
 
-    def for_chat(self, body: ChatCompletionRequest) -> dict[str, SamplingParams]:
+    def for_request(self, body: SamplingRequest) -> dict[str, SamplingParams]:
+        """Each stage's sampling for a validated request (chat completions, or another route's sampling fields).
+
+        A value out of bounds is a 400 naming the field as the client sent it (``stage_sampling.talker.max_tokens``).
+        """
         entry = self.graph.entry.name
         top_level = body.entry_sampling()
         per_stage, where = self._per_stage(body)
@@ -85,7 +89,7 @@ class StageSampling:
                 )
         return resolved
 
-    def _per_stage(self, body: ChatCompletionRequest) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    def _per_stage(self, body: SamplingRequest) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
         """Per-stage overrides by stage name, and the field path each came from (for error messages)."""
         names = self.names
         if body.sampling_params_list is not None:

@@ -6,7 +6,8 @@ A route validates its body (400 naming the field, before any stage runs), builds
 :class:`OmniRequest`, and hands it to :meth:`Serving.respond` with its reply builder (the API layer's
 ``ChatReply``, ``SpeechReply``, ``ImagesReply``). The status is decided before the response starts:
 a JSON reply collects everything first; a streamed one waits for the first output that decides it
-(speech: the first audio chunk), so failures that happen early still get a real status code. A
+(speech: the first audio chunk; a ``text`` transcription: its end, so its header can say how it
+finished), so failures that happen early still get a real status code. A
 failure after that is the reply builder's to report in band (the same error object as an SSE event),
 or it cuts the body short (audio), which a client sees as a broken transfer, never a complete file.
 
@@ -38,6 +39,9 @@ class Reply(Protocol):
 
     def decides_status(self, output: StageOutput) -> bool:
         """Whether ``output`` is the one a streamed reply waits for before it sends the status line."""
+
+    def headers(self, head: list[StageOutput]) -> dict[str, str]:
+        """A streamed reply's headers, decided with its status from the outputs up to the deciding one."""
 
     async def json(self, outputs: AsyncIterator[StageOutput]) -> dict[str, Any]:
         """The whole reply as a JSON body."""
@@ -80,10 +84,11 @@ class Serving:
                 await outputs.aclose()
         try:
             head = await _peek(outputs, reply.decides_status)
+            headers = reply.headers(head)
         except BaseException:
             await outputs.aclose()
             raise
-        return ServeStreamingResponse(_body(head, outputs, reply), media_type=reply.media_type)
+        return ServeStreamingResponse(_body(head, outputs, reply), media_type=reply.media_type, headers=headers)
 
     async def outputs(self, request: OmniRequest, route: str) -> AsyncGenerator[StageOutput, None]:
         """The graph's outputs for one request, timed; any failure leaves as the one APIError it maps to."""

@@ -50,13 +50,43 @@ CHECKPOINTS: dict[str, TinyCheckpoint] = {
             "Qwen-Image (diffusers layout) for the diffusers and vllm_omni_diffusion engines",
         ),
         TinyCheckpoint(
+            "tiny-qwen-image-edit",
+            "omni_serve.checkpoints.tiny_image",
+            "ensure_tiny_qwen_image_edit",
+            "Qwen-Image-Edit (the same weights, image + instruction in) for the vllm_omni_diffusion engine",
+        ),
+        TinyCheckpoint(
             "tiny-qwen3", "omni_serve.checkpoints.tiny_llm", "ensure_tiny_qwen3", "Qwen3 text LLM for the vllm engine"
+        ),
+        TinyCheckpoint(
+            "tiny-wan2.2-ti2v",
+            "omni_serve.checkpoints.tiny_wan",
+            "ensure_tiny_wan",
+            "Wan 2.2 TI2V text-to-video (diffusers layout) for the vllm_omni_diffusion engine",
+        ),
+        TinyCheckpoint(
+            "tiny-glm-image",
+            "omni_serve.checkpoints.tiny_glm_image",
+            "ensure_tiny_glm_image",
+            "GLM-Image autoregressive -> DiT (AR + DiT, diffusers layout) for native vLLM-Omni (its oracle)",
         ),
         TinyCheckpoint(
             "tiny-qwen3-tts",
             "omni_serve.checkpoints.tiny_qwen3_tts",
             "ensure_tiny_qwen3_tts",
             "Qwen3-TTS (talker, speech tokenizer) for vLLM-Omni's qwen3_tts pipeline",
+        ),
+        TinyCheckpoint(
+            "tiny-voxtral-tts",
+            "omni_serve.checkpoints.tiny_voxtral_tts",
+            "ensure_tiny_voxtral_tts",
+            "Voxtral TTS (Mistral LM, acoustic transformer, audio tokenizer) for vLLM-Omni's voxtral_tts pipeline",
+        ),
+        TinyCheckpoint(
+            "tiny-ming-flash-omni",
+            "omni_serve.checkpoints.tiny_ming_flash_omni",
+            "ensure_tiny_ming_flash_omni",
+            "Ming-flash-omni 2.0 (MoE thinker, talker with CFM and AudioVAE) for vLLM-Omni's ming_flash_omni pipeline",
         ),
     )
 }

@@ -1,4 +1,4 @@
-"""The tiny random-weight Qwen-Image checkpoint: the real diffusers classes at toy sizes.
+"""The tiny random-weight Qwen-Image checkpoints: the real diffusers classes at toy sizes.
 
 ``QwenImagePipeline`` with its MMDiT (``QwenImageTransformer2DModel``), its video-style
 VAE (``AutoencoderKLQwenImage``), a Qwen2.5-VL text encoder and a flow-matching
@@ -10,6 +10,10 @@ Real Qwen-Image facts kept: 16 latent channels, VAE downsampling 8 (so sizes are
 multiples of 16 after the transformer's 2x2 patching), 3-axis RoPE over
 (frame, height, width), true CFG with a negative prompt, the ChatML prompt template.
 The tokenizer is the byte-level one of :mod:`omni_serve.checkpoints.tiny_omni` (any UTF-8 prompt works).
+
+``tiny-qwen-image-edit`` is the same weights as a ``QwenImageEditPipeline`` (Qwen-Image-Edit's layout: a
+``processor`` for the text encoder's vision tower, which reads the source image beside the instruction),
+served by vLLM-Omni's diffusion engine for ``/v1/images/edits``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from omni_serve.checkpoints import resolve
 from omni_serve.checkpoints.cache import ensure_checkpoint
 
 TINY_NAME = "tiny-qwen-image"
+TINY_EDIT_NAME = "tiny-qwen-image-edit"  # the same weights as a Qwen-Image-Edit pipeline (image + instruction in)
 # Bump when the layout below changes: cached checkpoints with another version are rebuilt.
 BUILD_VERSION = 1
 _MARKER = "omni_serve_tiny.json"
@@ -69,21 +74,14 @@ def _text_encoder_config():
     )
 
 
-def build_tiny_qwen_image(path: str | os.PathLike) -> pathlib.Path:
-    """Write the tiny pipeline (``save_pretrained`` layout) to ``path``."""
+def _components() -> dict:
+    """The pipeline's parts (weights from the fixed seed): the same for the generation and the edit checkpoint."""
     import torch
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     from omni_serve.checkpoints.tiny_omni import build_byte_tokenizer
 
-    out = pathlib.Path(path)
-    out.mkdir(parents=True, exist_ok=True)
     # A private generator state: the build must not depend on (or disturb) the caller's RNG.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_SEED)
@@ -116,21 +114,54 @@ def build_tiny_qwen_image(path: str | os.PathLike) -> pathlib.Path:
         shift_terminal=0.02,
         time_shift_type="exponential",
     )
-    pipe = QwenImagePipeline(
-        scheduler=scheduler,
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=build_byte_tokenizer(),
-        transformer=transformer,
-    )
-    pipe.save_pretrained(out)
+    return {
+        "scheduler": scheduler,
+        "vae": vae,
+        "text_encoder": text_encoder,
+        "tokenizer": build_byte_tokenizer(),
+        "transformer": transformer,
+    }
+
+
+def build_tiny_qwen_image(path: str | os.PathLike) -> pathlib.Path:
+    """Write the tiny pipeline (``save_pretrained`` layout) to ``path``."""
+    from diffusers import QwenImagePipeline
+
+    out = pathlib.Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    QwenImagePipeline(**_components()).save_pretrained(out)
     (out / _MARKER).write_text(json.dumps({"name": TINY_NAME, "version": BUILD_VERSION, "seed": _SEED}))
+    return out
+
+
+def build_tiny_qwen_image_edit(path: str | os.PathLike) -> pathlib.Path:
+    """The edit checkpoint: the same parts as a ``QwenImageEditPipeline``, plus the processor its text encoder
+    reads the source image with (Qwen2-VL's: 14 px patches merged 2x2, the image at 4-64 merged patches)."""
+    from diffusers import QwenImageEditPipeline
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    out = pathlib.Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = _components()
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64),
+        video_processor=Qwen2VLVideoProcessor(),  # never used; the processor class needs one
+        tokenizer=parts["tokenizer"],
+        chat_template=parts["tokenizer"].chat_template,
+    )
+    QwenImageEditPipeline(**parts, processor=processor).save_pretrained(out)
+    (out / _MARKER).write_text(json.dumps({"name": TINY_EDIT_NAME, "version": BUILD_VERSION, "seed": _SEED}))
     return out
 
 
 def ensure_tiny_qwen_image(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """Path of the cached tiny Qwen-Image checkpoint, built on first use (:mod:`omni_serve.checkpoints.cache`)."""
     return ensure_checkpoint(TINY_NAME, build_tiny_qwen_image, _MARKER, BUILD_VERSION, cache_dir)
+
+
+def ensure_tiny_qwen_image_edit(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """Path of the cached tiny Qwen-Image-Edit checkpoint, built on first use."""
+    return ensure_checkpoint(TINY_EDIT_NAME, build_tiny_qwen_image_edit, _MARKER, BUILD_VERSION, cache_dir)
 
 
 def resolve_model(model: str) -> str:

@@ -424,18 +424,13 @@ def tiny_config():
     )
 
 
-def processor_files() -> dict[str, dict[str, Any]]:
-    """The processor's JSON files (``Qwen3OmniMoeProcessor``: Whisper features, Qwen2-VL image and video).
-
-    Written as data rather than through the processor classes: the video processor class needs
-    torchvision, which the transformers-only install does not have, and the build must not
-    depend on what is installed. Sizes match the tiny encoders (see ``VISION_*``, ``NUM_MEL_BINS``).
-    """
-    vision = {
+def vision_processor_config() -> dict[str, Any]:
+    """Qwen2-VL image/video processor settings for the tiny vision encoders (``VISION_*``): 4 px patches merged
+    2x2, 1..64 image tokens (8x8 .. 64x64 px after Qwen2-VL's smart resize)."""
+    return {
         "patch_size": VISION_PATCH,
         "merge_size": VISION_MERGE,
         "temporal_patch_size": 2,
-        # 1..64 image tokens: 8x8 .. 64x64 px after Qwen2-VL's smart resize.
         "min_pixels": (VISION_PATCH * VISION_MERGE) ** 2,
         "max_pixels": 64 * 64,
         "size": {"shortest_edge": (VISION_PATCH * VISION_MERGE) ** 2, "longest_edge": 64 * 64},
@@ -447,6 +442,16 @@ def processor_files() -> dict[str, dict[str, Any]]:
         "do_resize": True,
         "rescale_factor": 1 / 255,
     }
+
+
+def processor_files() -> dict[str, dict[str, Any]]:
+    """The processor's JSON files (``Qwen3OmniMoeProcessor``: Whisper features, Qwen2-VL image and video).
+
+    Written as data rather than through the processor classes: the video processor class needs
+    torchvision, which the transformers-only install does not have, and the build must not
+    depend on what is installed. Sizes match the tiny encoders (see ``VISION_*``, ``NUM_MEL_BINS``).
+    """
+    vision = vision_processor_config()
     feature_extractor = {
         "feature_extractor_type": "WhisperFeatureExtractor",
         "feature_size": NUM_MEL_BINS,

@@ -88,7 +88,16 @@ VOICE_ALIASES: dict[str, dict[str, str]] = {
         **dict.fromkeys(["ash", "ballad", "cedar", "echo", "fable", "onyx", "verse"], "ethan"),
     },
 }
-INGRESS = {"name": "ingress", "max_ongoing_requests": 256, "ray_actor_options": {"num_cpus": 1}}
+# The ingress runs its routes on its replica's own event loop: behind HAProxy, a client that stops reading
+# then holds its request back (docs/design.md, "Flow control"); Serve's default thread queues the body.
+INGRESS = {
+    "name": "ingress",
+    "max_ongoing_requests": 256,
+    "ray_actor_options": {
+        "num_cpus": 1,
+        "runtime_env": {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}},
+    },
+}
 STAGE_CPUS = 2
 
 

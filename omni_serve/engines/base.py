@@ -21,7 +21,7 @@ from typing import Any
 from omni_serve.engines import ladder
 from omni_serve.engines.calls import LiveCalls
 from omni_serve.payload import HandoffPayload
-from omni_serve.types import InvalidStageInput, RequestId, StageOutput, StageRequest
+from omni_serve.types import InvalidStageInput, RequestId, StageOutput, StageRequest, VideoRules
 
 
 class StageEngine(abc.ABC):
@@ -113,6 +113,12 @@ class StageEngine(abc.ABC):
         engine never sees a voice outside this list (matching is case-insensitive).
         """
         return []
+
+    def video_rules(self) -> VideoRules | None:
+        """What this stage makes of a video request (defaults, limits), for an engine that makes videos; else None.
+
+        The ingress asks once, to check a ``/v1/videos`` job's request before the job is created."""
+        return None
 
     def stats(self) -> dict[str, Any]:
         """Engine-level numbers for metrics and autoscaling (e.g. waiting/running requests)."""

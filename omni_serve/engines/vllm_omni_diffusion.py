@@ -1,7 +1,9 @@
-"""The ``vllm_omni_diffusion`` engine family: Qwen-Image on vLLM-Omni 0.30's own diffusion engine (GPU path).
+"""The ``vllm_omni_diffusion`` engine family: image and video DiTs on vLLM-Omni 0.30's own diffusion engine.
 
 One replica owns one ``vllm_omni.diffusion.diffusion_engine.DiffusionEngine``, built and
-driven the way vLLM-Omni 0.30 serves a lone diffusion stage (``InlineStageDiffusionClient``):
+driven the way vLLM-Omni 0.30 serves a lone diffusion stage (``InlineStageDiffusionClient``),
+on GPUs, or on CPU through omni_serve's platform (:mod:`omni_serve.platforms.cpu`: one device, torch
+SDPA attention):
 
 1. ``OmniDiffusionConfig.from_kwargs(**diffusion_config_kwargs(args))`` (see
    :func:`diffusion_config_kwargs`): the parallel options become a
@@ -9,15 +11,17 @@ driven the way vLLM-Omni 0.30 serves a lone diffusion stage (``InlineStageDiffus
    ``cfg_parallel_size``, ...; the worker count ``num_gpus`` is their product) and the
    cache options ``cache_backend`` + a ``DiffusionCacheConfig`` (TeaCache, cache-dit);
 2. ``od_config.enrich_config()`` resolves the pipeline class from the checkpoint's
-   ``model_index.json``; only ``QwenImagePipeline`` is accepted (the request mapping below
-   is Qwen-Image's);
+   ``model_index.json``; what vLLM-Omni declares that class makes (``get_diffusion_output_type``)
+   picks the request mapping: ``image`` for Qwen-Image (the mapping below is Qwen-Image's, so
+   only ``QwenImagePipeline``), ``video`` for any text-to-video pipeline (Wan 2.2 TI2V: vLLM-Omni's
+   ``/v1/videos`` mapping, below); anything else is refused at start;
 3. ``DiffusionEngine.make_engine(od_config)`` builds the executor (``uni`` in-process for
    one GPU, ``mp`` worker processes otherwise), loads the weights and runs vLLM-Omni's
    warm-up request;
 4. each request is an ``OmniDiffusionRequest`` consumed through
    ``DiffusionEngine.step_streaming`` on the replica's event loop.
 
-Requests (:func:`diffusion_request_fields`, pure): the prompt is the last user message;
+Image requests (:func:`diffusion_request_fields`, pure): the prompt is the last user message;
 :class:`~omni_serve.types.ImageParams` maps as vLLM-Omni's ``/v1/images/generations`` maps
 its body for Qwen-Image: size -> ``width``/``height``, steps -> ``num_inference_steps``,
 ``n`` -> ``num_outputs_per_prompt``, ``seed`` -> ``seed``, and the true-CFG scale ->
@@ -30,6 +34,17 @@ a seed gives the same image on any GPU; the ``n`` images of a request draw in tu
 that one generator and differ. Sizes must be multiples of 16 (Qwen-Image's 8x VAE and 2x2
 patches): vLLM-Omni would silently round them down, here they are rejected.
 
+Video requests (:func:`video_request_fields`, pure) map :class:`~omni_serve.types.VideoParams` as
+vLLM-Omni's ``/v1/videos`` maps its form: size -> ``width``/``height``, ``num_frames``, steps,
+``guidance_scale`` (classifier-free guidance, a negative prompt sent whenever given), ``seed`` on a
+CPU generator. Sizes must be multiples of the VAE's spatial factor times the transformer's patch and
+frame counts of the VAE's temporal factor plus one (both read from the checkpoint's configs at start;
+Wan 2.2 TI2V: 32 and 4k + 1); vLLM-Omni rounds others down, here they are rejected
+(:mod:`omni_serve.models.video_params`). The frames vLLM-Omni returns ([0, 1] floats) become uint8 as
+its server rounds them and are encoded to MP4 in this replica (:func:`omni_serve.media.encode.encode_mp4`:
+H.264 at vLLM-Omni's settings, so the same frames make the same file); the file leaves the replica as
+its own stream item (:mod:`omni_serve.graph.transport`), never inside the output.
+
 Cancellation, as far as 0.30 allows: a cancelled call (the ladder aborts it) or :meth:`abort`
 calls ``DiffusionEngine.abort``, which drops a queued request at once. A request already inside
 a full forward (the default request mode) runs to its end and the result is discarded;
@@ -37,14 +52,18 @@ with ``step_execution: true`` the engine schedules one denoising step at a time 
 abort takes effect at the next step. Qwen-Image does not implement vLLM-Omni's
 cooperative in-forward cancellation (``supports_request_cancellation``).
 Step pacing (``min_step_s``, :mod:`omni_serve.pacing`) needs that mode too: each scheduled
-denoising step then takes at least ``min_step_s`` in the engine's model runner.
+denoising step then takes at least ``min_step_s`` in the engine's model runner. In that mode the
+call also reports progress (``StageOutput.progress``: the steps the engine's step scheduler has run,
+over the request's steps); otherwise only "admitted" (progress 0) and the result. Pipelines without
+vLLM-Omni's step execution (Wan 2.2) run a full forward whatever this says.
 
 ``stats()`` reports ``waiting`` (submitted, not yet admitted by the diffusion scheduler)
 and ``running`` (admitted), from the engine's request-started events
 (``emit_request_lifecycle``), which ``omni_serve.graph.autoscaling`` reads.
 
 ``load_format: dummy`` has no image path in 0.30's diffusion engine (it skips building the
-pipeline), so random-weight tests point ``model`` at a small diffusers-layout checkpoint.
+pipeline), so random-weight tests point ``model`` at a small diffusers-layout checkpoint: ``tiny``
+(Qwen-Image) or another registered name (:mod:`omni_serve.checkpoints`, e.g. ``tiny-wan2.2-ti2v``).
 Only the pydantic ``EngineArgs`` is imported at graph validation; ``vllm_omni`` is imported
 in :meth:`VllmOmniDiffusionEngine.start`.
 """
@@ -52,6 +71,7 @@ in :meth:`VllmOmniDiffusionEngine.start`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
@@ -62,17 +82,35 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from omni_serve.engines.base import StageEngine
 from omni_serve.engines.diffusers import prompt_of
-from omni_serve.models import image_params
+from omni_serve.media.encode import encode_mp4
+from omni_serve.models import image_params, video_params
 from omni_serve.pacing import engine_config, min_step_field
 from omni_serve.payload import HandoffPayload
-from omni_serve.types import EngineError, FinishReason, ImageParams, InvalidStageInput, StageOutput, StageRequest
+from omni_serve.types import (
+    EngineError,
+    FinishReason,
+    ImageParams,
+    InvalidStageInput,
+    Modality,
+    StageOutput,
+    StageRequest,
+    VideoParams,
+    VideoRules,
+)
 
 logger = logging.getLogger("ray.serve")
 
 # Qwen-Image: 8x VAE downsampling and 2x2 latent patches -> pixel sizes are multiples of 16.
 SIZE_MULTIPLE = 16
-# The pipeline classes (model_index.json ``_class_name``) whose request mapping this family implements.
-QWEN_IMAGE_PIPELINES = frozenset({"QwenImagePipeline"})
+# The image pipeline classes (model_index.json ``_class_name``) whose request mapping this family implements;
+# every pipeline vLLM-Omni declares a video maker takes the video mapping.
+QWEN_IMAGE_PIPELINES = frozenset({"QwenImagePipeline", "QwenImageEditPipeline"})
+# Of those, the ones that edit: the request carries the source image (/v1/images/edits, a chat image part).
+EDIT_PIPELINES = frozenset({"QwenImageEditPipeline"})
+IMAGE, VIDEO = "image", "video"  # vLLM-Omni's final output types this family serves
+TINY = "tiny-qwen-image"  # what model: tiny names
+# How often a step-scheduled call looks at its request's step index (progress).
+PROGRESS_POLL_S = 0.25
 # omni_serve.platforms.paced_diffusion.PacedDiffusionModelRunner, named without importing vLLM-Omni.
 PACED_DIFFUSION_RUNNER = "omni_serve.platforms.paced_diffusion.PacedDiffusionModelRunner"
 
@@ -146,10 +184,15 @@ class EngineArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(description="Hub id or local path of a diffusers-layout Qwen-Image checkpoint.")
+    model: str = Field(
+        description="Hub id or local path of a diffusers-layout checkpoint (Qwen-Image, or a video pipeline such as "
+        "Wan 2.2 TI2V); 'tiny' = the tiny random-weight Qwen-Image, another registered tiny name its checkpoint."
+    )
     revision: str | None = Field(None, description="Hub revision of the checkpoint.")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "auto", description="Weights dtype; auto = bfloat16 (vLLM-Omni's default)."
+        "auto",
+        description="Weights dtype; auto = bfloat16 (vLLM-Omni's default). Components vLLM-Omni loads with their "
+        "saved dtype (Qwen-Image's text encoder) must match it: float32 for the tiny checkpoints.",
     )
     parallel: ParallelArgs = Field(default_factory=ParallelArgs, description="Parallelism inside one replica.")
     cache: CacheArgs = Field(default_factory=CacheArgs, description="Step caching (TeaCache / cache-dit).")
@@ -169,6 +212,14 @@ class EngineArgs(BaseModel):
     max_pixels: int = Field(2048 * 2048, ge=256, description="Largest width * height a request may ask for.")
     max_inference_steps: int = Field(100, ge=1, description="Most denoising steps a request may ask for.")
     max_images: int = Field(4, ge=1, description="Most images (n) per request.")
+    default_num_frames: int = Field(121, ge=1, description="Video: frames when the request gives none.")
+    default_fps: float = Field(24.0, gt=0, le=video_params.MAX_FPS, description="Video: frames per second of the MP4.")
+    max_frames: int = Field(241, ge=1, description="Video: most frames a request may ask for.")
+    image_input: bool = Field(
+        False,
+        description="The pipeline edits images (Qwen-Image-Edit): every request carries one source image "
+        "(/v1/images/edits, or an image part in chat), which the stage decodes; must match the checkpoint.",
+    )
     min_step_s: float = min_step_field()  # omni_serve.pacing; per scheduled denoising step (needs step_execution)
 
     @model_validator(mode="after")
@@ -189,13 +240,18 @@ def create(stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
     return VllmOmniDiffusionEngine(stage_name, engine_args)
 
 
+def input_modalities(args: EngineArgs) -> set[Modality]:
+    """An editing stage takes the source image as chat input (and /v1/images/edits); the others text only."""
+    return {Modality.TEXT, Modality.IMAGE} if args.image_input else {Modality.TEXT}
+
+
 # ---------------------------------------------------------------------------
 # Pure pieces (tested on CPU)
 # ---------------------------------------------------------------------------
 
 
-def diffusion_config_kwargs(args: EngineArgs) -> dict[str, Any]:
-    """``OmniDiffusionConfig.from_kwargs`` arguments for this stage.
+def diffusion_config_kwargs(args: EngineArgs, model: str | None = None) -> dict[str, Any]:
+    """``OmniDiffusionConfig.from_kwargs`` arguments for this stage (``model``: the resolved checkpoint path).
 
     ``min_step_s``: vLLM-Omni's model-runner override names omni_serve's paced runner, and the
     value reaches it in ``additional_config`` (:mod:`omni_serve.platforms.paced`).
@@ -206,7 +262,7 @@ def diffusion_config_kwargs(args: EngineArgs) -> dict[str, Any]:
         else {}
     )
     return {
-        "model": args.model,
+        "model": model or args.model,
         "revision": args.revision,
         "dtype": args.dtype,
         "num_gpus": args.parallel.world_size,
@@ -267,9 +323,66 @@ def diffusion_request_fields(prompt: str, params: ImageParams) -> tuple[dict[str
     return text_prompt, sampling
 
 
+def video_request_fields(prompt: str, params: VideoParams) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(``OmniTextPrompt`` fields, ``OmniDiffusionSamplingParams`` fields) for one video request, as vLLM-Omni's
+    ``/v1/videos`` builds them from the same values (``serving_video.py``); fps only times the MP4."""
+    text_prompt: dict[str, Any] = {"prompt": prompt}
+    if params.negative_prompt is not None:
+        text_prompt["negative_prompt"] = params.negative_prompt
+    sampling = {
+        "width": params.width,
+        "height": params.height,
+        "num_frames": params.num_frames,
+        "num_inference_steps": params.num_inference_steps,
+        "guidance_scale": params.guidance_scale,
+        "num_outputs_per_prompt": 1,
+        "seed": (params.seed or 0) % image_params.SEED_MOD,
+        "generator_device": "cpu",
+        "emit_request_lifecycle": True,
+    }
+    return text_prompt, sampling
+
+
 def image_arrays(images: list[Any]) -> list[np.ndarray]:
     """uint8 HxWx3 arrays from the PIL images vLLM-Omni's Qwen-Image post-processing returns."""
     return [np.ascontiguousarray(np.asarray(image.convert("RGB"), dtype=np.uint8)) for image in images]
+
+
+def video_frames(video: Any) -> np.ndarray:
+    """uint8 frames [T, H, W, 3] of one video as vLLM-Omni's pipelines return it ([1,] T, H, W, 3 floats in
+    [0, 1]), rounded as vLLM-Omni's server rounds them before it encodes (clip, x 255, round half to even,
+    ``video_api_utils._PlanarFrameConverter``)."""
+    frames = np.asarray(video)
+    if frames.ndim == 5 and frames.shape[0] == 1:
+        frames = frames[0]
+    if frames.ndim != 4 or frames.shape[-1] != 3:
+        raise EngineError(f"expected video frames [T, H, W, 3], got shape {frames.shape}")
+    if frames.dtype == np.uint8:
+        return np.ascontiguousarray(frames)
+    # In the frames' own float type, as vLLM-Omni's server does: float64 rounds some x.5 values the other
+    # way, and one changed input value changes what H.264 makes of a whole block.
+    scaled = np.clip(frames, 0.0, 1.0)
+    scaled *= 255.0
+    return np.rint(scaled).astype(np.uint8)
+
+
+def video_multiples(model_path: str) -> tuple[int, int]:
+    """(size multiple, frame multiple) of a diffusers-layout video checkpoint: the VAE's spatial factor times the
+    transformer's spatial patch, and the VAE's temporal factor (what vLLM-Omni's Wan pipeline rounds to)."""
+    import json
+    import pathlib
+
+    root = pathlib.Path(model_path)
+    try:
+        vae = json.loads((root / "vae" / "config.json").read_text())
+        transformer = json.loads((root / "transformer" / "config.json").read_text())
+        patch = transformer["patch_size"]
+        return int(vae["scale_factor_spatial"]) * int(patch[-1]), int(vae["scale_factor_temporal"])
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as err:
+        raise EngineError(
+            f"{model_path}: cannot read the video sizes from vae/config.json (scale_factor_spatial, "
+            f"scale_factor_temporal) and transformer/config.json (patch_size): {type(err).__name__}"
+        ) from None
 
 
 # ---------------------------------------------------------------------------
@@ -284,6 +397,8 @@ class VllmOmniDiffusionEngine(StageEngine):
         self._engine: Any = None  # vllm_omni DiffusionEngine
         self._state: dict[str, str] = {}  # engine request id -> "waiting" | "running"
         self._served = 0
+        self.output_type = IMAGE  # what vLLM-Omni declares the pipeline makes (set at start)
+        self._video_rules: VideoRules | None = None  # a video checkpoint's defaults and limits (known at start)
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -295,29 +410,43 @@ class VllmOmniDiffusionEngine(StageEngine):
 
     def _launch(self) -> Any:
         """Build the OmniDiffusionConfig and the DiffusionEngine (blocking; runs in a thread)."""
-        import torch
         from vllm_omni.diffusion.data import OmniDiffusionConfig
         from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
+        from vllm_omni.diffusion.io_support import get_diffusion_output_type
+        from vllm_omni.platforms import current_omni_platform
 
-        kwargs = diffusion_config_kwargs(self.args)
+        from omni_serve.checkpoints import resolve
+
+        model = resolve(self.args.model, tiny=TINY)
+        kwargs = diffusion_config_kwargs(self.args, model)
         unknown = unknown_config_fields(kwargs)
         if unknown:
             raise EngineError(f"stage {self.stage_name}: vLLM-Omni's diffusion config has no field(s) {unknown}")
-        gpus = self.args.parallel.world_size
-        if torch.cuda.device_count() < gpus:
+        gpus, devices = self.args.parallel.world_size, current_omni_platform.get_device_count()
+        if devices < gpus:  # omni_serve's CPU platform counts one device
             raise EngineError(
-                f"stage {self.stage_name}: the parallel options need {gpus} GPU(s) in the replica, "
-                f"{torch.cuda.device_count()} visible; set ray_actor_options.num_gpus: {gpus}"
+                f"stage {self.stage_name}: the parallel options need {gpus} device(s) in the replica, "
+                f"{devices} visible; set ray_actor_options.num_gpus: {gpus}"
             )
         try:
             od_config = OmniDiffusionConfig.from_kwargs(**kwargs)
         except (AssertionError, TypeError, ValueError) as err:  # DiffusionParallelConfig validates with asserts
             raise EngineError(f"stage {self.stage_name}: invalid vLLM-Omni diffusion config: {err}") from err
         od_config.enrich_config()
-        if od_config.model_class_name not in QWEN_IMAGE_PIPELINES:
+        name = od_config.model_class_name
+        self.output_type = get_diffusion_output_type(name)
+        if self.output_type == VIDEO:
+            multiples = video_multiples(_local_checkpoint(model, self.args.revision))
+            self._video_rules = video_params.rules(self.args, *multiples)
+        elif self.output_type != IMAGE or name not in QWEN_IMAGE_PIPELINES:
             raise EngineError(
-                f"stage {self.stage_name}: {self.args.model} is a {od_config.model_class_name!r} checkpoint; "
-                f"this family serves {sorted(QWEN_IMAGE_PIPELINES)}"
+                f"stage {self.stage_name}: {self.args.model} is a {name!r} checkpoint (vLLM-Omni: "
+                f"{self.output_type}); this family serves {sorted(QWEN_IMAGE_PIPELINES)} and video pipelines"
+            )
+        if self.args.image_input != (name in EDIT_PIPELINES):
+            raise EngineError(
+                f"stage {self.stage_name}: {self.args.model} is a {name!r} checkpoint: set image_input: "
+                f"{str(name in EDIT_PIPELINES).lower()} (requests to an editing pipeline carry the image to edit)"
             )
         return DiffusionEngine.make_engine(od_config)
 
@@ -334,6 +463,9 @@ class VllmOmniDiffusionEngine(StageEngine):
 
         return InvalidStageInput(f"stage {self.stage_name}: {err}") if isinstance(err, OmniClientError) else None
 
+    def video_rules(self) -> VideoRules | None:
+        return self._video_rules
+
     def shutdown(self) -> None:
         engine, self._engine = self._engine, None
         if engine is not None:
@@ -346,6 +478,7 @@ class VllmOmniDiffusionEngine(StageEngine):
             "running": states.count("running"),
             "client_requests": self.calls.requests(),
             "served": self._served,
+            "aborted": self.calls.aborted,
         }
 
     async def _abort(self, handles: list[str]) -> None:
@@ -363,8 +496,27 @@ class VllmOmniDiffusionEngine(StageEngine):
             raise EngineError(f"stage {self.stage_name}: a vllm_omni_diffusion stage takes no upstream handoff")
         if self._engine is None:
             raise EngineError(f"stage {self.stage_name}: engine not started")
-        params = resolve_image_params(request, self.args)
-        text_prompt, sampling = diffusion_request_fields(prompt_of(request), params)
+        video: VideoParams | None = None
+        if self._video_rules is not None:
+            if request.image is not None:
+                raise InvalidStageInput(f"model: stage {self.stage_name} makes videos, not images", param="model")
+            video = video_params.resolve_video_params(request, self._video_rules)
+            text_prompt, sampling = video_request_fields(prompt_of(request), video)
+            expected = 1
+        else:
+            if request.video is not None:
+                raise InvalidStageInput(f"model: stage {self.stage_name} makes images, not videos", param="model")
+            source = self._source_image(request)
+            if source is not None and request.image is not None and not request.image.width:  # size "auto"
+                height, width = source.shape[:2]
+                request.image = request.image.model_copy(update={"width": width, "height": height})
+            params = resolve_image_params(request, self.args)
+            text_prompt, sampling = diffusion_request_fields(prompt_of(request), params)
+            if source is not None:
+                from PIL import Image
+
+                text_prompt["multi_modal_data"] = {"image": Image.fromarray(source)}
+            expected = params.n
         rid = self.calls.mint(request.request_id)
         engine_request = OmniDiffusionRequest(
             prompt=text_prompt, sampling_params=OmniDiffusionSamplingParams(**sampling), request_id=rid
@@ -373,12 +525,13 @@ class VllmOmniDiffusionEngine(StageEngine):
         images: list[Any] = []
         with self.calls.track(request.request_id, rid) as call:
             try:
-                async for outputs in self._engine.step_streaming(engine_request):
-                    output = outputs[0]
-                    if is_diffusion_request_started_output(output):
+                async for output in self._engine_outputs(engine_request):
+                    if isinstance(output, float):  # steps done / steps, from the engine's step scheduler
+                        yield StageOutput(stage=self.stage_name, progress=output)
+                    elif is_diffusion_request_started_output(output):
                         self._state[rid] = "running"
-                        continue
-                    if output.finished:
+                        yield StageOutput(stage=self.stage_name, progress=0.0)  # admitted: the work started
+                    elif output.finished:
                         call.finish()
                         images = list(output.images)
             except DiffusionRequestAbortedError:
@@ -387,9 +540,87 @@ class VllmOmniDiffusionEngine(StageEngine):
                 return
             finally:
                 self._state.pop(rid, None)
-        if len(images) != params.n:
-            raise EngineError(f"stage {self.stage_name}: expected {params.n} image(s), got {len(images)}")
+        if len(images) != expected:
+            raise EngineError(f"stage {self.stage_name}: expected {expected} output(s), got {len(images)}")
         self._served += 1
+        if video is None:
+            yield StageOutput(
+                stage=self.stage_name, images=image_arrays(images), finished=True, finish_reason=FinishReason.STOP
+            )
+            return
+        frames = video_frames(images[0])
+        if frames.shape[:3] != (video.num_frames, video.height, video.width):
+            raise EngineError(
+                f"stage {self.stage_name}: the pipeline made frames of shape {frames.shape[:3]}, asked "
+                f"{(video.num_frames, video.height, video.width)}"
+            )
+        mp4 = await asyncio.to_thread(encode_mp4, frames, video.fps)  # CPU work, off the replica's event loop
         yield StageOutput(
-            stage=self.stage_name, images=image_arrays(images), finished=True, finish_reason=FinishReason.STOP
+            stage=self.stage_name,
+            video=np.frombuffer(mp4, dtype=np.uint8),
+            progress=1.0,
+            finished=True,
+            finish_reason=FinishReason.STOP,
         )
+
+    def _source_image(self, request: StageRequest) -> np.ndarray | None:
+        """An editing stage's one source image (decoded by the stage from the request's image part); None otherwise."""
+        from omni_serve.media.inputs import Image
+
+        media = request.media or []
+        if not self.args.image_input:
+            if media:
+                raise InvalidStageInput(f"messages: stage {self.stage_name} takes no images", param="messages")
+            return None
+        images = [item.pixels for item in media if isinstance(item, Image)]
+        if len(images) != 1 or len(media) != 1:
+            raise InvalidStageInput(
+                f"image: stage {self.stage_name} edits exactly one image per request (got {len(media)} media item(s))",
+                param="image",
+            )
+        return images[0]
+
+    async def _engine_outputs(self, engine_request: Any) -> AsyncIterator[Any]:
+        """The engine's outputs for one request (each ``outputs[0]``), with its step progress between them.
+
+        With ``step_execution`` the engine's step scheduler, on this process's engine thread, writes each
+        finished step's index into the request's sampling params; it is read every ``PROGRESS_POLL_S``
+        while the engine has not answered, and yielded (a float) when it moved. Without it nothing moves.
+        """
+        stream = self._engine.step_streaming(engine_request).__aiter__()
+        params = engine_request.sampling_params
+        total, reported = params.num_inference_steps or 0, 0
+        pending = asyncio.ensure_future(anext(stream))
+        try:
+            while True:
+                if self.args.step_execution and total:
+                    done, _ = await asyncio.wait({pending}, timeout=PROGRESS_POLL_S)
+                    step = min(params.step_index or 0, total)
+                    if step > reported:
+                        reported = step
+                        yield step / total
+                    if not done:
+                        continue
+                try:
+                    outputs = await pending
+                except StopAsyncIteration:
+                    return
+                yield outputs[0]
+                pending = asyncio.ensure_future(anext(stream))
+        finally:
+            if not pending.done():
+                pending.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await pending
+            await stream.aclose()
+
+
+def _local_checkpoint(model: str, revision: str | None) -> str:
+    """A directory with the checkpoint's config files: ``model`` itself, or the hub's cached snapshot of them."""
+    import os
+
+    if os.path.isdir(model):
+        return model
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(model, revision=revision, allow_patterns=["*/config.json", "model_index.json"])

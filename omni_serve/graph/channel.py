@@ -14,9 +14,9 @@ yields the first handoff chunk; the rest of the chunks reach that running call t
   a consumer whose replica died before producing anything is retried on another replica reading
   every chunk again (:meth:`Channels.rewind`); its first output frees them (:meth:`Channels.ack`).
 - **Ordered and bounded.** The orchestrator writes one request's chunks in order and waits for
-  each write; a write returns only while fewer than :data:`MAX_BUFFERED_CHUNKS` chunks wait
-  unread, so a consumer that falls behind holds its producer's chunks back in the producing
-  request's walk instead of letting them pile up here.
+  each write; a write returns only while fewer than :data:`MAX_BUFFERED_CHUNKS` chunks and
+  :data:`MAX_BUFFERED_CHUNK_BYTES` wait unread, so a consumer that falls behind holds its
+  producer's chunks back in the producing request's walk instead of letting them pile up here.
 - **Waits, never guesses.** :meth:`Channels.take` returns every chunk written since the last
   take, waiting for at least one when there is none; the end of the stream and a producer that
   failed are told apart, so a consumer never mistakes a failed producer for a finished one.
@@ -26,6 +26,10 @@ call cannot be routed to the replica that runs a given call. The ingress replica
 ``Channels`` actor (no CPU, pinned to its own node) and passes its handle, with the key, in the
 consumer's request; the consumer pulls from it. The actor dies with the ingress replica that owns
 it, and with it every channel of that replica's requests, whose calls fail then anyway.
+
+The same actor is where a stage call's flow-control window meets its caller's (:mod:`omni_serve.graph.flow`):
+the ingress says what its walk took (:meth:`Channels.took`), a stage call that is a window ahead waits
+for it (:meth:`Channels.wait_taken`), and either end forgets it when its side of the call ends.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from typing import Any
 # 14 MiB a request, more than any whole reply of the 100-300 tokens Qwen3-Omni speaks: a slow consumer
 # holds at most its request's reply here).
 MAX_BUFFERED_CHUNKS = 64
+# And bytes (the chunks' payloads, which the object store holds for the ingress): about 1000 of those rows.
+MAX_BUFFERED_CHUNK_BYTES = 8 << 20
 
 
 class ProducerFailed(RuntimeError):
@@ -51,7 +57,9 @@ class ProducerFailed(RuntimeError):
 class _Channel:
     def __init__(self) -> None:
         self.items: list[Any] = []
+        self.unread_bytes = 0  # the payload bytes of ``items``
         self.taken: list[Any] = []  # taken before the consumer's first output: kept for a retry
+        self.taken_bytes = 0
         self.acked = False
         self.ended = False
         self.failed: str | None = None
@@ -67,6 +75,20 @@ class _Channel:
             await self._changed.wait()
 
 
+class _Window:
+    """What the caller of one stage call has taken so far (stream items, bytes); :mod:`omni_serve.graph.flow`."""
+
+    def __init__(self) -> None:
+        self.items = 0
+        self.bytes = 0
+        self.closed = False
+        self._changed = asyncio.Event()
+
+    def notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+
 class Channels:
     """The channels of one ingress replica's streamed calls (a Ray actor: see the module docstring).
 
@@ -75,11 +97,20 @@ class Channels:
 
     def __init__(self) -> None:
         self._channels: dict[str, _Channel] = {}
+        self._windows: dict[str, _Window] = {}
 
     async def write(
-        self, key: str, items: list[Any], *, first: bool = False, end: bool = False, failed: str | None = None
+        self,
+        key: str,
+        items: list[Any],
+        *,
+        nbytes: int = 0,
+        first: bool = False,
+        end: bool = False,
+        failed: str | None = None,
     ) -> bool:
-        """Add ``items`` (refs, nested so they stay unresolved); ``end``/``failed`` end the stream.
+        """Add ``items`` (refs, nested so they stay unresolved, of ``nbytes`` payload bytes); ``end``/``failed``
+        end the stream.
 
         ``first`` opens the channel (the call's first chunk). Returns False when the consumer is gone
         (its call ended and closed the channel: the writer stops); waits while the channel is full.
@@ -90,10 +121,16 @@ class Channels:
         if channel is None or channel.closed:
             return False
         channel.items.extend(items)
+        channel.unread_bytes += nbytes
         channel.ended |= end or failed is not None
         channel.failed = channel.failed or failed
         channel.notify()
-        await channel.wait_for(lambda: channel.closed or len(channel.items) < MAX_BUFFERED_CHUNKS)
+        await channel.wait_for(
+            lambda: (
+                channel.closed
+                or (len(channel.items) < MAX_BUFFERED_CHUNKS and channel.unread_bytes < MAX_BUFFERED_CHUNK_BYTES)
+            )
+        )
         return not channel.closed
 
     async def take(self, key: str) -> tuple[list[Any], bool]:
@@ -107,6 +144,8 @@ class Channels:
         items, channel.items = channel.items, []
         if not channel.acked:
             channel.taken.extend(items)
+            channel.taken_bytes += channel.unread_bytes
+        channel.unread_bytes = 0
         channel.notify()
         return items, channel.ended
 
@@ -114,7 +153,7 @@ class Channels:
         """The consumer produced its first output: what it took is freed, and it will not be retried."""
         channel = self._channels.get(key)
         if channel is not None:
-            channel.acked, channel.taken = True, []
+            channel.acked, channel.taken, channel.taken_bytes = True, [], 0
 
     def rewind(self, key: str) -> bool:
         """The consumer's replica died before its first output: its retry reads every chunk again.
@@ -125,6 +164,7 @@ class Channels:
         if channel is None or channel.acked:
             return False
         channel.items, channel.taken = channel.taken + channel.items, []
+        channel.unread_bytes, channel.taken_bytes = channel.unread_bytes + channel.taken_bytes, 0
         channel.notify()
         return True
 
@@ -133,12 +173,58 @@ class Channels:
         channel = self._channels.pop(key, None)
         if channel is not None:
             channel.closed = True
-            channel.items = []
+            channel.items, channel.unread_bytes = [], 0
             channel.notify()
 
     def open_channels(self) -> int:
         """Channels not closed yet (tests: every call's channel is closed when the call ends)."""
         return len(self._channels)
+
+    # ---- flow-control windows (omni_serve.graph.flow) ------------------------------------------------
+
+    def took(self, key: str, items: int, nbytes: int) -> None:
+        """The caller's walk has taken ``items`` stream items and ``nbytes`` of the call ``key`` so far."""
+        window = self._windows.setdefault(key, _Window())
+        window.items, window.bytes = max(window.items, items), max(window.bytes, nbytes)
+        window.notify()
+
+    async def wait_taken(self, key: str, items: int, nbytes: int) -> tuple[int, int] | None:
+        """Once the caller has taken at least ``items`` and ``nbytes``: what it has taken; None if the window closed."""
+        window = self._windows.setdefault(key, _Window())
+        while not window.closed and (window.items < items or window.bytes < nbytes):
+            await window._changed.wait()
+        return None if window.closed else (window.items, window.bytes)
+
+    def close_window(self, key: str) -> None:
+        """One end of the call is done with the window: drop it, and let a stage waiting on it go.
+
+        Each end closes once its side of the call ended, and only if it ever used the window; a
+        window the other end uses afterwards is made again and closed by that end.
+        """
+        window = self._windows.pop(key, None)
+        if window is not None:
+            window.closed = True
+            window.notify()
+
+    def open_windows(self) -> int:
+        """Windows not closed yet (tests: none is left when a request's calls have ended)."""
+        return len(self._windows)
+
+
+async def ask(channels: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    """Call ``method`` of ``channels`` (the actor, or a :class:`Channels` in this process) and wait for its answer."""
+    if isinstance(channels, Channels):
+        result = getattr(channels, method)(*args, **kwargs)
+        return await result if asyncio.iscoroutine(result) else result
+    return await getattr(channels, method).remote(*args, **kwargs)
+
+
+def tell(channels: Any, method: str, *args: Any) -> None:
+    """Call ``method`` of ``channels`` without waiting (the actor runs one caller's calls in order)."""
+    if isinstance(channels, Channels):
+        getattr(channels, method)(*args)
+    else:
+        getattr(channels, method).remote(*args)
 
 
 @dataclasses.dataclass
@@ -150,12 +236,8 @@ class ChannelReader:
 
     async def chunks(self) -> AsyncIterator[Any]:
         """The chunks in order (``ObjectRef`` for a remote channel), until the producer's end."""
-        remote = not isinstance(self.channels, Channels)
         while True:
-            if remote:
-                items, ended = await self.channels.take.remote(self.key)
-            else:
-                items, ended = await self.channels.take(self.key)
+            items, ended = await ask(self.channels, "take", self.key)
             for item in items:
                 yield item
             items = []  # the consumer's copy is the only holder from here

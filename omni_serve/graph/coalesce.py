@@ -51,12 +51,14 @@ HANDOFF_STRETCH = 8
 
 
 def mergeable(output: StageOutput, merge_handoffs: MergeHandoffs = None) -> bool:
-    """Plain text progress: no audio, images, final status or prompt report, and no handoff unless
-    the engine can merge its handoff chunks (a streamed handoff's rows)."""
+    """Plain text progress: no audio, images, video, progress report, final status or prompt report, and no
+    handoff unless the engine can merge its handoff chunks (a streamed handoff's rows)."""
     return (
         not output.finished
         and output.audio is None
         and not output.images
+        and output.video is None
+        and output.progress is None
         and (output.handoff is None or merge_handoffs is not None)
         and output.prompt_text is None
     )

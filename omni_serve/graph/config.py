@@ -87,26 +87,102 @@ class StageConfig(BaseModel):
 
 
 class RealtimeConfig(BaseModel):
-    """Bounds of one ``/v1/realtime`` session (each ingress replica holds its sessions' state)."""
+    """Bounds of ``/v1/realtime`` sessions (each ingress replica holds its sessions' state): what one session may
+    hold (bytes, items, audio), spend (events, bytes and audio seconds per second of wall time) and leave unread,
+    and how many sessions one replica holds. Every breach is an ``error`` event (docs/realtime.md, Limits)."""
 
     model_config = ConfigDict(extra="forbid")
 
     max_session_minutes: float = Field(60.0, gt=0, description="A session is closed (1008) after this long.")
+    max_sessions: int = Field(
+        32,
+        ge=1,
+        description="Sessions one ingress replica holds at once; one more is refused (error event, close 1013). "
+        "Each session, idle or not, is one of the ingress's max_ongoing_requests for its whole life: keep this "
+        "below it, so HTTP requests keep room.",
+    )
     max_buffered_audio_s: float = Field(
         120.0, gt=0, description="Uncommitted input audio a session may hold; an append beyond it is refused."
     )
     max_items: int = Field(256, ge=2, description="Conversation items a session may hold.")
+    max_session_bytes: int = Field(
+        32 << 20,
+        ge=1 << 20,
+        description="Bytes one session holds: its input audio buffer, its items' audio and text, its instructions. "
+        "Beyond it the audio the thinker no longer reads (assistant audio, user audio older than "
+        "media_input.max_parts turns) is dropped, oldest first; what still does not fit is refused.",
+    )
     max_event_bytes: int = Field(
         15 << 20, ge=1024, description="One client event's size (OpenAI's 15 MiB append limit); larger is refused."
     )
     events_per_second: float = Field(
         100.0, gt=0, description="Client events per second (bursts of twice this); faster ones are refused."
     )
+    bytes_per_second: float = Field(
+        8 << 20,
+        gt=0,
+        description="Bytes a session moves per second (bursts of max_session_bytes): each client event as "
+        "received, the user audio each response carries to the graph, the audio an item retrieval sends back. "
+        "Beyond it the event is refused. Bounds the ingress's parsing, coding and object-store work per session.",
+    )
+    audio_realtime_factor: float = Field(
+        4.0,
+        gt=0,
+        description="Seconds of input audio a session may append per second of wall time (bursts of "
+        "audio_burst_s); an append beyond it is refused. Bounds the server VAD's CPU per session.",
+    )
+    audio_burst_s: float = Field(30.0, gt=0, description="Input audio a session may append at once.")
+    audio_workers: int = Field(
+        2,
+        ge=1,
+        description="Threads per ingress replica that resample input audio and run the server VAD, off the "
+        "event loop; a session's audio runs on one of them at a time, in order.",
+    )
+    max_pending_transcriptions: int = Field(
+        4,
+        ge=1,
+        description="input_audio_transcription requests a session may have running or waiting; a turn committed "
+        "beyond it is not transcribed (an error event and ...transcription.failed).",
+    )
+    max_unsent_bytes: int = Field(
+        16 << 20,
+        ge=1 << 20,
+        description="Server events a session's client has not taken yet; beyond it the client is not reading and "
+        "the session is closed (error event, close 1008). Seen only where the session's writes wait on the "
+        "client; deployed on Serve 2.60 they were not seen to, behind either ingress (docs/realtime.md).",
+    )
     allowed_origins: list[str] = Field(
         default_factory=list,
         description="Browser Origins (e.g. 'https://app.example') allowed to open a session besides the server's "
         "own (same-origin: the Origin's host and port those of the request's Host); '*' allows any. Clients that "
         "send no Origin (not browsers) are not concerned.",
+    )
+
+    @model_validator(mode="after")
+    def _event_fits_the_byte_budget(self) -> RealtimeConfig:
+        if self.max_event_bytes > self.max_session_bytes:  # the byte budget holds max_session_bytes at most
+            raise ValueError(
+                f"max_event_bytes ({self.max_event_bytes}) must not exceed max_session_bytes ({self.max_session_bytes})"
+            )
+        return self
+
+
+class VideoJobsConfig(BaseModel):
+    """Bounds of the ``/v1/videos`` jobs one ingress replica holds (graphs with a video final output)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_jobs: int = Field(
+        16, ge=1, description="Jobs one ingress replica holds at once (queued, running, and finished until they "
+        "expire or are deleted); a create beyond it is refused with 429."
+    )
+    max_bytes: int = Field(
+        1 << 30, ge=1, description="Bytes of finished videos one ingress replica holds in the object store; "
+        "a create while they reach it is refused with 429, and a job whose video would pass it fails."
+    )
+    ttl_s: float = Field(
+        3600.0, gt=0, description="A finished (or failed) job and its video expire this long after it ended "
+        "(its expires_at); then every route answers 404 for it."
     )
 
 
@@ -133,6 +209,13 @@ class GraphConfig(BaseModel):
         description="Seconds one stage call may stay silent before the request fails with 504; must stay below "
         f"Serve's http_options.request_timeout_s minus {DEADLINE_MARGIN_S:.0f} s (checked when the ingress starts).",
     )
+    request_buffer_bytes: int = Field(
+        4 << 20,
+        ge=1 << 16,
+        description="Bytes of stage outputs one request's walk may hold in the ingress for a client that reads "
+        "slower than the stages produce; beyond, the stages are held back (omni_serve.graph.flow: the whole bound, "
+        "and what adds to it).",
+    )
     playground: bool = Field(True, description="Serve the browser playground at / (false: / and /playground/ are 404).")
     voice_aliases: dict[str, str] = Field(
         default_factory=dict,
@@ -148,6 +231,9 @@ class GraphConfig(BaseModel):
     )
     realtime: RealtimeConfig = Field(
         default_factory=RealtimeConfig, description="Limits of /v1/realtime sessions; the Origin allow-list."
+    )
+    videos: VideoJobsConfig = Field(
+        default_factory=VideoJobsConfig, description="Limits of /v1/videos jobs (graphs with a video final output)."
     )
     engine_in_ingress: bool = Field(
         False,
@@ -196,6 +282,11 @@ class GraphConfig(BaseModel):
             raise ValueError(f"stages: a graph needs exactly one entry stage (with no inputs), found {entries}")
         if not any(s.final_output for s in self.stages):
             raise ValueError("stages: no stage has a final_output, the graph would return nothing")
+        if self.engine_in_ingress and any(s.final_output is Modality.VIDEO for s in self.stages):
+            raise ValueError(
+                "engine_in_ingress: a video graph's jobs run beside the ingress (omni_serve.api.video_jobs), which "
+                "calls its stages as deployments: leave engine_in_ingress false"
+            )
         if self.engine_in_ingress and len(self.stages) > 1:
             raise ValueError(
                 f"engine_in_ingress: only a graph of one stage can run its engine in the ingress (this one has "
@@ -242,7 +333,7 @@ class GraphConfig(BaseModel):
 
         What a graph answers follows from its final outputs and what its entry stage takes: a TTS graph
         (audio out, text to speak in) speech; a speech-to-speech graph chat, realtime, transcriptions and
-        speech; an image graph images.
+        speech; an image graph images (edits too where its entry stage takes images); a video graph videos.
         """
         out, takes = self.modalities, set(self.input_modalities)
         chat = self.entry_prompt == "chat"
@@ -264,6 +355,11 @@ class GraphConfig(BaseModel):
                 need(chat, not_chat) or need(Modality.AUDIO in takes, audio_in) or need(Modality.TEXT in out, "no text")
             ),
             "/v1/images/generations": need(Modality.IMAGE in out, "it generates no images"),
+            "/v1/images/edits": (
+                need(Modality.IMAGE in out, "it generates no images")
+                or need(Modality.IMAGE in takes, "its entry stage takes no images")
+            ),
+            "/v1/videos": need(Modality.VIDEO in out, "it generates no videos"),
         }
 
     def stages_for(self, modalities: set[Modality]) -> set[str]:

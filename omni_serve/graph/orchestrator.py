@@ -5,9 +5,11 @@ stages) run. Every output of a stage that carries a handoff starts one call of e
 needed downstream stage with that handoff reference; downstream calls run
 concurrently and their outputs are relayed in handoff order, so a talker's codec
 chunks can be decoded by several code2wav replicas at once yet reach the client in
-order. The final outputs of every stage that ran and has a ``final_output`` are relayed,
-wanted or not (an audio-only reply still needs the text stage's transcript, usage and
-finish reason); the ingress decides what the client sees. Cancellation (client gone)
+order. A stage with several ``inputs`` (fan-in) gets one call instead, started once every
+upstream stage's call finished, with their final handoffs in ``inputs`` order. The final
+outputs of every stage that ran and has a ``final_output`` are relayed, wanted or not (an
+audio-only reply still needs the text stage's transcript, usage and finish reason); the
+ingress decides what the client sees. Cancellation (client gone)
 cancels every stage call this request started.
 
 Every stage call gets its own engine request id, minted here from the server's request
@@ -26,9 +28,15 @@ Failure rules (what a client can rely on):
 - ``stage_timeout_s`` bounds how long one stage call may stay silent; the request's
   ``deadline`` (the ingress sets it just below Serve's ``request_timeout_s``) bounds the
   whole walk, so the client gets a 504 in the API's error shape before Serve's 408.
-- Each request keeps at most ``max_fanout`` calls of one downstream stage in flight, so
-  the calls one request queues at a stage are bounded (the talker's codec chunks wait
-  for a code2wav slot here instead of piling up in the stage's queue).
+- Each request keeps at most ``max_fanout`` calls of one downstream stage in flight or
+  holding outputs it has not relayed yet, so the calls one request queues at a stage are
+  bounded (the talker's codec chunks wait for a code2wav slot here instead of piling up in
+  the stage's queue), and so is what finished calls hold for a client that reads slowly.
+
+What one request may hold in the ingress, in bytes, and how a client that stops reading
+holds back every stage up to the engines: :mod:`omni_serve.graph.flow`. A streamed call's
+channel is closed by the call when it ends and by the walk when the request ends (a call
+cancelled before it ever ran closes nothing itself).
 """
 
 from __future__ import annotations
@@ -39,11 +47,12 @@ import dataclasses
 import logging
 import sys
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from omni_serve.graph.config import GraphConfig, StageConfig
+from omni_serve.graph.flow import Buffer, Buffers
 from omni_serve.graph.stage_log import StageLog
 from omni_serve.graph.transport import Handoff, HandoffFeed, StageTransport
 from omni_serve.types import (
@@ -55,6 +64,7 @@ from omni_serve.types import (
     StageOutput,
     StageRequest,
     ToolCalling,
+    VideoParams,
 )
 
 logger = logging.getLogger("ray.serve")
@@ -102,6 +112,7 @@ class OmniRequest:
     messages: list[ChatMessage] | None = None
     voice: str | None = None  # already validated against the graph's voices
     image: ImageParams | None = None
+    video: VideoParams | None = None
     reply: str | None = None  # text-to-speech: the entry stage speaks this instead of generating
     client_request_id: str | None = None  # the client's X-Request-ID: a label for logs, never a key
     deadline: float | None = None  # time.monotonic() by which the whole walk must be done
@@ -114,9 +125,16 @@ class OmniRequest:
 
 @dataclass
 class _Walk:
+    """One request's walk: the stages it runs, its byte budget, and what must be undone when it ends."""
+
     request: OmniRequest
     stages: set[str]
+    buffers: Buffers
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    # Every streamed call's feed this walk opened. The walk closes them all when it ends: a consumer call
+    # closes its own when it ends, but one cancelled before it started (the client left right after the
+    # feed's first chunk) never runs that code, and its channel would keep the chunk.
+    feeds: list[HandoffFeed] = field(default_factory=list)
     joins: dict[str, _Join] = field(default_factory=dict)  # fan-in stage -> the handoffs it has so far
 
 
@@ -143,11 +161,6 @@ class _Join:
 
 _END = object()
 
-# Outputs one queue of a request's walk holds before its writer waits (the merge queue, and one per
-# downstream call): with max_fanout calls per downstream stage, a request buffers at most
-# (2 + max_fanout) x this many outputs in the ingress however slowly its client reads.
-MAX_BUFFERED_OUTPUTS = 16
-
 
 @dataclass
 class _Failure:
@@ -162,18 +175,30 @@ class Orchestrator:
         stage_timeout_s: float | None = None,
         *,
         max_fanout: int = 4,
+        buffer_bytes: int | None = None,
     ):
         self.graph = graph
         self.transport = transport
         self.stage_timeout_s = stage_timeout_s or graph.stage_timeout_s
         self.max_fanout = max_fanout
+        self.buffer_bytes = buffer_bytes or graph.request_buffer_bytes
+        self._walking: set[Buffers] = set()  # the budgets of the walks running now (buffered())
 
     def plan(self, modalities: set[Modality]) -> set[str]:
         return self.graph.stages_for(modalities)
 
+    def buffered(self) -> dict[str, int]:
+        """What the requests walking now hold in their queues: how many, the bytes in all, the most one held."""
+        return {
+            "requests": len(self._walking),
+            "bytes": sum(b.held for b in self._walking),
+            "peak": max((b.peak for b in self._walking), default=0),
+        }
+
     async def run(self, request: OmniRequest) -> AsyncIterator[StageOutput]:
         """Yield the final outputs the request asked for, in order per modality."""
-        walk = _Walk(request, self.plan(request.modalities))
+        walk = _Walk(request, self.plan(request.modalities), Buffers(self.buffer_bytes))
+        self._walking.add(walk.buffers)
         entry = self.graph.entry
         first = StageRequest(
             request_id=f"{request.request_id}/{entry.name}",
@@ -183,21 +208,31 @@ class Orchestrator:
             messages=request.messages,
             voice=request.voice,
             image=request.image,
+            video=request.video,
             reply=request.reply,
             client_request_id=request.client_request_id,
             return_prompt_text=request.return_prompt_text,
             tools=request.tools,
         )
+        call = self._stage_stream(entry, first, None, walk)
         try:
-            async for output in self._walk(entry, first.request_id, self._stage_stream(entry, first, None, walk), walk):
-                yield output
+            async with contextlib.aclosing(self._subtree(entry, first.request_id, call, walk)) as outputs:
+                async for output in outputs:
+                    yield output
         finally:
             for task in walk.tasks:
                 task.cancel()
             if walk.tasks:
                 await asyncio.gather(*walk.tasks, return_exceptions=True)
+            for feed in walk.feeds:  # after the calls ended: a no-op for every consumer that closed its own
+                feed.close()
             for join in walk.joins.values():  # fan-in stages that never started: their handoffs go now
                 join.release()
+            self._walking.discard(walk.buffers)
+            # The tasks' coroutines refer to the walk (a cycle): nothing the request held may wait for the
+            # cycle collector, so the walk lets go of its tasks and of what its queues still hold.
+            walk.tasks.clear()
+            walk.buffers.clear()
 
     def _feeds_downstream(self, stage: StageConfig, walk: _Walk) -> bool:
         return any(c.name in walk.stages for c in self.graph.children(stage.name))
@@ -220,7 +255,7 @@ class Orchestrator:
         request: StageRequest,
         handoff: Handoff | HandoffFeed | list[Handoff] | None,
         walk: _Walk,
-    ) -> AsyncIterator[StageOutput]:
+    ) -> AsyncGenerator[StageOutput, None]:
         """One stage call, started now (so it claims ``handoff`` before the producer moves on)."""
         log = walk.request.stage_log
         if log is not None:
@@ -233,7 +268,7 @@ class Orchestrator:
         stream: AsyncGenerator[StageOutput, None],
         deadline: float | None,
         log: StageLog | None,
-    ) -> AsyncIterator[StageOutput]:
+    ) -> AsyncGenerator[StageOutput, None]:
         """The call's outputs under its time limits; every way it can fail becomes one StageFailed/StageTimeout.
 
         Every output of every stage call passes here (intermediate stages' too): ``log`` records it on arrival.
@@ -262,143 +297,187 @@ class Orchestrator:
         finally:
             await stream.aclose()  # a no-op once it finished; cancels the call while it runs
 
-    async def _walk(
-        self, stage: StageConfig, request_id: str, stream: AsyncIterator[StageOutput], walk: _Walk
-    ) -> AsyncIterator[StageOutput]:
-        """The final outputs of ``stream`` (a call of ``stage`` with engine id ``request_id``) and of its subtree."""
-        emit = stage.final_output is not None
-        downstream_stages = [c for c in self.graph.children(stage.name) if c.name in walk.stages]
-        # Fan-in stages (several inputs) start once all their inputs finished (_Join); the others per handoff.
-        children = [c for c in downstream_stages if len(c.inputs) == 1]
-        joined = [c for c in downstream_stages if len(c.inputs) > 1]
-        if not downstream_stages:
-            async for output in stream:
-                if emit:
-                    yield dataclasses.replace(output, handoff=None)
-            return
+    def _subtree(
+        self, stage: StageConfig, request_id: str, call: AsyncGenerator[StageOutput, None], walk: _Walk
+    ) -> AsyncGenerator[StageOutput, None]:
+        """The final outputs of ``call`` (``stage``'s, engine id ``request_id``) and of the calls it starts."""
+        children = [c for c in self.graph.children(stage.name) if c.name in walk.stages]
+        if not children:
+            return _relayed(call, emit=stage.final_output is not None)
+        return _FanOut(self, walk, stage, request_id, call, children).outputs()
 
-        # Bounded: a client that reads slowly holds this request's stage outputs back here (the
-        # producers wait) instead of letting them pile up (MAX_BUFFERED_OUTPUTS, module docstring).
-        merged: asyncio.Queue[Any] = asyncio.Queue(MAX_BUFFERED_OUTPUTS)
-        # One queue per downstream call, in handoff order; None closes the sequence.
-        downstream: asyncio.Queue[asyncio.Queue[Any] | None] = asyncio.Queue()
+    def _child_request(self, child: StageConfig, request_id: str, index: int, walk: _Walk) -> StageRequest:
+        return StageRequest(
+            request_id=f"{request_id}/{child.name}.{index}",
+            sampling=walk.request.sampling[child.name],
+            chunk_index=index,
+            wants_handoff=self._feeds_downstream(child, walk),
+            stream_handoff=self._streams_downstream(child, walk),
+            voice=walk.request.voice,
+            image=walk.request.image,
+            video=walk.request.video,
+            client_request_id=walk.request.client_request_id,
+        )
 
-        async def pump(source: AsyncIterator[StageOutput], sink: asyncio.Queue[Any]) -> None:
-            try:
-                async for item in source:
-                    await sink.put(item)
-                await sink.put(_END)
-            except asyncio.CancelledError:
-                raise
-            except BaseException as err:
-                await sink.put(_Failure(err))
 
-        # At most max_fanout calls of each child stage in flight for this request.
-        slots = {child.name: asyncio.Semaphore(self.max_fanout) for child in downstream_stages}
+async def _relayed(call: AsyncGenerator[StageOutput, None], emit: bool) -> AsyncGenerator[StageOutput, None]:
+    """A call of a stage with no downstream stage in the walk: its final outputs, if it has any."""
+    async with contextlib.aclosing(call) as outputs:
+        async for output in outputs:
+            if emit:
+                yield dataclasses.replace(output, handoff=None)
 
-        async def child_walk(child: StageConfig, child_id: str, calls: AsyncIterator[StageOutput], sink: Any) -> None:
-            try:
-                await pump(self._walk(child, child_id, calls, walk), sink)
-            finally:
-                slots[child.name].release()
 
-        # Streamed edges (stream_input): one call per request, fed every handoff through its feed.
-        feeds: dict[str, HandoffFeed] = {}
+class _FanOut:
+    """One stage call of a request, and the downstream calls its handoffs start.
 
-        def start(child: StageConfig, index: int, handoff: Handoff | HandoffFeed | list[Handoff]) -> asyncio.Queue[Any]:
-            child_request = StageRequest(
-                request_id=f"{request_id}/{child.name}.{index}",
-                sampling=walk.request.sampling[child.name],
-                chunk_index=index,
-                wants_handoff=self._feeds_downstream(child, walk),
-                stream_handoff=self._streams_downstream(child, walk),
-                voice=walk.request.voice,
-                image=walk.request.image,
-                client_request_id=walk.request.client_request_id,
-            )
-            # Started here, before the next output: the call claims this output's handoff now.
-            child_stream = self._stage_stream(child, child_request, handoff, walk)
-            sink: asyncio.Queue[Any] = asyncio.Queue(MAX_BUFFERED_OUTPUTS)
-            walk.tasks.append(asyncio.create_task(child_walk(child, child_request.request_id, child_stream, sink)))
-            return sink
+    Three tasks share the work (all in the walk's task list, so leaving the walk cancels them):
 
-        async def fed(child: StageConfig, feed: HandoffFeed, handoff: Handoff) -> bool:
-            try:
-                return await feed.put(handoff)
-            except Exception as err:  # the channel is gone (its actor died): the streamed call fails
-                raise StageFailed(child.name, err) from err
+    - :meth:`_produce` reads the call: relays its own final outputs, and hands each handoff on to
+      every downstream stage (:meth:`_hand_on`): a new call per handoff, or for a ``stream_input``
+      stage one call fed every handoff through its feed; its final handoff goes to the fan-in stages
+      (:meth:`_join`), whose call starts here when this was the last of their inputs to finish;
+    - one task per downstream call pumps that call's subtree into the call's own queue (:meth:`_start`);
+    - :meth:`_sequence` moves those queues' outputs into the relay queue, one downstream call after
+      the other, in handoff order.
 
-        async def joins(handoff: Handoff) -> None:
-            """This stage's final handoff for its fan-in children; a child whose inputs are all here starts."""
-            for child in joined:
-                join = walk.joins.setdefault(child.name, _Join(list(child.inputs)))
-                handoffs = join.add(stage.name, handoff)
-                if handoffs is not None:
-                    del walk.joins[child.name]
-                    await slots[child.name].acquire()
-                    try:
-                        await downstream.put(start(child, 0, handoffs))  # the call claims them as it starts
-                    finally:
-                        join.release()
+    :meth:`outputs` yields what reaches the relay queue. Every queue draws on the request's byte budget
+    (:class:`~omni_serve.graph.flow.Buffers`), and a downstream call holds one of its stage's
+    ``max_fanout`` slots until :meth:`_sequence` has relayed its outputs: a client that stops reading
+    stops the relay, then the downstream calls (no slot), then this call (a full queue).
+    """
 
-        async def produce() -> None:
-            index = 0
-            output: StageOutput | None = None
-            try:
-                async for output in stream:
-                    if emit:
-                        await merged.put(dataclasses.replace(output, handoff=None))
-                    if output.handoff is None:
-                        continue
-                    for child in children:
-                        if child.stream_input and child.name in feeds:
-                            await fed(child, feeds[child.name], output.handoff)  # False: call ended, chunk dropped
-                            continue
-                        await slots[child.name].acquire()
-                        if child.stream_input:
-                            feed = feeds[child.name] = self.transport.feed(f"{request_id}/{child.name}.{index}")
-                            await fed(child, feed, output.handoff)  # the first chunk is there before the call starts
-                            await downstream.put(start(child, index, feed))
-                        else:
-                            await downstream.put(start(child, index, output.handoff))
-                    if output.finished:
-                        await joins(output.handoff)
-                    index += 1
-                if joined and (output is None or not output.finished or output.handoff is None):
-                    raise StageFailed(stage.name, IncompleteStageStream(f"no final handoff for {joined[0].name}"))
-            except Exception as err:
-                for feed in feeds.values():  # a consumer must never take a failed producer's end for its finish
-                    with contextlib.suppress(Exception):  # the producer's error is the one to report
-                        await feed.fail(f"stage {stage.name} failed: {type(err).__name__}")
-                raise
-            for feed in feeds.values():
-                await feed.end()
-            await downstream.put(None)
+    def __init__(
+        self,
+        orchestrator: Orchestrator,
+        walk: _Walk,
+        stage: StageConfig,
+        request_id: str,
+        call: AsyncGenerator[StageOutput, None],
+        children: list[StageConfig],
+    ):
+        self.orchestrator, self.walk, self.stage = orchestrator, walk, stage
+        self.request_id, self.call = request_id, call
+        # Fan-in stages (several inputs) start once all their inputs finished (_join); the others per handoff.
+        self.children = [c for c in children if len(c.inputs) == 1]
+        self.joined = [c for c in children if len(c.inputs) > 1]
+        self.relay: Buffer[Any] = walk.buffers.queue()
+        # The downstream calls' queues, in handoff order; None: no more. Bounded by the slots.
+        self.started: asyncio.Queue[tuple[StageConfig, Buffer[Any]] | None] = asyncio.Queue()
+        self.slots = {child.name: asyncio.Semaphore(orchestrator.max_fanout) for child in children}
+        self.feeds: dict[str, HandoffFeed] = {}  # the streamed children's: one call each
 
-        async def sequence() -> None:
-            while (sink := await downstream.get()) is not None:
-                while (item := await sink.get()) is not _END:
-                    if isinstance(item, _Failure):
-                        raise item.error
-                    await merged.put(item)
-
-        async def guarded(work: Any) -> None:
-            try:
-                await work
-                await merged.put(_END)
-            except asyncio.CancelledError:
-                raise
-            except BaseException as err:
-                await merged.put(_Failure(err))
-
-        workers = [asyncio.create_task(guarded(produce())), asyncio.create_task(guarded(sequence()))]
-        walk.tasks.extend(workers)
+    async def outputs(self) -> AsyncGenerator[StageOutput, None]:
+        workers = [self._task(_ended_into(self.relay, work)) for work in (self._produce, self._sequence)]
         finished = 0
         while finished < len(workers):
-            item = await merged.get()
+            item = await self.relay.get()
             if item is _END:
                 finished += 1
             elif isinstance(item, _Failure):
                 raise item.error
             else:
                 yield item
+
+    def _task(self, work: Any) -> asyncio.Task[Any]:
+        task = asyncio.create_task(work)
+        self.walk.tasks.append(task)
+        return task
+
+    async def _produce(self) -> None:
+        index = 0
+        last: StageOutput | None = None
+        try:
+            async with contextlib.aclosing(self.call) as outputs:
+                async for last in outputs:
+                    if self.stage.final_output is not None:
+                        await self.relay.put(dataclasses.replace(last, handoff=None))
+                    if last.handoff is not None:
+                        await self._hand_on(last.handoff, index)
+                        if last.finished:
+                            await self._join(last.handoff)
+                        index += 1
+            if self.joined and (last is None or not last.finished or last.handoff is None):
+                missing = IncompleteStageStream(f"no final handoff for {self.joined[0].name}")
+                raise StageFailed(self.stage.name, missing)
+        except Exception as err:
+            for feed in self.feeds.values():  # a consumer must never take a failed producer's end for its finish
+                with contextlib.suppress(Exception):  # the producer's error is the one to report
+                    await feed.fail(f"stage {self.stage.name} failed: {type(err).__name__}")
+            raise
+        for feed in self.feeds.values():
+            await feed.end()
+        self.started.put_nowait(None)
+
+    async def _hand_on(self, handoff: Handoff, index: int) -> None:
+        """Pass one output's handoff to every downstream stage, before the call's next output invalidates it."""
+        for child in self.children:
+            feed = self.feeds.get(child.name)
+            if feed is not None:  # the streamed call runs: one more chunk (dropped if that call ended)
+                await self._fed(child, feed, handoff)
+                continue
+            await self.slots[child.name].acquire()  # given back once _sequence relayed the call's outputs
+            if child.stream_input:
+                key = f"{self.request_id}/{child.name}.{index}"  # the streamed call's engine request id
+                feed = self.feeds[child.name] = self.orchestrator.transport.feed(key)
+                self.walk.feeds.append(feed)  # before its first chunk: whatever happens next, the walk closes it
+                await self._fed(child, feed, handoff)  # the first chunk is there before the call starts
+                self._start(child, index, feed)
+            else:
+                self._start(child, index, handoff)
+
+    async def _join(self, handoff: Handoff) -> None:
+        """This call's final handoff for its fan-in stages; one whose inputs are all here starts."""
+        for child in self.joined:
+            join = self.walk.joins.setdefault(child.name, _Join(list(child.inputs)))
+            handoffs = join.add(self.stage.name, handoff)
+            if handoffs is None:
+                continue
+            del self.walk.joins[child.name]
+            try:
+                await self.slots[child.name].acquire()  # one call per request: this only keeps _sequence's rule
+                self._start(child, 0, handoffs)  # the call claims them as it starts
+            finally:
+                join.release()
+
+    async def _fed(self, child: StageConfig, feed: HandoffFeed, handoff: Handoff) -> bool:
+        try:
+            return await feed.put(handoff)
+        except Exception as err:  # the channel is gone (its actor died): the streamed call fails
+            raise StageFailed(child.name, err) from err
+
+    def _start(self, child: StageConfig, index: int, handoff: Handoff | HandoffFeed | list[Handoff]) -> None:
+        """Start one downstream call now (it claims ``handoff`` before the producer moves on) and pump its subtree."""
+        orchestrator = self.orchestrator
+        request = orchestrator._child_request(child, self.request_id, index, self.walk)
+        call = orchestrator._stage_stream(child, request, handoff, self.walk)
+        sink: Buffer[Any] = self.walk.buffers.queue()
+        subtree = orchestrator._subtree(child, request.request_id, call, self.walk)
+        self._task(_ended_into(sink, _copied, subtree, sink))
+        self.started.put_nowait((child, sink))
+
+    async def _sequence(self) -> None:
+        while (started := await self.started.get()) is not None:
+            child, sink = started
+            while (item := await sink.get()) is not _END:
+                if isinstance(item, _Failure):
+                    raise item.error
+                await self.relay.put(item)
+            self.slots[child.name].release()
+
+
+async def _copied(source: AsyncGenerator[StageOutput, None], sink: Buffer[Any]) -> None:
+    async with contextlib.aclosing(source) as outputs:
+        async for output in outputs:
+            await sink.put(output)
+
+
+async def _ended_into(queue: Buffer[Any], work: Callable[..., Awaitable[None]], *args: Any) -> None:
+    """Run ``work(*args)``; then its end, or its failure, goes into ``queue`` for whoever reads it."""
+    try:
+        await work(*args)
+        await queue.put(_END)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as err:
+        await queue.put(_Failure(err))

@@ -19,13 +19,14 @@ from ray import serve
 from omni_serve.engines import create_engine
 from omni_serve.graph.coalesce import coalesced
 from omni_serve.graph.config import StageConfig
+from omni_serve.graph.flow import Sent, output_bytes
 from omni_serve.graph.metrics import StageMetrics
 from omni_serve.graph.transport import receive, stream_items
 from omni_serve.media.inputs import MediaInputConfig, load_media
 from omni_serve.media.inputs import decodes as media_decodes
 from omni_serve.media.policy import MediaPolicy
 from omni_serve.payload import HandoffPayload, payload_loads
-from omni_serve.types import FinishReason, MediaPart, StageOutput, StageRequest
+from omni_serve.types import FinishReason, MediaPart, StageOutput, StageRequest, VideoRules
 
 logger = logging.getLogger("ray.serve")
 
@@ -88,6 +89,8 @@ class Stage:
         finished: StageOutput | None = None
         stream: AsyncGenerator[StageOutput, None] | None = None
         outputs: AsyncGenerator[StageOutput, None] | None = None
+        sent = Sent(request.window)  # what this call yielded, against what its caller took
+        request.window = None
         try:
             inputs = await receive(request)
             if inputs.media:
@@ -108,6 +111,8 @@ class Stage:
                 items = stream_items(output, request.wants_handoff, padding)
                 if request.stream_handoff and len(items) > 1:
                     padding = 0  # a streamed handoff is padded once, on its first chunk: the same bytes as whole
+                # A window ahead of the caller: wait here (so the engine is not pulled either).
+                await sent.admit(len(items), output_bytes(output))
                 for item in items:
                     self.items += 1
                     yield item
@@ -125,6 +130,7 @@ class Stage:
                 )
             raise
         finally:
+            sent.close()
             if outputs is not None:
                 await outputs.aclose()
             if stream is not None:
@@ -160,11 +166,16 @@ class Stage:
         """The engine's voice names; the ingress asks once and validates requests against them."""
         return self.engine.voices()
 
+    def video_rules(self) -> VideoRules | None:
+        """What the engine makes of a video request; the ingress asks once and checks video jobs against it."""
+        return self.engine.video_rules()
+
     def stats(self) -> dict[str, Any]:
         """Calls served by this replica plus engine stats (tests and autoscaling read these)."""
         return {
             "stage": self.name,
             "calls": self.calls,
+            "in_flight": self.in_flight,
             "items": self.items,
             "payload_loads": payload_loads(),
             "media_decodes": media_decodes(),

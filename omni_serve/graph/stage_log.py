@@ -1,11 +1,13 @@
 """What one request's stages did, as the ingress saw it: each stage's calls and outputs, and when they came.
 
-The orchestrator records into a request's log (when the request carries one: vLLM-Omni's
-``return_stage_metrics``) at the two places every stage call passes: where a call starts and where
-each of its outputs arrives, intermediate stages included (a talker's codec chunks never reach the
-reply). Times are the ingress's clock from the request's arrival at its route: they include the
-transport between a stage's replica and the ingress, and nothing inside a replica (its queue, the
-engine's own per-token timings) is seen here.
+The orchestrator records into a request's log (every route's request carries one) at the two places
+every stage call passes: where a call starts and where each of its outputs arrives, intermediate
+stages included (a talker's codec chunks never reach the reply). The replies read two things from
+it: which stages stopped at their ``max_tokens`` (a talker cut short makes a chat reply's
+``finish_reason`` "length", :meth:`StageLog.cut_short`), and vLLM-Omni's ``return_stage_metrics``.
+Times are the ingress's clock from the request's arrival at its route: they include the transport
+between a stage's replica and the ingress, and nothing inside a replica (its queue, the engine's own
+per-token timings) is seen here.
 
 A stage is *done* for the request once every call of it finished and the stage feeding it is done,
 so no further call can start: the stages vLLM-Omni's per-stage metrics report.
@@ -39,6 +41,7 @@ class StageRecord:
     output_times: list[float] = field(default_factory=list)  # every output's arrival, in arrival order
     usage: Usage | None = None  # the finished calls' totals summed; None if no call reported usage
     finish_reason: FinishReason | None = None  # the latest finished call's
+    cut_short: bool = False  # some call finished at its max_tokens (LENGTH)
     audio_samples: int = 0
     sample_rate: int | None = None
     images: int = 0
@@ -84,6 +87,7 @@ class StageLog:
         if output.finished:
             record.finished_calls += 1
             record.finish_reason = output.finish_reason or record.finish_reason
+            record.cut_short = record.cut_short or output.finish_reason is FinishReason.LENGTH
             if output.usage is not None:  # a finished output carries its call's totals
                 was = record.usage or Usage()
                 record.usage = Usage(
@@ -97,6 +101,14 @@ class StageLog:
         if record.calls == 0 or record.finished_calls < record.calls:
             return False
         return all(self.done(upstream) for upstream in record.upstream)
+
+    def cut_short(self) -> list[str]:
+        """The stages some call of which stopped at its ``max_tokens``, in graph order: the reply lacks their end."""
+        return [name for name, record in self.stages.items() if record.cut_short]
+
+    def settled(self, but: str) -> bool:
+        """Whether every stage that ran, ``but`` one, is done: none of them can still be cut short."""
+        return all(self.done(name) for name, record in self.stages.items() if record.calls and name != but)
 
     def done_stages(self) -> list[StageRecord]:
         return [record for name, record in self.stages.items() if self.done(name)]

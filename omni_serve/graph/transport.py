@@ -49,7 +49,8 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from omni_serve.graph.channel import ChannelReader, Channels
+from omni_serve.graph.channel import ChannelReader, Channels, ask, tell
+from omni_serve.graph.flow import Taken, Window, output_bytes
 from omni_serve.payload import HandoffPayload, detached, padded
 from omni_serve.types import ChatMessage, MediaPart, StageOutput, StageRequest
 
@@ -73,19 +74,28 @@ PAYLOAD_FOLLOWS = _Marker.PAYLOAD_FOLLOWS  # an enum member: stays itself throug
 
 
 def stream_items(output: StageOutput, wanted: bool, padding_bytes: int = 0) -> list[Any]:
-    """What a stage yields for one engine output: the output, then its payload when one is wanted.
+    """What a stage yields for one engine output: the output, then its payload when one is wanted, then its
+    video when it carries one.
 
     A payload no downstream stage will read (``wanted`` is the request's ``wants_handoff``) is
     dropped here, whatever the engine family, so it is never serialized or stored.
     ``padding_bytes`` adds a tensor no engine reads (the stage's ``handoff_padding_bytes``: tests and
-    benchmarks model production-sized handoffs with the tiny model).
+    benchmarks model production-sized handoffs with the tiny model). A video (a final result too large
+    for the output itself) travels the way a payload does: its own item, owned by the caller, never
+    deserialized where the output is read (:func:`_next_unresolved`).
     """
+    items: list[Any] = [output]
     payload = output.handoff
     if not isinstance(payload, HandoffPayload) or not wanted:
         output.handoff = None
-        return [output]
-    output.handoff = PAYLOAD_FOLLOWS
-    return [output, padded(payload, padding_bytes)]
+    else:
+        payload = padded(payload, padding_bytes)
+        output.handoff, output.handoff_bytes = PAYLOAD_FOLLOWS, payload.nbytes
+        items.append(payload)
+    if output.video is not None:
+        items.append(output.video)
+        output.video = PAYLOAD_FOLLOWS
+    return items
 
 
 @dataclasses.dataclass
@@ -155,15 +165,16 @@ class Handoff:
     that whatever still holds this object (an exception's frames) keeps no payload alive.
     """
 
-    __slots__ = ("value",)
+    __slots__ = ("nbytes", "value")
 
-    def __init__(self, value: Any):
+    def __init__(self, value: Any, nbytes: int = 0):
         self.value = value  # an ObjectRef (stage deployments), or whatever a test transport yields
+        self.nbytes = nbytes  # the payload's bytes, as its producer said (StageOutput.handoff_bytes)
 
     def claim(self) -> Handoff:
         if self.value is None:
             raise RuntimeError("a handoff was passed on after it was released")
-        return Handoff(self.value)
+        return Handoff(self.value, self.nbytes)
 
     def release(self) -> None:
         self.value = None
@@ -182,7 +193,7 @@ class HandoffFeed:
 
     def __init__(self, channels: Any, key: str, lost: Callable[[Any], None] | None = None):
         self.reader = ChannelReader(channels, key)
-        self._first = True
+        self._first = True  # nothing written yet: the channel does not exist
         self._closed = False  # the consumer call ended (close(), or the channel said so)
         self._lost = lost  # told when the channels actor turned out dead, so later calls get a new one
 
@@ -191,24 +202,21 @@ class HandoffFeed:
             return False
         channels, key = self.reader.channels, self.reader.key
         first, self._first = self._first, False
-        if isinstance(channels, Channels):
-            open_ = await channels.write(key, items, first=first, **kwargs)
-        else:
+        try:
+            open_ = await ask(channels, "write", key, items, first=first, **kwargs)
+        except Exception as err:
             from ray.exceptions import RayActorError
 
-            try:
-                open_ = await channels.write.remote(key, items, first=first, **kwargs)
-            except RayActorError:
-                if self._lost is not None:
-                    self._lost(channels)
-                raise
+            if isinstance(err, RayActorError) and self._lost is not None:
+                self._lost(channels)
+            raise
         self._closed |= not open_
         return open_
 
     async def put(self, handoff: Handoff) -> bool:
         claim = handoff.claim()
         try:
-            return await self._write([claim.value])
+            return await self._write([claim.value], nbytes=claim.nbytes)
         finally:
             claim.release()
 
@@ -224,22 +232,21 @@ class HandoffFeed:
 
     async def rewind(self) -> bool:
         """Before a retry: the consumer's next take returns every chunk again (False: not possible)."""
-        channels, key = self.reader.channels, self.reader.key
-        if isinstance(channels, Channels):
-            return channels.rewind(key)
-        return await channels.rewind.remote(key)
+        return bool(await ask(self.reader.channels, "rewind", self.reader.key))
 
     def close(self) -> None:
-        """The consumer call ended: the channel drops the chunks it did not take (returns at once)."""
+        """The consumer call ended, or its request did: the channel drops what was not taken (returns at once).
+
+        Called by the consumer call when it ends and by the walk when its request ends (a consumer
+        call cancelled before it started closes nothing itself); only the first call tells the channel.
+        """
+        if not self._closed and not self._first:  # a channel exists (or its first write is on its way)
+            self._tell("close")
         self._closed = True
-        self._tell("close")
 
     def _tell(self, method: str) -> None:
-        channels, key = self.reader.channels, self.reader.key
-        if isinstance(channels, Channels):
-            getattr(channels, method)(key)
-        else:  # fire and forget: the channel's methods run in call order, nobody waits on these
-            getattr(channels, method).remote(key)
+        # Fire and forget: the actor runs this process's calls in order (a close after the first write).
+        tell(self.reader.channels, method, self.reader.key)
 
 
 def replica_gone(err: BaseException) -> bool:
@@ -282,6 +289,13 @@ class StageTransport(abc.ABC):
     def _channels_lost(self, channels: Any) -> None:
         """``channels`` died (its node went away): the next streamed call starts a new one."""
 
+    def _window(self, call_id: str) -> Window | None:
+        """Where the call ``call_id`` waits for its caller (:mod:`omni_serve.graph.flow`); None: it need not.
+
+        An in-process call is a generator this process pulls: it never runs ahead of its caller.
+        """
+        return None
+
     def _channels(self) -> Any:
         """Where streamed calls' channels live: here, in process (stages called in process, tests)."""
         channels = getattr(self, "_local_channels", None)
@@ -297,14 +311,17 @@ class StageTransport(abc.ABC):
         try:
             messages = self._media_by_reference(request.messages)
             for attempt in (1, 2):
+                call_id = request.request_id if attempt == 1 else f"{request.request_id}~retry"
                 wire = dataclasses.replace(
                     request,
-                    request_id=request.request_id if attempt == 1 else f"{request.request_id}~retry",
+                    request_id=call_id,
                     handoff=feed.reader if feed is not None else claim.value if isinstance(claim, Handoff) else None,
                     handoffs=[c.value for c in claim] if isinstance(claim, list) else None,
                     messages=messages,
                     sent_at=time.time(),
+                    window=self._window(call_id),
                 )
+                taken = Taken(wire.window)  # what the caller took: the stage waits when a window ahead
                 produced = False
                 try:
                     # aclosing: a caller that leaves closes this try at once, which cancels the call.
@@ -314,9 +331,11 @@ class StageTransport(abc.ABC):
                                 feed.ack()
                             produced = True
                             if output.handoff is not None:
-                                output.handoff = Handoff(output.handoff)
+                                output.handoff = Handoff(output.handoff, output.handoff_bytes)
                             yield output
-                            if output.handoff is not None:  # asked for the next one: the caller is done with it
+                            # Asked for the next one: the caller is done with this one (and its handoff).
+                            taken.took(1 + (output.handoff is not None), output_bytes(output))
+                            if output.handoff is not None:
                                 output.handoff.release()
                     return
                 except Exception as err:
@@ -330,6 +349,7 @@ class StageTransport(abc.ABC):
                         continue
                     raise
                 finally:
+                    taken.close()
                     # Serve may keep the request it sent for a while after the call: it must keep no payload.
                     wire.handoff = wire.messages = wire.handoffs = None
         finally:
@@ -365,6 +385,10 @@ class RemoteStages(StageTransport):
         self._channel_actor: Any = None
         self._channel_generation = 0
 
+    def _window(self, call_id: str) -> Window:
+        """A stage deployment queues what a call yields without bound (Serve 2.60): it waits in its window."""
+        return Window(self._channels(), call_id)
+
     def _channels_lost(self, channels: Any) -> None:
         if self._channel_actor is channels:
             logger.warning("the handoff channels actor died; streamed calls get a new one")
@@ -374,7 +398,7 @@ class RemoteStages(StageTransport):
         return await self.voice_handles[stage].remote()
 
     def _channels(self) -> Any:
-        """This replica's :class:`Channels` actor, started on the first streamed call.
+        """This replica's :class:`Channels` actor (streamed handoffs, calls' windows), started on the first call.
 
         No CPU, and on this node (hard affinity: it shares this replica's fate, never another
         node's): every chunk write is a local RPC. It is owned by this replica's process, so it dies
@@ -432,6 +456,8 @@ class RemoteStages(StageTransport):
                     raise asyncio.CancelledError() from None
                 if output.handoff is PAYLOAD_FOLLOWS:
                     output.handoff = await _next_unresolved(items)
+                if output.video is PAYLOAD_FOLLOWS:
+                    output.video = await _next_unresolved(items)
                 yield output
                 output = None
             done = True
@@ -496,5 +522,12 @@ class LocalStage(StageTransport):
     async def voices(self, stage: str) -> list[str]:
         return self.stage.voices()
 
-    def _attempt(self, stage: str, request: StageRequest) -> AsyncGenerator[StageOutput, None]:
-        return self.stage.generate(request)  # one stage: it yields no handoff
+    async def _attempt(self, stage: str, request: StageRequest) -> AsyncGenerator[StageOutput, None]:
+        items = self.stage.generate(request)  # one stage: it yields no handoff
+        try:
+            async for output in items:
+                if output.video is PAYLOAD_FOLLOWS:  # in process: the video itself, not a reference
+                    output.video = await anext(items)
+                yield output
+        finally:
+            await items.aclose()

@@ -1,4 +1,4 @@
-"""Audio and image encoding for API responses: FFmpeg's codecs through PyAV, and Pillow.
+"""Audio, image and video encoding for API responses: FFmpeg's codecs through PyAV, and Pillow.
 
 Every audio format of the API is one (container, codec) pair of FFmpeg's, encoded by
 :class:`AudioEncoder` as samples arrive, so a stream needs no second pass and a whole
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+from fractions import Fraction
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -143,6 +144,36 @@ def encode_png(image: np.ndarray) -> bytes:
 
     buffer = io.BytesIO()
     Image.fromarray(np.asarray(image, dtype=np.uint8)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+# H.264 in MP4, 4:2:0, constant quality 18, x264's ultrafast preset, its threads as many as it likes:
+# what vLLM-Omni's /v1/videos encodes with (``mux_av_video_audio_bytes``'s defaults and the options its
+# ``serving_video.py`` passes), so the same frames make the same file on both servers (x264 is
+# deterministic with threads too).
+MP4_CODEC = "h264"
+MP4_OPTIONS = {"crf": "18", "preset": "ultrafast", "threads": "0"}
+
+
+def encode_mp4(frames: np.ndarray, fps: float) -> bytes:
+    """uint8 frames [T, H, W, 3] (even H and W) -> one MP4 file (H.264, yuv420p)."""
+    import av
+
+    frames = np.asarray(frames, dtype=np.uint8)
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] < 1:
+        raise ValueError(f"expected uint8 frames [T, H, W, 3], got shape {frames.shape}")
+    height, width = frames.shape[1:3]
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="mp4") as container:
+        # PyAV types add_stream by codec name as any kind of stream; a video codec makes a video stream.
+        stream = cast("av.VideoStream", container.add_stream(MP4_CODEC, rate=Fraction(fps).limit_denominator(10000)))
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.options = dict(MP4_OPTIONS)
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
     return buffer.getvalue()
 
 

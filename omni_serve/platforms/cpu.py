@@ -18,6 +18,7 @@ from vllm.platforms.cpu import CpuPlatform
 from vllm_omni.platforms.interface import OmniPlatform, OmniPlatformEnum
 
 WORKERS = "omni_serve.platforms.cpu_worker"
+CPU_SDPA = "omni_serve.platforms.cpu_attention.CPUSDPABackend"  # torch SDPA, with a CPU forward
 
 
 class CpuOmniPlatform(OmniPlatform, CpuPlatform):
@@ -49,10 +50,10 @@ class CpuOmniPlatform(OmniPlatform, CpuPlatform):
     ) -> str:
         from vllm_omni.diffusion.attention.backends.registry import DiffusionAttentionBackendEnum
 
-        if selected_backend is not None and selected_backend.upper() != "TORCH_SDPA":
+        if selected_backend is not None and selected_backend.upper() not in ("TORCH_SDPA", "SDPA"):
             cls.validate_diffusion_attn_backend(selected_backend.upper())
             return DiffusionAttentionBackendEnum[selected_backend.upper()].get_path()
-        return DiffusionAttentionBackendEnum.TORCH_SDPA.get_path()
+        return CPU_SDPA
 
     @classmethod
     def get_torch_device(cls, local_rank: int | None = None) -> torch.device:
@@ -69,6 +70,25 @@ class CpuOmniPlatform(OmniPlatform, CpuPlatform):
     @classmethod
     def synchronize(cls) -> None:
         pass
+
+    # Allocator calls vLLM-Omni's diffusion worker and runner make around each request; vLLM's platform
+    # forwards unknown names to ``torch.cpu``, which has none of them (and then returns None, which the
+    # caller calls). CPU memory has no allocator cache to empty and no peak counters: nothing to reset, 0.
+    @classmethod
+    def empty_cache(cls) -> None:
+        pass
+
+    @classmethod
+    def reset_peak_memory_stats(cls, device: Any = None) -> None:
+        pass
+
+    @classmethod
+    def max_memory_allocated(cls, device: Any = None) -> int:
+        return 0
+
+    @classmethod
+    def max_memory_reserved(cls, device: Any = None) -> int:
+        return 0
 
     @classmethod
     def get_free_memory(cls, device: Any = None) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
+from vllm_omni.worker.base import OmniGPUWorkerBase
 from vllm_omni.worker.gpu_ar_model_runner import GPUARModelRunner
 from vllm_omni.worker.gpu_generation_model_runner import GPUGenerationModelRunner
 from vllm_omni.worker.mixins import OmniWorkerMixin
@@ -56,6 +57,13 @@ class _OmniCPUWorker(QuietIdleSteps, PacedSteps, OmniWorkerMixin, CPUWorker):
         # vLLM-Omni's hooks live in the v1 runners only (its XPU workers force v1 the same way).
         self.use_v2_model_runner = False
         self.model_runner = self.model_runner_cls(self.vllm_config, self.device)
+
+    def encoder_loaded(self) -> bool:
+        """Whether the stage's model has its audio encoder: a ``collective_rpc`` vLLM-Omni's Voxtral TTS speech
+        adapter makes before it accepts ``ref_audio`` (voice cloning). vLLM-Omni defines it on its GPU worker base
+        (``OmniGPUWorkerBase``, a ``GPUWorker``), which a CPU worker cannot inherit; without it the RPC fails on
+        every stage and every clone request is refused as if the checkpoint had no encoder."""
+        return OmniGPUWorkerBase.encoder_loaded(self)  # reads only self.model_runner, which this worker has
 
 
 class CPUARWorker(_OmniCPUWorker):

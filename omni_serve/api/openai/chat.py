@@ -32,6 +32,7 @@ from omni_serve.api.openai.stage_metrics import metrics_json
 from omni_serve.api.openai.tools import MAX_TOOLS, FunctionTool, ToolChoice, calls_json, delta_json, tool_calling
 from omni_serve.media.encode import EMPTY_AUDIO_SAMPLE_RATE, AudioFormat, b64, encode_audio
 from omni_serve.types import (
+    MAX_TOKENS_LIMIT,
     SAMPLING_EXTENSIONS,
     ChatMessage,
     FinishReason,
@@ -46,9 +47,6 @@ from omni_serve.types import (
 
 if TYPE_CHECKING:
     from omni_serve.graph.stage_log import StageLog
-
-# Generation lengths above this are refused outright (stages also cap at their context).
-MAX_TOKENS_LIMIT = 1 << 20
 
 
 ChatAudioFormat = Literal["wav", "mp3", "flac", "opus", "aac", "pcm16", "pcm"]
@@ -101,13 +99,16 @@ REFUSED = {
 }
 
 
-class ChatCompletionRequest(_Strict):
-    model: str | None = None
-    messages: list[Message] = Field(min_length=1)
-    modalities: list[Modality] | None = Field(None, description="Default ['text'].")
-    audio: AudioOptions | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
+class SamplingRequest(_Strict):
+    """A request's sampling fields, as chat completions takes them (resolved per stage by
+    :class:`omni_serve.api.sampling.StageSampling`).
+
+    Every route that samples builds its request's sampling through this model, validated: chat
+    completions (whose request is one), the realtime ``response.create`` and ``input_audio_transcription``,
+    and transcriptions; so one set of bounds holds on every route (types.SamplingParams bounds each stage's
+    values, ``max_tokens`` included).
+    """
+
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, description="vLLM's -1, like 0, means no top-k filtering.")
@@ -116,6 +117,68 @@ class ChatCompletionRequest(_Strict):
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    # vLLM's extra sampling parameters (its OpenAI server accepts them at the top level; `vllm bench
+    # serve` sends ignore_eos). They apply to the entry stage; types.SamplingParams has their meaning.
+    # A stage whose engine cannot honour one that is sent refuses it with a 400 naming it.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None
+    stage_sampling: dict[str, dict[str, Any]] | None = Field(
+        None, description="Per-stage sampling overrides keyed by stage name, e.g. {'talker': {'temperature': 0.9}}."
+    )
+    # vLLM-Omni's extension, with its meaning (its example clients send it).
+    sampling_params_list: list[dict[str, Any]] | None = Field(
+        None, description="Per-stage vLLM SamplingParams by stage position (the graph's stage order)."
+    )
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        values = [stop] if isinstance(stop, str) else stop or []
+        if len(values) > 4 or any(not s for s in values):
+            raise ValueError("at most 4 non-empty stop strings")
+        return stop
+
+    @model_validator(mode="after")
+    def _one_per_stage_form(self) -> SamplingRequest:
+        if self.stage_sampling is not None and self.sampling_params_list is not None:
+            raise ValueError("stage_sampling and sampling_params_list are two forms of the same thing; send one")
+        return self
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def entry_sampling(self) -> dict[str, Any]:
+        """The top-level sampling fields the client sent, by ``types.SamplingParams`` name (entry stage)."""
+        sent = {name: getattr(self, name) for name in _TOP_LEVEL_SAMPLING}
+        sent["max_tokens"] = self.max_completion_tokens or self.max_tokens
+        sent["stop"] = self.stop_list or None
+        if sent["top_k"] == -1:
+            sent["top_k"] = 0
+        return {name: value for name, value in sent.items() if value is not None}
+
+    def client_field(self, sampling_field: str) -> str:
+        """The request field a top-level entry of ``entry_sampling`` came from (for errors naming it)."""
+        return sampling_field
+
+
+class ChatCompletionRequest(SamplingRequest):
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    modalities: list[Modality] | None = Field(None, description="Default ['text'].")
+    audio: AudioOptions | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
     n: int | None = Field(1, description="Choices per request: one (each would run the whole graph).")
     logprobs: bool | None = Field(None, description="Report each generated token's log-probability.")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="Alternatives per token; needs logprobs.")
@@ -143,28 +206,7 @@ class ChatCompletionRequest(_Strict):
     verbosity: Any = None
     web_search_options: Any = None
     moderation: Any = None
-    # vLLM's extra sampling parameters (its OpenAI server accepts them at the top level; `vllm bench
-    # serve` sends ignore_eos). They apply to the entry stage; types.SamplingParams has their meaning.
-    # A stage whose engine cannot honour one that is sent refuses it with a 400 naming it.
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
-    ignore_eos: bool | None = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    stop_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
-    logit_bias: dict[str, float] | None = None
-    stage_sampling: dict[str, dict[str, Any]] | None = Field(
-        None, description="Per-stage sampling overrides keyed by stage name, e.g. {'talker': {'temperature': 0.9}}."
-    )
     # vLLM-Omni's extensions, with its meaning (its example clients send them).
-    sampling_params_list: list[dict[str, Any]] | None = Field(
-        None, description="Per-stage vLLM SamplingParams by stage position (the graph's stage order)."
-    )
     voice: str | None = Field(None, description="The voice, as vLLM-Omni accepts it at the top level.")
     speaker: str | None = Field(None, description="vLLM-Omni's name for voice.")
     return_prompt_text: bool | None = Field(None, description="Add the templated prompt as 'prompt_text'.")
@@ -210,23 +252,6 @@ class ChatCompletionRequest(_Strict):
             raise ValueError("at most 16 pairs, keys of at most 64 characters, values of at most 512")
         return metadata
 
-    @field_validator("stop")
-    @classmethod
-    def _stop_list(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        values = [stop] if isinstance(stop, str) else stop or []
-        if len(values) > 4 or any(not s for s in values):
-            raise ValueError("at most 4 non-empty stop strings")
-        return stop
-
-    @field_validator("stage_sampling")
-    @classmethod
-    def _stage_max_tokens(cls, per_stage: dict[str, dict[str, Any]] | None) -> dict[str, dict[str, Any]] | None:
-        for stage, values in (per_stage or {}).items():
-            limit = values.get("max_tokens")
-            if isinstance(limit, int | float) and limit > MAX_TOKENS_LIMIT:
-                raise ValueError(f"{stage}.max_tokens: must be at most {MAX_TOKENS_LIMIT}")
-        return per_stage
-
     @field_validator("modalities")
     @classmethod
     def _modalities(cls, modalities: list[Modality] | None) -> list[Modality] | None:
@@ -234,21 +259,10 @@ class ChatCompletionRequest(_Strict):
             raise ValueError("must name at least one modality")
         return modalities
 
-    @field_validator("sampling_params_list")
-    @classmethod
-    def _list_max_tokens(cls, per_stage: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        for i, values in enumerate(per_stage or []):
-            limit = values.get("max_tokens")
-            if isinstance(limit, int | float) and limit > MAX_TOKENS_LIMIT:
-                raise ValueError(f"{i}.max_tokens: must be at most {MAX_TOKENS_LIMIT}")
-        return per_stage
-
     @model_validator(mode="after")
     def _one_voice(self) -> ChatCompletionRequest:
         if len({v.lower() for v in self._voices().values()}) > 1:
             raise ValueError(f"{', '.join(self._voices())} name different voices; send one")
-        if self.stage_sampling is not None and self.sampling_params_list is not None:
-            raise ValueError("stage_sampling and sampling_params_list are two forms of the same thing; send one")
         return self
 
     @field_validator("top_logprobs")
@@ -272,7 +286,6 @@ class ChatCompletionRequest(_Strict):
         return tool_calling(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def client_field(self, sampling_field: str) -> str:
-        """The request field a top-level entry of ``entry_sampling`` came from (for errors naming it)."""
         if sampling_field == "structured_outputs" and self.response_format is not None:
             return "response_format"
         return sampling_field
@@ -313,20 +326,15 @@ class ChatCompletionRequest(_Strict):
             if message.role != "tool":
                 calls = {call.id for call in message.tool_calls or []}
 
-    @property
-    def stop_list(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-
     def entry_sampling(self) -> dict[str, Any]:
-        """The top-level sampling fields the client sent, by ``types.SamplingParams`` name (entry stage)."""
-        sent = {name: getattr(self, name) for name in _TOP_LEVEL_SAMPLING}
-        sent["max_tokens"] = self.max_completion_tokens or self.max_tokens
-        sent["stop"] = self.stop_list or None
-        sent["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
-        sent["structured_outputs"] = constraint(self.response_format, self.structured_outputs)
-        if sent["top_k"] == -1:
-            sent["top_k"] = 0
-        return {name: value for name, value in sent.items() if value is not None}
+        """The base's entry-stage sampling, with the chat-only fields that become sampling: logprobs and the
+        structured-output constraint of response_format / structured_outputs."""
+        sent = super().entry_sampling()
+        extra = {
+            "logprobs": (self.top_logprobs or 0) if self.logprobs else None,
+            "structured_outputs": constraint(self.response_format, self.structured_outputs),
+        }
+        return sent | {name: value for name, value in extra.items() if value is not None}
 
 
 # Top-level request fields that are also types.SamplingParams fields of the same name.
@@ -336,15 +344,15 @@ _TOP_LEVEL_SAMPLING = (
     "top_k",
     "seed",
     "repetition_penalty",
-    *(
-        name
-        for name in ChatCompletionRequest.model_fields
-        if (name in SAMPLING_EXTENSIONS or name == "stop_token_ids") and name not in ("logprobs", "structured_outputs")
-    ),
+    *(name for name in SamplingRequest.model_fields if name in SAMPLING_EXTENSIONS or name == "stop_token_ids"),
 )
 
 
 # ---- the reply ------------------------------------------------------------------------------
+
+# finish_reason ("stop" or "length": some stage stopped at its max_tokens) where a reply's body has no
+# place for it: speech audio, a text-format transcript (omni_serve's header; OpenAI's APIs have none).
+FINISH_REASON_HEADER = "X-Finish-Reason"
 
 AUDIO_TTL_S = 3600
 
@@ -354,7 +362,9 @@ class ChatResult:
     """The merged final outputs of one request.
 
     Usage and finish reason are the text stage's (the one whose ``final_output`` is text),
-    whether or not text was asked for; a graph without one finishes with ``stop``. ``usage`` is
+    whether or not text was asked for; a graph without one finishes with ``stop``; the reply's
+    finish reason is "length" as well when any other stage stopped at its max_tokens
+    (``ChatReply._finish``). ``usage`` is
     the text stage's latest count: its outputs carry the usage so far, the finished one the total.
     """
 
@@ -523,8 +533,10 @@ class ChatReply:
     usage_on_every_chunk: bool = False  # vLLM's continuous_usage_stats (StreamOptions.usage_on_every_chunk)
     prompt_text: bool = False
     logprobs: bool = False  # the request's logprobs: each choice (each chunk) carries the tokens' logprobs
-    # vLLM-Omni's return_stage_metrics: the log the orchestrator records this request's stages into.
+    # What the request's stages did (the log the orchestrator records them into): a stage that stopped at
+    # its max_tokens makes the finish_reason "length", whichever stage it was (a talker cut short too).
     stage_log: StageLog | None = None
+    stage_metrics: bool = False  # vLLM-Omni's return_stage_metrics: the log as "metrics" on the reply
     # Keeps an audio reply's transcript under its audio id for later turns that name it (AudioReplies.remember).
     remember: Callable[[str, str, int], None] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
@@ -541,6 +553,7 @@ class ChatReply:
         result = ChatResult(self.text_stage)
         async for item in outputs:
             result.add(item)
+        self._finish(result)
         body = completion(
             self.request_id,
             self.model,
@@ -552,11 +565,9 @@ class ChatReply:
             logprobs=self.logprobs,
             expires_at=self.expires_at,
         )
-        if self.stage_log is not None:
-            body["metrics"] = metrics_json(self.stage_log, result.last_stage)
         if body["choices"][0]["message"].get("audio"):
             self._remember(result)
-        return body
+        return self._with_metrics(body, result)
 
     async def stream(self, outputs: AsyncIterator[StageOutput]) -> AsyncIterator[str]:
         request_id, model, created, modalities = self.request_id, self.model, self.created, self.modalities
@@ -607,6 +618,7 @@ class ChatReply:
 
                 yield event({"content": content_parts(item.images)}, Modality.IMAGE, tokens=False)
             item = await anext(outputs, None)
+        self._finish(result)
         yield event({}, finish=result.finish_reason)
         if spoke:
             self._remember(result)
@@ -614,15 +626,24 @@ class ChatReply:
             yield sse(self._with_metrics(usage_chunk(request_id, model, created, result.usage), result))
         yield sse("[DONE]")
 
+    def _finish(self, result: ChatResult) -> None:
+        """Every output is in: a reply any stage of which stopped at its max_tokens ends with "length"
+        (an intermediate stage's outputs never reach the reply; its finish is in the stage log)."""
+        if self.stage_log is not None and self.stage_log.cut_short():
+            result.finish_reason = FinishReason.LENGTH
+
     def _remember(self, result: ChatResult) -> None:
         if self.remember is not None:
             self.remember(f"audio-{self.request_id}", "".join(result.text), self.expires_at)
 
     def _with_metrics(self, body: dict[str, Any], result: ChatResult) -> dict[str, Any]:
         """``body`` with vLLM-Omni's ``metrics`` as of now, when the request asked for them."""
-        if self.stage_log is not None:
+        if self.stage_metrics and self.stage_log is not None:
             body["metrics"] = metrics_json(self.stage_log, result.last_stage)
         return body
+
+    def headers(self, head: list[StageOutput]) -> dict[str, str]:
+        return {}
 
     def in_band_error(self, error: APIError) -> str:
         """Headers are gone: the same error object as a JSON error, in band, and no ``[DONE]``, so

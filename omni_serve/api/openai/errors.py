@@ -51,6 +51,14 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, type="invalid_request_error", param=param)
 
 
+def renamed(error: APIError, param: str) -> APIError:
+    """``error`` naming ``param`` instead of its field (another route's name for it), in its message too."""
+    if error.param:
+        error.message = error.message.replace(error.param, param, 1)
+        error.param = param
+    return error
+
+
 def _field_path(loc: tuple[Any, ...]) -> list[str]:
     """A pydantic error location as the client's field path: union branch labels
     (``str``, ``list[tagged-union[...]]``) and discriminator tags are not fields."""

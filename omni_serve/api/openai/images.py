@@ -1,4 +1,5 @@
-"""Image generation: the ``/v1/images/generations`` request model and the image parts of replies.
+"""Image generation and editing: the ``/v1/images/generations`` and ``/v1/images/edits`` request models and the image
+parts of replies.
 
 Pure functions and models; the ingress route only wires them to the orchestrator.
 The body follows OpenAI's images API plus the diffusion fields vLLM-Omni accepts
@@ -26,6 +27,16 @@ _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 MAX_SIDE = 4096
 
 
+def checked_size(size: str) -> str:
+    """``size`` if it is 'WIDTHxHEIGHT' with sides in [1, MAX_SIDE]; ValueError (pydantic's 400) otherwise."""
+    match = _SIZE.match(size)
+    if not match:
+        raise ValueError("must be 'WIDTHxHEIGHT', e.g. '1024x1024'")
+    if not all(1 <= int(side) <= MAX_SIDE for side in match.groups()):
+        raise ValueError(f"width and height must be in [1, {MAX_SIDE}]")
+    return size
+
+
 class ImageGenerationRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -51,12 +62,7 @@ class ImageGenerationRequest(BaseModel):
     @field_validator("size")
     @classmethod
     def _size(cls, size: str) -> str:
-        match = _SIZE.match(size)
-        if not match:
-            raise ValueError("must be 'WIDTHxHEIGHT', e.g. '1024x1024'")
-        if not all(1 <= int(side) <= MAX_SIDE for side in match.groups()):
-            raise ValueError(f"width and height must be in [1, {MAX_SIDE}]")
-        return size
+        return checked_size(size)
 
     def width_height(self) -> tuple[int, int]:
         width, height = self.size.split("x")
@@ -76,6 +82,25 @@ class ImageGenerationRequest(BaseModel):
             seed=self.seed,
             n=self.n,
         )
+
+
+class ImageEditRequest(ImageGenerationRequest):
+    """``/v1/images/edits``' form fields but the files (OpenAI's multipart: ``image``, and ``mask``, refused here).
+
+    The generation fields with their meaning; ``size`` defaults to OpenAI's ``auto``: the source image's size
+    (which the stage checks like any size). The source image travels to the entry stage as a chat image part
+    does: by reference, checked here by its bytes (format, size) and decoded only by the stage.
+    """
+
+    size: str = Field("auto", description="'WIDTHxHEIGHT', or 'auto' (the source image's size).")
+
+    @field_validator("size")
+    @classmethod
+    def _size(cls, size: str) -> str:
+        return size if size == "auto" else checked_size(size)
+
+    def width_height(self) -> tuple[int, int]:
+        return (0, 0) if self.size == "auto" else super().width_height()
 
 
 def generation_response(created: int, images: list[np.ndarray]) -> dict[str, Any]:
@@ -105,6 +130,9 @@ class ImagesReply:
 
     def stream(self, outputs: AsyncIterator[StageOutput]) -> AsyncIterator[bytes]:
         raise TypeError("image replies are JSON, never streamed")
+
+    def headers(self, head: list[StageOutput]) -> dict[str, str]:
+        return {}
 
     def in_band_error(self, error: APIError) -> None:
         return None

@@ -6,17 +6,26 @@ body streams as code2wav decodes: ``mp3`` (the default, as OpenAI's), ``opus`` (
 ``aac`` (ADTS), ``wav`` (open-ended sizes) and raw 16-bit ``pcm`` are one continuous
 file written as chunks arrive; ``flac`` needs the total length in its header and comes
 whole at the end (:mod:`omni_serve.media.encode`).
+
+How the speech ended is the ``X-Finish-Reason`` header (``stop``, or ``length`` when a stage
+stopped at its ``max_tokens``: the talker's codec frames ran out before the text was spoken, and
+the file holds what it spoke). A header goes out with the status line, so the status waits until
+every stage before the audio one is done (the talker's end), not only for the first audio chunk:
+the audio decoded meanwhile follows at once, the rest as code2wav decodes it. A cut found after
+that (the audio stage's own) fails the reply as any failure after the status line does: the body
+is cut short before the file's end, never a whole file.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
+from omni_serve.api.openai.chat import FINISH_REASON_HEADER
 from omni_serve.api.openai.errors import APIError
 from omni_serve.media.encode import (
     AUDIO_MEDIA_TYPES,
@@ -25,7 +34,10 @@ from omni_serve.media.encode import (
     AudioEncoder,
     encode_audio,
 )
-from omni_serve.types import StageOutput
+from omni_serve.types import FinishReason, StageOutput
+
+if TYPE_CHECKING:
+    from omni_serve.graph.stage_log import StageLog
 
 SpeechFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 
@@ -55,13 +67,16 @@ class SpeechReply:
     """The audio file of one speech request, written as code2wav decodes (FLAC: whole, at the end)."""
 
     response_format: SpeechFormat
+    stage_log: StageLog | None = None  # what the request's stages did: whether one stopped at its max_tokens
+    _cut_at_status: list[str] = field(default_factory=list, init=False)  # what X-Finish-Reason already said
 
     @property
     def media_type(self) -> str:
         return AUDIO_MEDIA_TYPES[self.response_format]
 
     def decides_status(self, output: StageOutput) -> bool:
-        return output.audio is not None  # the first audio chunk (or the end) decides the status code
+        """Audio (or the end), once no stage before the audio stage can still stop at its max_tokens."""
+        return output.audio is not None and (self.stage_log is None or self.stage_log.settled(but=output.stage))
 
     async def json(self, outputs: AsyncIterator[StageOutput]) -> dict[str, Any]:
         raise TypeError("speech replies are audio, never JSON")
@@ -82,12 +97,32 @@ class SpeechReply:
                     yield data
             else:
                 whole.append(item.audio)
+        self._check_not_cut()
         if encoder is not None:
             yield encoder.finish()
         elif fmt in STREAMABLE_AUDIO:  # no audio at all: an empty file of the format
             yield AudioEncoder(fmt, rate).finish()
         else:
             yield encode_audio(np.concatenate(whole) if whole else np.zeros(0, np.float32), rate, fmt)
+
+    def _cut(self) -> list[str]:
+        return self.stage_log.cut_short() if self.stage_log is not None else []
+
+    def _check_not_cut(self) -> None:
+        """Every output is in: a stage that stopped at its max_tokens after the status line said ``stop``
+        (the audio stage's own) fails the reply, so the file is never whole."""
+        cut = [stage for stage in self._cut() if stage not in self._cut_at_status]
+        if cut:
+            raise APIError(
+                500,
+                f"stage '{cut[0]}' stopped at its max_tokens after the reply started: the speech is cut short",
+                type="server_error",
+                code="output_truncated",
+            )
+
+    def headers(self, head: list[StageOutput]) -> dict[str, str]:
+        self._cut_at_status = self._cut()
+        return {FINISH_REASON_HEADER: (FinishReason.LENGTH if self._cut_at_status else FinishReason.STOP).value}
 
     def in_band_error(self, error: APIError) -> None:
         """The status line is sent: cut the body short, which a client sees as a broken transfer, not a file."""

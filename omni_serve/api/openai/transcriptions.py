@@ -8,21 +8,26 @@ turn (:func:`transcription_messages`).
 Formats: ``json`` (``{"text", "usage"}``), ``text`` (the bare transcript), ``verbose_json`` (one segment
 spanning the audio: the thinker gives no timestamps); ``srt`` / ``vtt`` need timestamps and are
 refused. ``stream=true`` sends OpenAI's SSE events ``transcript.text.delta`` and ``transcript.text.done``.
+
+A transcript the thinker cut at its ``max_tokens`` says so in every format, as chat completions does:
+``finish_reason`` (``"stop"`` or ``"length"``) in the ``json`` and ``verbose_json`` bodies and on
+``transcript.text.done``; the ``text`` format, a bare transcript, in the ``X-Finish-Reason`` header
+(its status line waits for the transcript's end for that).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
 from omni_serve import types
-from omni_serve.api.openai.chat import sse
+from omni_serve.api.openai.chat import FINISH_REASON_HEADER, sse
 from omni_serve.api.openai.errors import APIError
 from omni_serve.api.openai.messages import _Strict
-from omni_serve.types import ChatMessage, StageOutput, Usage
+from omni_serve.types import ChatMessage, FinishReason, StageOutput, Usage
 
 TranscriptionFormat = Literal["json", "text", "verbose_json"]
 
@@ -78,39 +83,71 @@ class TranscriptionReply:
         return "text/event-stream" if self.stream_events else "text/plain; charset=utf-8"
 
     def decides_status(self, output: StageOutput) -> bool:
-        return True
+        # SSE: the first output. The bare text: its end, so that its header can say how it ended.
+        return self.stream_events or (output.finished and output.stage == self.text_stage)
 
-    def _usage(self, output: StageOutput, usage: Usage) -> Usage:
-        return output.usage if output.stage == self.text_stage and output.usage else usage
+    def headers(self, head: list[StageOutput]) -> dict[str, str]:
+        if self.stream_events:
+            return {}
+        return {FINISH_REASON_HEADER: Transcript(self.text_stage).read(head).finish_reason.value}
 
     async def json(self, outputs: AsyncIterator[StageOutput]) -> dict[str, Any]:
-        text, usage = [], Usage()
+        transcript = Transcript(self.text_stage)
         async for output in outputs:
-            text.append(output.text)
-            usage = self._usage(output, usage)
-        transcript = "".join(text)
+            transcript.add(output)
+        text, finish = "".join(transcript.text), transcript.finish_reason.value
         if self.response_format != "verbose_json":
-            return {"text": transcript, "usage": usage_json(usage)}
+            return {"text": text, "usage": usage_json(transcript.usage), "finish_reason": finish}
         duration = self.duration_s or 0.0
         return {
             "task": "transcribe",
             "language": self.language or "unknown",
             "duration": duration,
-            "text": transcript,
-            "segments": [{"id": 0, "seek": 0, "start": 0.0, "end": duration, "text": transcript, "tokens": []}],
+            "text": text,
+            "segments": [{"id": 0, "seek": 0, "start": 0.0, "end": duration, "text": text, "tokens": []}],
             "usage": {"type": "duration", "seconds": round(duration)},
+            "finish_reason": finish,
         }
 
     async def stream(self, outputs: AsyncIterator[StageOutput]) -> AsyncIterator[str]:
-        text, usage = [], Usage()
+        transcript = Transcript(self.text_stage)
         async for output in outputs:
-            usage = self._usage(output, usage)
+            transcript.add(output)
             if not output.text:
                 continue
-            text.append(output.text)
             yield sse({"type": "transcript.text.delta", "delta": output.text}) if self.stream_events else output.text
         if self.stream_events:
-            yield sse({"type": "transcript.text.done", "text": "".join(text), "usage": usage_json(usage)})
+            yield sse(
+                {
+                    "type": "transcript.text.done",
+                    "text": "".join(transcript.text),
+                    "usage": usage_json(transcript.usage),
+                    "finish_reason": transcript.finish_reason.value,
+                }
+            )
 
     def in_band_error(self, error: APIError) -> str | None:
         return sse(error.body()) if self.stream_events else None
+
+
+@dataclass
+class Transcript:
+    """The text stage's outputs, merged: its text, usage so far and how it ended."""
+
+    text_stage: str | None
+    text: list[str] = field(default_factory=list)
+    usage: Usage = field(default_factory=Usage)
+    finish_reason: FinishReason = FinishReason.STOP
+
+    def add(self, output: StageOutput) -> None:
+        self.text.append(output.text)
+        if output.stage != self.text_stage:
+            return
+        self.usage = output.usage or self.usage
+        if output.finished and output.finish_reason is FinishReason.LENGTH:
+            self.finish_reason = FinishReason.LENGTH
+
+    def read(self, outputs: list[StageOutput]) -> Transcript:
+        for output in outputs:
+            self.add(output)
+        return self

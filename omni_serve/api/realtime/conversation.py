@@ -1,27 +1,34 @@
-"""A session's conversation: its items (OpenAI's ``realtime.item`` messages) and the thinker's turns made from them.
+"""A session's conversation: its items (OpenAI's ``realtime.item``: messages, function calls and their outputs)
+and the thinker's turns made from them.
 
-User audio is kept as the pcm16 the client sent and goes to the entry stage as a WAV media part,
-through the same media path (by reference, decoded by the entry stage) as a chat request's
-``input_audio``. An assistant turn becomes its text: the thinker takes text for its own past turns.
+User audio is kept as the pcm16 the client sent and goes to the entry stage as a WAV media part
+(the same samples behind a WAV header), through the same media path (by reference, decoded by the
+entry stage) as a chat request's ``input_audio``. An assistant turn becomes its text: the thinker
+takes text for its own past turns.
+
+What a conversation holds is counted in bytes (:meth:`Conversation.nbytes`); to stay within the
+session's bound it drops the audio the thinker no longer reads, oldest first
+(:meth:`Conversation.drop_unread_audio`): every assistant item's (the thinker reads their text) and
+user audio older than the newest ``max_audio_parts`` audio turns (those go as their transcript).
 """
 
 from __future__ import annotations
 
+import struct
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import numpy as np
-
 from omni_serve import types
 from omni_serve.api.errors import stage_bad_request
 from omni_serve.api.openai.errors import bad_request
+from omni_serve.api.openai.messages import AssistantToolCall, CalledFunction
 from omni_serve.api.realtime.events import PCM_RATE, Item
 from omni_serve.media import inputs as media_input
-from omni_serve.media.encode import b64, encode_audio
+from omni_serve.media.encode import b64
 from omni_serve.types import ChatMessage, InvalidStageInput
 
-Role = Literal["user", "assistant", "system"]
+Role = Literal["user", "assistant", "system", "tool"]  # tool: a function call's output
 _CONTENT_TYPES: dict[str, set[str]] = {
     "user": {"input_text", "input_audio"},
     "system": {"input_text"},
@@ -59,11 +66,29 @@ def pcm16_ms(pcm: bytes) -> int:
     return len(pcm) // 2 * 1000 // PCM_RATE
 
 
+def wav_file(pcm: bytes) -> bytes:
+    """pcm16 24 kHz mono as a WAV file: its 44-byte header and the same samples (nothing re-encoded)."""
+    rate, width = PCM_RATE, 2
+    header = struct.pack(
+        "<4sI4s4sIHHIIHH4sI", b"RIFF", 36 + len(pcm), b"WAVE", b"fmt ", 16, 1, 1, rate, rate * width, width, 16,
+        b"data", len(pcm),
+    )  # fmt: skip
+    return header + pcm
+
+
 @dataclass
 class Part:
     type: str
     text: str = ""  # text, or the audio's transcript
     audio: bytes = b""  # pcm16 24 kHz
+    dropped_ms: int = 0  # the length of audio dropped to keep the session in its bytes (the text stays)
+
+    @property
+    def audio_ms(self) -> int:
+        return pcm16_ms(self.audio) or self.dropped_ms
+
+    def nbytes(self) -> int:
+        return len(self.audio) + len(self.text)
 
 
 @dataclass
@@ -72,8 +97,27 @@ class ConversationItem:
     role: Role
     parts: list[Part]
     status: Literal["completed", "incomplete", "in_progress"] = "completed"
+    type: Literal["message", "function_call", "function_call_output"] = "message"
+    call_id: str = ""  # a function call's and its output's
+    name: str = ""  # a function call's
+    arguments: str = ""  # a function call's: JSON text, as the thinker wrote it
+    output: str = ""  # a function call output's
+
+    def nbytes(self) -> int:
+        return (
+            sum(p.nbytes() for p in self.parts)
+            + len(self.call_id)
+            + len(self.name)
+            + len(self.arguments)
+            + len(self.output)
+        )
 
     def json(self, with_audio: bool = False) -> dict[str, Any]:
+        head = {"id": self.id, "type": self.type, "object": "realtime.item", "status": self.status}
+        if self.type == "function_call":
+            return {**head, "call_id": self.call_id, "name": self.name, "arguments": self.arguments}
+        if self.type == "function_call_output":
+            return {**head, "call_id": self.call_id, "output": self.output}
         content = []
         for part in self.parts:
             body: dict[str, Any] = {"type": part.type}
@@ -84,23 +128,27 @@ class ConversationItem:
             else:
                 body["text"] = part.text
             content.append(body)
-        return {
-            "id": self.id,
-            "type": "message",
-            "object": "realtime.item",
-            "status": self.status,
-            "role": self.role,
-            "content": content,
-        }
+        return {**head, "role": self.role, "content": content}
+
+    def template_call(self) -> dict[str, Any]:
+        """A function call as an assistant turn's ``tool_calls`` entry, as chat hands it to the template."""
+        return AssistantToolCall(
+            id=self.call_id, type="function", function=CalledFunction(name=self.name, arguments=self.arguments)
+        ).template_call()
 
     def chat_message(self) -> ChatMessage:
         """This item as one of the thinker's turns (assistant audio: its transcript)."""
+        if self.type == "function_call_output":
+            return ChatMessage(role="tool", content=self.output, tool_call_id=self.call_id)
         if self.role != "user":
             return ChatMessage(role=self.role, content="".join(p.text for p in self.parts))
         content: list[types.TextPart | types.MediaPart] = []
         for j, part in enumerate(self.parts):
-            if part.type == "input_audio":
-                wav = encode_audio(np.frombuffer(part.audio, dtype="<i2").astype(np.float32) / 32768.0, PCM_RATE, "wav")
+            if part.type == "input_audio" and not part.audio:  # dropped (the session's bytes): its transcript
+                if part.text:
+                    content.append(types.TextPart(text=part.text))
+            elif part.type == "input_audio":
+                wav = wav_file(part.audio)
                 content.append(types.MediaPart(type="audio", param=f"item.{self.id}.content.{j}", data=wav))
             else:
                 content.append(types.TextPart(text=part.text))
@@ -109,7 +157,7 @@ class ConversationItem:
     def truncate(self, content_index: int, audio_end_ms: int) -> None:
         """Keep ``audio_end_ms`` of the part's audio and the share of its transcript that audio spoke."""
         part = self.parts[content_index]
-        total = pcm16_ms(part.audio)
+        total = part.audio_ms  # a part whose audio was dropped keeps its length: its transcript is still cut
         if audio_end_ms > total:
             raise bad_request(f"audio_end_ms: {audio_end_ms} is past the audio's end ({total} ms)", "audio_end_ms")
         keep = audio_end_ms * PCM_RATE // 1000 * 2
@@ -119,7 +167,25 @@ class ConversationItem:
 
 
 def item_from_client(item: Item, max_audio_bytes: int, takes_audio: bool) -> ConversationItem:
-    """A client's ``conversation.item.create`` item, its content checked against its role."""
+    """A client's ``conversation.item.create`` item, a message's content checked against its role."""
+    item_id = item.id or new_id("item")
+    if item.type == "function_call":
+        assert item.call_id is not None and item.name is not None and item.arguments is not None  # Item checked
+        return ConversationItem(
+            item_id,
+            "assistant",
+            [],
+            type="function_call",
+            call_id=item.call_id,
+            name=item.name,
+            arguments=item.arguments,
+        )
+    if item.type == "function_call_output":
+        assert item.call_id is not None and item.output is not None
+        return ConversationItem(
+            item_id, "tool", [], type="function_call_output", call_id=item.call_id, output=item.output
+        )
+    assert item.role is not None
     parts = []
     for j, content in enumerate(item.content):
         param = f"item.content.{j}"
@@ -139,7 +205,7 @@ def item_from_client(item: Item, max_audio_bytes: int, takes_audio: bool) -> Con
             if content.text is None:
                 raise bad_request(f"{param}.text: {content.type} needs text", f"{param}.text")
             parts.append(Part(content.type, content.text))
-    return ConversationItem(item.id or new_id("item"), item.role, parts)
+    return ConversationItem(item_id, item.role, parts)
 
 
 @dataclass
@@ -156,6 +222,10 @@ class Conversation:
         """Insert ``item`` after ``previous_item_id`` (the end when None); returns the item before it."""
         if any(i.id == item.id for i in self.items):
             raise bad_request(f"item.id: an item {item.id!r} already exists", "item.id")
+        if item.type == "function_call_output" and not any(
+            i.type == "function_call" and i.call_id == item.call_id for i in self.items
+        ):  # an output answers a call (OpenAI's rule for a tool message in chat)
+            raise bad_request(f"item.call_id: no function_call item has call_id {item.call_id!r}", "item.call_id")
         if previous_item_id is None:
             at = len(self.items)
         elif previous_item_id == "root":
@@ -168,18 +238,50 @@ class Conversation:
     def delete(self, item_id: str) -> None:
         self.items.remove(self.find(item_id))
 
+    def nbytes(self) -> int:
+        return sum(item.nbytes() for item in self.items)
+
+    def drop_unread_audio(self, need: int, max_audio_parts: int) -> int:
+        """Drop the audio the thinker no longer reads, oldest first, until ``need`` bytes are free; the bytes freed."""
+        heard = self._user_audio()
+        kept = {i.id for i in heard[len(heard) - max_audio_parts :]} if max_audio_parts else set()
+        freed = 0
+        for item in self.items:
+            if freed >= need:
+                break
+            if item.id in kept:
+                continue
+            for part in item.parts:
+                if part.audio:
+                    part.dropped_ms, freed = part.audio_ms, freed + len(part.audio)
+                    part.audio = b""
+        return freed
+
     def chat_messages(self, instructions: str | None, max_audio_parts: int) -> list[ChatMessage]:
         """The thinker's turns. A request carries at most ``max_audio_parts`` media parts
         (``media_input.max_parts``): older user audio beyond them goes as its transcript, if it has one."""
-        audio_items = [i for i in self.items if i.role == "user" and any(p.type == "input_audio" for p in i.parts)]
+        audio_items = self._user_audio()
         as_text = {i.id for i in audio_items[: max(0, len(audio_items) - max_audio_parts)]}
         head = [ChatMessage(role="system", content=instructions)] if instructions else []
-        turns = []
+        turns: list[ChatMessage] = []
         for item in self.items:
-            if item.id in as_text:
+            if item.type == "function_call":
+                if item.status != "completed":  # cut off while the thinker wrote it: no call was made
+                    continue
+                if turns and turns[-1].role == "assistant":  # the reply's text before it, or an earlier call
+                    turns[-1].tool_calls = [*(turns[-1].tool_calls or []), item.template_call()]
+                else:
+                    turns.append(ChatMessage(role="assistant", content="", tool_calls=[item.template_call()]))
+            elif item.id in as_text:
                 text = " ".join(p.text for p in item.parts if p.text)
                 if text:
                     turns.append(ChatMessage(role="user", content=text))
-            elif item.role == "user" or any(p.text for p in item.parts):  # not an empty, cancelled reply
-                turns.append(item.chat_message())
+            elif item.role in ("user", "tool") or any(p.text for p in item.parts):  # not an empty, cancelled reply
+                message = item.chat_message()
+                if message.content or item.role == "tool":  # not a user turn whose audio was dropped, untranscribed
+                    turns.append(message)
         return head + turns
+
+    def _user_audio(self) -> list[ConversationItem]:
+        """The user items whose audio the thinker can still hear, oldest first."""
+        return [i for i in self.items if i.role == "user" and any(p.type == "input_audio" and p.audio for p in i.parts)]

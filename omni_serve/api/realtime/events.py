@@ -2,8 +2,8 @@
 
 The reference is the official ``openai`` package's ``openai.types.realtime`` (client events in
 ``realtime_client_event.py``, server events in ``realtime_server_event.py``). Client events are
-validated here with pydantic models of the fields omni_serve reads; a field it does not read (tools,
-tracing, noise reduction, ...) is accepted and ignored, as OpenAI ignores what a model does not use.
+validated here with pydantic models of the fields omni_serve reads; a field it does not read (tracing,
+noise reduction, ...) is accepted and ignored, as OpenAI ignores what a model does not use.
 Server events are plain dicts built by :func:`server_event`.
 """
 
@@ -12,11 +12,13 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from omni_serve.api.openai.chat import MAX_TOKENS_LIMIT
 from omni_serve.api.openai.errors import APIError, bad_request, from_validation
+from omni_serve.api.openai.tools import FUNCTION_NAME
 from omni_serve.api.openai.transcriptions import Language, Prompt
+from omni_serve.api.realtime.tools import MAX_TOOLS, ToolChoice, Tools
+from omni_serve.types import MAX_TOKENS_LIMIT
 
 # OpenAI's only rate for audio/pcm; the thinker's input and code2wav's output rate of Qwen3-Omni.
 PCM_RATE = 24000
@@ -83,6 +85,9 @@ class SessionConfig(_Lenient):
     output_modalities: Modalities | None = None
     audio: SessionAudio | None = None
     max_output_tokens: MaxTokens | None = None
+    tools: Tools | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class ContentPart(_Lenient):
@@ -93,10 +98,25 @@ class ContentPart(_Lenient):
 
 
 class Item(_Lenient):
+    """A conversation item: a message, a function call (a client may send an earlier call back) or a call's
+    output (``function_call_output``: what the client's tool returned, for the next response)."""
+
     id: str | None = Field(None, max_length=64)
-    type: Literal["message"] = Field(description="Only messages (function calls are not supported).")
-    role: Literal["user", "assistant", "system"]
-    content: list[ContentPart] = Field(min_length=1)
+    type: Literal["message", "function_call", "function_call_output"]
+    role: Literal["user", "assistant", "system"] | None = None
+    content: list[ContentPart] = Field(default_factory=list)
+    call_id: str | None = Field(None, min_length=1, max_length=64)
+    name: str | None = Field(None, pattern=FUNCTION_NAME)
+    arguments: str | None = None
+    output: str | None = None
+
+    @model_validator(mode="after")
+    def _fields_of_its_type(self) -> Item:
+        needs = {"message": ("role", "content"), "function_call": ("call_id", "name", "arguments")}
+        for name in needs.get(self.type, ("call_id", "output")):
+            if getattr(self, name) in (None, []):
+                raise ValueError(f"{name}: a {self.type} item needs it")
+        return self
 
 
 class AudioOutputOverride(_Lenient):
@@ -115,6 +135,9 @@ class ResponseParams(_Lenient):
     audio: ResponseAudio | None = None
     conversation: Literal["auto", "none"] = "auto"
     metadata: dict[str, str] | None = None
+    tools: Tools | None = Field(None, max_length=MAX_TOOLS, description="Replace the session's for this response.")
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # omni_serve's extensions, with their chat-completions meaning (benchmarks and tests pin sampling).
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Every stage's seed.")
     stage_sampling: dict[str, dict[str, Any]] | None = Field(

@@ -3,14 +3,22 @@
 Silero scores 16 kHz audio in 512-sample windows; the session's audio is 24 kHz pcm16, resampled by
 FFmpeg (PyAV) as it arrives. :class:`SpeechDetector` reports the start and end of speech in
 milliseconds of all audio the session has appended (OpenAI's ``audio_start_ms`` / ``audio_end_ms``
-clock). The model is small (~2 MB, ~0.1 ms per window on one core) and runs in the ingress's event
-loop; each session has its own model instance because the model carries recurrent state.
+clock).
+
+The work runs off the ingress's event loop, on :class:`VadWorkers`' threads (PyAV and torch release
+the GIL while they compute): resampling and scoring cost ~10-25 ms of CPU per second of audio on one
+core, measured, and one append may carry minutes of it. Each session detecting turns borrows its own
+model (the model carries recurrent state) from the replica's pool: loading one costs ~70 ms of CPU,
+so a session that ends gives it back for the next.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -18,6 +26,7 @@ from omni_serve.api.realtime.events import PCM_RATE, TurnDetection
 
 VAD_RATE = 16000
 WINDOW = 512  # samples at 16 kHz: Silero's window (32 ms)
+T = TypeVar("T")
 
 
 @dataclass
@@ -26,18 +35,28 @@ class SpeechEdge:
     at_ms: int  # on the session's audio clock
 
 
+def load_model() -> Any:
+    """A fresh Silero model (TorchScript, from the wheel): blocking, for a worker thread."""
+    from silero_vad import load_silero_vad
+
+    return load_silero_vad()
+
+
 class SpeechDetector:
-    def __init__(self, turn: TurnDetection, clock_ms: float = 0.0):
+    """Speech edges in a stream of audio; ``feed`` runs on a worker thread, one call at a time."""
+
+    def __init__(self, turn: TurnDetection, model: Any, clock_ms: float = 0.0):
         """``clock_ms``: the session's audio already appended (a detector made by ``session.update`` starts late)."""
         import av
-        from silero_vad import VADIterator, load_silero_vad
+        from silero_vad import VADIterator
 
         self.turn = turn
         self._resampler = av.AudioResampler(format="flt", layout="mono", rate=VAD_RATE)
         # speech_pad_ms=0: OpenAI's prefix padding is applied by the session to the committed audio,
         # and the end of speech is where speech ends (the silence duration is waited for, not added).
+        # VADIterator resets the model's state: a borrowed model starts fresh.
         self._iterator: Any = VADIterator(
-            load_silero_vad(),
+            model,
             threshold=turn.threshold,
             sampling_rate=VAD_RATE,
             min_silence_duration_ms=turn.silence_duration_ms,
@@ -52,6 +71,7 @@ class SpeechDetector:
     def feed(self, pcm16: bytes) -> list[SpeechEdge]:
         """The speech edges in this piece of audio (pcm16 24 kHz mono), in order."""
         import av
+        import torch
 
         samples = np.frombuffer(pcm16, dtype="<i2")[None]
         frame = av.AudioFrame.from_ndarray(samples, format="s16", layout="mono")
@@ -63,8 +83,6 @@ class SpeechDetector:
         edges: list[SpeechEdge] = []
         whole = len(audio) // WINDOW * WINDOW
         for start in range(0, whole, WINDOW):
-            import torch
-
             found = self._iterator(torch.from_numpy(audio[start : start + WINDOW].copy()))
             self._fed += WINDOW
             if found and "start" in found and not self.speaking:
@@ -84,3 +102,36 @@ class SpeechDetector:
 
     def _ms(self, sample: int) -> int:
         return (self._offset + int(sample)) * 1000 // VAD_RATE
+
+
+class VadWorkers:
+    """One ingress replica's VAD threads and its idle Silero models.
+
+    ``threads`` bounds the CPU the replica's sessions spend on VAD together; a session waits for its
+    own work before it reads its next event, so one session holds at most one thread at a time and
+    the others keep theirs. ``audio_s`` counts the audio the threads scored: work done, which tests
+    bound (CPU time itself depends on the machine).
+    """
+
+    def __init__(self, threads: int, keep_models: int):
+        self._executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="realtime-vad")
+        self._idle: list[Any] = []
+        self._keep = keep_models
+        self.audio_s = 0.0
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        return self._executor.submit(fn, *args)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.wrap_future(self.submit(fn, *args))
+
+    async def borrow(self) -> Any:
+        """A model for one session: an idle one, or a fresh one loaded on a worker thread."""
+        return self._idle.pop() if self._idle else await self.run(load_model)
+
+    def give_back(self, model: Any) -> None:
+        if len(self._idle) < self._keep:
+            self._idle.append(model)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

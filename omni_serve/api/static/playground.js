@@ -1,6 +1,6 @@
 // The omni_serve playground: talks to the graph that serves it through the public HTTP API only
-// (/v1/models, /v1/chat/completions streamed, /v1/audio/speech, /v1/images/generations, /health, /stages,
-// and the /v1/realtime websocket for the Talk panel).
+// (/v1/models, /v1/chat/completions streamed, /v1/audio/speech, /v1/images/generations and /edits,
+// /v1/videos, /health, /stages, and the /v1/realtime websocket for the Talk panel).
 // Audio is played with Web Audio as chunks arrive, each chunk scheduled to start where the previous ends.
 // Every panel reports what it measured on its <output> element, as text and as data-* attributes.
 
@@ -8,6 +8,7 @@ const BASE = new URL("../", location.href); // the page lives at <app>/playgroun
 const PCM_RATE = 24000; // raw `pcm` audio is 16-bit mono at 24 kHz (the API's documented shape)
 const FIRST_CHUNK_LEAD_S = 0.05; // scheduling slack for the first chunk only
 const POLL_MS = 2000;
+const JOB_POLL_MS = 500; // a video job's status, while it runs
 const $ = (selector) => document.querySelector(selector);
 
 let card = null; // the /v1/models card
@@ -17,7 +18,9 @@ let attachments = []; // content parts for the next user message
 // ---- HTTP -----------------------------------------------------------------------------------
 
 async function api(path, init = {}) {
-  const headers = { "content-type": "application/json", ...init.headers };
+  // A FormData body (multipart) sets its own content type, with its boundary.
+  const json = init.body !== undefined && !(init.body instanceof FormData);
+  const headers = { ...(json ? { "content-type": "application/json" } : {}), ...init.headers };
   const key = $("#api-key").value.trim();
   if (key) headers.authorization = `Bearer ${key}`;
   const response = await fetch(new URL(path, BASE), { ...init, headers });
@@ -542,24 +545,88 @@ async function speak() {
 
 // ---- images ---------------------------------------------------------------------------------
 
+function imageOptions() {
+  const options = { model: card.id, prompt: $("#image-prompt").value, size: $("#image-size").value,
+    n: Number($("#image-n").value) || 1, response_format: "b64_json" };
+  if ($("#image-steps").value !== "") options.num_inference_steps = Number($("#image-steps").value);
+  if ($("#image-seed").value !== "") options.seed = Number($("#image-seed").value);
+  return options;
+}
+
+/** Show the images of an ImagesResponse in the gallery and report them. */
+async function showImages(response, report, prompt) {
+  const images = (await response.json()).data.map((item) => {
+    const img = Object.assign(document.createElement("img"), { src: `data:image/png;base64,${item.b64_json}`, alt: prompt });
+    $("#gallery").prepend(img);
+    return img;
+  });
+  await Promise.all(images.map((img) => img.decode()));
+  const size = images.length ? `${images[0].naturalWidth}×${images[0].naturalHeight}` : "";
+  report.done({ images: images.length, size }, [`${images.length} image(s) ${size}`]);
+}
+
 async function generate() {
   const report = new Report($("#image-metrics"));
-  const prompt = $("#image-prompt").value;
-  const body = {
-    model: card.id, prompt, size: $("#image-size").value, n: Number($("#image-n").value) || 1,
-    response_format: "b64_json", num_inference_steps: Number($("#image-steps").value) || undefined,
-  };
-  if ($("#image-seed").value !== "") body.seed = Number($("#image-seed").value);
+  const body = imageOptions();
   try {
     const response = await api("v1/images/generations", { method: "POST", body: JSON.stringify(body) });
-    const images = (await response.json()).data.map((item) => {
-      const img = Object.assign(document.createElement("img"), { src: `data:image/png;base64,${item.b64_json}`, alt: prompt });
-      $("#gallery").prepend(img);
-      return img;
+    await showImages(response, report, body.prompt);
+  } catch (error) {
+    report.fail(error);
+    throw error;
+  }
+}
+
+/** OpenAI's image edit: multipart `image` (and `mask`: transparent where to repaint) with the form's fields. */
+async function edit() {
+  const report = new Report($("#image-metrics"));
+  const options = imageOptions();
+  const form = new FormData();
+  Object.entries(options).forEach(([key, value]) => form.append(key, String(value)));
+  form.append("image", $("#edit-image").files[0]);
+  if ($("#edit-mask").files.length) form.append("mask", $("#edit-mask").files[0]);
+  try {
+    const response = await api("v1/images/edits", { method: "POST", body: form });
+    await showImages(response, report, options.prompt);
+  } catch (error) {
+    report.fail(error);
+    throw error;
+  }
+}
+
+// ---- videos: an OpenAI video job, polled, then its MP4 played --------------------------------
+
+async function makeVideo() {
+  const report = new Report($("#video-metrics"));
+  const body = { model: card.id, prompt: $("#video-prompt").value };
+  if ($("#video-size").value.trim()) body.size = $("#video-size").value.trim();
+  const numbers = { "#video-frames": "num_frames", "#video-fps": "fps", "#video-steps": "num_inference_steps", "#video-seed": "seed" };
+  Object.entries(numbers).forEach(([id, field]) => { if ($(id).value !== "") body[field] = Number($(id).value); });
+  try {
+    let job = await (await api("v1/videos", { method: "POST", body: JSON.stringify(body) })).json();
+    const statuses = [job.status];
+    while (job.status === "queued" || job.status === "in_progress") {
+      report.set({ status: job.status, progress: job.progress }, `${job.status.replace("_", " ")} ${job.progress}% · ${job.id}`);
+      await new Promise((resolve) => setTimeout(resolve, JOB_POLL_MS));
+      job = await (await api(`v1/videos/${job.id}`)).json();
+      if (statuses.at(-1) !== job.status) statuses.push(job.status);
+    }
+    if (job.status !== "completed") throw new Error(`video ${job.id} ${job.status}: ${job.error?.message ?? ""}`);
+    const mp4 = await (await api(`v1/videos/${job.id}/content`)).blob();
+    const video = Object.assign(document.createElement("video"), {
+      src: URL.createObjectURL(mp4), controls: true, muted: true, loop: true, title: body.prompt,
     });
-    await Promise.all(images.map((img) => img.decode()));
-    const size = images.length ? `${images[0].naturalWidth}×${images[0].naturalHeight}` : "";
-    report.done({ images: images.length, size }, [`${images.length} image(s) ${size}`]);
+    video.dataset.job = job.id;
+    $("#video-gallery").prepend(video);
+    await new Promise((resolve, reject) => {
+      video.addEventListener("loadeddata", resolve, { once: true });
+      video.addEventListener("error", () => reject(new Error(`the browser cannot play ${job.id}.mp4`)), { once: true });
+    });
+    const size = `${video.videoWidth}×${video.videoHeight}`;
+    report.done(
+      { id: job.id, statuses: statuses.join(" "), bytes: mp4.size, size, duration: video.duration.toFixed(3), seconds: job.seconds },
+      [`${size} · ${job.seconds} s · ${(mp4.size / 1024).toFixed(1)} KiB`],
+    );
   } catch (error) {
     report.fail(error);
     throw error;
@@ -585,6 +652,9 @@ async function loadCard() {
   $("#speech").hidden = !outputs.has("audio");
   $("#talk").hidden = !outputs.has("audio") || !inputs.has("audio") || !navigator.mediaDevices;
   $("#images").hidden = !outputs.has("image");
+  // Editing: an image graph whose entry stage takes images (OpenAI's /v1/images/edits).
+  $("#edit").hidden = !outputs.has("image") || !inputs.has("image");
+  $("#videos").hidden = !outputs.has("video");
   const voices = (card.voices ?? []).map((v) => (typeof v === "string" ? v : v.id ?? v.name));
   $("#voice-select").hidden = voices.length === 0;
   $("#voice-text").hidden = voices.length > 0;
@@ -669,6 +739,16 @@ function main() {
   $("#image-form").addEventListener("submit", (event) => {
     event.preventDefault();
     busy($("#generate"), generate);
+  });
+  $("#edit-image").addEventListener("change", () => { $("#edit-button").disabled = !$("#edit-image").files.length; });
+  $("#edit-button").addEventListener("click", () => {
+    if ($("#image-form").reportValidity()) busy($("#edit-button"), edit).then(() => {
+      $("#edit-button").disabled = !$("#edit-image").files.length;
+    });
+  });
+  $("#video-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    busy($("#video-button"), makeVideo);
   });
   connect();
   pollStatus();

@@ -25,6 +25,7 @@ class TalkerEngine(HFEngine):
         qwen3_omni.give_talker_the_audio_config(model)
         self.talker = model.talker
         self.suppress_tokens = qwen3_omni.talker_suppress_tokens(self.config)
+        self.context_len = int(self.config.talker_config.text_config.max_position_embeddings)
 
     def voices(self) -> list[str]:
         return qwen3_omni.speakers(self.config)
@@ -95,8 +96,11 @@ class TalkerEngine(HFEngine):
         if inputs is None:  # the thinker said nothing: no speech
             emit(("final", None, FinishReason.STOP, Usage()))
             return
-        # One row per step the talker may take (HF's talker runs max_tokens + 1 steps).
-        trailing = qwen3_omni.TrailingText(inputs, s.max_tokens + 2)
+        # Frames it may make: max_tokens, within its context (a row per step is allocated up front, so a
+        # request's max_tokens alone must not size it). One row per step the talker may take (HF's talker
+        # runs frames + 1 steps).
+        frames = max(1, min(s.max_tokens, self.context_len - int(inputs.inputs_embeds.shape[1]) - 1))
+        trailing = qwen3_omni.TrailingText(inputs, frames + 2)
 
         def on_step(module: Any, args: Any, kwargs: Any, output: Any) -> None:
             # Each decoding step's forward carries the residual codes of the token sampled one step
@@ -124,8 +128,8 @@ class TalkerEngine(HFEngine):
                     generation_config=generation_config(
                         s,
                         # HF's talker never gives the last sampled token residual codes: one more step
-                        # yields max_tokens complete frames.
-                        max_new_tokens=s.max_tokens + 1,
+                        # yields that many complete frames.
+                        max_new_tokens=frames + 1,
                         eos_token_id=ends,
                         pad_token_id=self.config.talker_config.codec_eos_token_id,  # batch of one: never padded
                         suppress_tokens=self.suppress_tokens,

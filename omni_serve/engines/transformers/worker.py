@@ -62,6 +62,10 @@ class Failure:
 
 END = object()
 Emit = Callable[[Any], None]
+# Outputs a job may have emitted that its stage has not taken; then it waits (and holds the worker,
+# as a streamed talker waiting for its thinker's rows does): a talker at most this many codec chunks
+# ahead of its stage, a thinker this many tokens.
+MAX_UNTAKEN_OUTPUTS = 8
 
 
 class HFEngine(StageEngine):
@@ -77,6 +81,7 @@ class HFEngine(StageEngine):
         self._waiting = 0
         self._running = 0
         self._total = 0
+        self._emitted = 0  # outputs its jobs emitted (tests: a job held back by its reader stops emitting)
 
     async def start(self) -> None:
         self._worker = Worker(f"{self.stage_name}-engine")
@@ -138,7 +143,13 @@ class HFEngine(StageEngine):
 
     def stats(self) -> dict[str, Any]:
         with self._counts_lock:
-            return {"running": self._running, "waiting": self._waiting, "requests_total": self._total}
+            return {
+                "running": self._running,
+                "waiting": self._waiting,
+                "requests_total": self._total,
+                "emitted": self._emitted,
+                **self.calls.stats(),
+            }
 
     async def _run(
         self, request_id: RequestId, job: Callable[[Emit, threading.Event], None]
@@ -153,12 +164,23 @@ class HFEngine(StageEngine):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         cancelled = threading.Event()
+        # The job waits while MAX_UNTAKEN_OUTPUTS of its outputs are not taken yet: a caller that stops
+        # reading (omni_serve.graph.flow) stops the job too, instead of letting it fill this queue.
+        room = threading.Semaphore(MAX_UNTAKEN_OUTPUTS)
 
-        def emit(item: Any) -> None:
+        def put(item: Any) -> None:
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, item)
             except RuntimeError:  # the loop is gone: nobody will read this
                 cancelled.set()
+
+        def emit(item: Any) -> None:
+            while not room.acquire(timeout=0.05):  # polls the abort flag meanwhile
+                if cancelled.is_set():
+                    return  # aborted: nobody takes it
+            with self._counts_lock:
+                self._emitted += 1
+            put(item)
 
         def run() -> None:
             with self._counts_lock:
@@ -173,7 +195,7 @@ class HFEngine(StageEngine):
             finally:
                 with self._counts_lock:  # before the end marker: the caller may read stats right after
                     self._running -= 1
-            emit(last)
+            put(last)  # never waits: the end is always taken
 
         with self._counts_lock:
             self._waiting += 1
@@ -192,6 +214,8 @@ class HFEngine(StageEngine):
                         raise item.exc
                 if items:
                     yield items
+                    for _ in items:  # taken: the job may emit as many more
+                        room.release()
                 if call.finished:
                     return
 

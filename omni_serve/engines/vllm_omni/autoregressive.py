@@ -132,7 +132,9 @@ class AutoregressiveEngine(VllmOmniEngine):
             if request.return_prompt_text and self.is_entry and self._tokenizer is not None
             else None
         )
-        async for output in self._request(request, prompt, params, mm_features, feed):
+        async for output in self._request(request, prompt, params, mm_features, feed.run if feed else None):
+            if output.finished and feed is not None:
+                feed.engine_finished = True  # so its EngineCore sends the request's end marker
             completion = output.outputs[0]
             new_ids = list(completion.token_ids)
             token_ids.extend(new_ids)

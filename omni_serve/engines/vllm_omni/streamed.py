@@ -6,12 +6,15 @@ placeholder prompt vLLM-Omni's async-chunk prewarm submits, and writes every chu
 the key the stage's chunk adapter polls (``{engine request id}_{upstream stage}_{n}``), so vLLM-Omni's
 scheduler holds each decoding step until its chunk is there. The shared memory is the hop between
 the replica and its own EngineCore only: between stages the chunks travel through the object store.
+No ``/dev/shm`` segment outlives its request (:class:`StreamedFeed`, :class:`_EndMarkers`), nor the
+engine (:meth:`StreamedInput.shutdown`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Coroutine
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from omni_serve.models.vllm_omni.edges import chunk_steps, kind
@@ -20,9 +23,9 @@ from omni_serve.models.vllm_omni.payload import from_handoff
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import EngineError, InvalidStageInput
 
-MARKER_POLL_S, MARKER_POLLS = 0.05, 200  # the end marker of a streamed request: looked for over 10 s
-
-Feed = Callable[[str], Coroutine[Any, Any, None]]
+# How often the end markers of streamed requests are looked for; how long one is waited for when its
+# request was aborted (vLLM-Omni sends one then only if the request's end was already on its way).
+MARKER_POLL_S, UNSURE_MARKER_WAIT_S = 0.05, 60.0
 
 
 class StreamedInput:
@@ -39,11 +42,11 @@ class StreamedInput:
         self.hooks = hooks
         self.vllm_config = vllm_config
         self.connector = OmniChunkTransferAdapter.create_connector(vllm_config.model_config)
-        self._drains: set[asyncio.Task[None]] = set()  # end-marker polls (drain_marker), cancelled at shutdown
+        self.markers = _EndMarkers(self.connector, stage_id)
 
     async def prompt_and_feed(
         self, chunks: AsyncIterator[HandoffPayload], voice: str | None
-    ) -> tuple[dict[str, Any], Feed]:
+    ) -> tuple[dict[str, Any], StreamedFeed]:
         """A streamed call's placeholder prompt (from its first chunk), and the feed that writes every chunk
         to the EngineCore's connector under the engine request's id, as vLLM-Omni's async-chunk prewarm and
         connector do."""
@@ -57,63 +60,13 @@ class StreamedInput:
             prompt = self.hooks.chunk_prompt(steps[0])
         except (KeyError, ValueError) as err:
             raise InvalidStageInput(f"stage {self.stage_name}: {err}") from None
-        upstream = str(self.upstream.stage_id)  # the adapter reads the chunks of its input source
-        dtype = self.vllm_config.model_config.dtype
-
-        async def feed(engine_request_id: str) -> None:
-            keys: list[str] = []
-            try:
-                async for step in self._all_steps(steps, chunks):
-                    payload = from_handoff(step)
-                    if self.hooks.chunk_payload is not None:
-                        payload = self.hooks.chunk_payload(payload, dtype)
-                    if voice:
-                        payload["speaker"] = voice
-                    key = f"{engine_request_id}_{upstream}_{len(keys)}"
-                    keys.append(key)
-                    ok, _, _ = await asyncio.to_thread(self.connector.put, upstream, str(self.stage_id), key, payload)
-                    if not ok:
-                        raise EngineError(f"stage {self.stage_name}: writing the upstream's chunk {key} failed")
-                # Every chunk is written; the engine request may still read them: hold their keys until
-                # the request ends (the engine request's end cancels this feed).
-                await asyncio.Future()
-            except (asyncio.CancelledError, EngineError):
-                raise
-            except Exception as err:  # the channel's ProducerFailed (the upstream failed), or a lost channel
-                raise EngineError(f"stage {self.stage_name}: its input stream failed ({type(err).__name__})") from err
-            finally:  # chunks the engine never read (aborted, or it stopped first)
-                for key in keys:
-                    self.connector.cleanup(key)
-                self.drain_marker(engine_request_id)
-
-        return prompt, feed
-
-    def drain_marker(self, engine_request_id: str) -> None:
-        """Read the end marker a streamed request's EngineCore sends on, so its shared memory is unlinked.
-
-        vLLM-Omni's chunk adapter sends every finished request's end marker to the next stage (its own
-        pipeline's downstream stage reads it); here the downstream stage takes its input from this replica,
-        so the replica reads the marker. It comes from the adapter's background thread, shortly after the
-        request's last output (aborted requests may send none: the wait is bounded).
-        """
-        stage = self.stage_id
-        key = f"{engine_request_id}_{stage}_0"  # the adapter has no payload to send: only the marker
-
-        async def drain() -> None:
-            for _ in range(MARKER_POLLS):
-                if self.connector.get(str(stage), str(stage + 1), key) is not None:
-                    return
-                await asyncio.sleep(MARKER_POLL_S)
-
-        task = asyncio.get_running_loop().create_task(drain())
-        self._drains.add(task)
-        task.add_done_callback(self._drains.discard)
+        return prompt, StreamedFeed(self, self._all_steps(steps, chunks), voice)
 
     def shutdown(self) -> None:
-        # The marker polls outlive their requests by up to 10 s: stopped with the engine, not left
-        # pending on a loop that closes ("Task was destroyed but it is pending!").
-        for task in list(self._drains):
-            task.cancel()
+        # What this replica wrote and nobody read (a request cut short by the shutdown), and the end markers
+        # still expected: unlinked with the engine, not left in /dev/shm.
+        self.markers.close()
+        self.connector.close()
 
     def _steps(self, chunk: HandoffPayload) -> list[HandoffPayload]:
         """The connector chunks in one input item (a whole handoff: all of them)."""
@@ -131,3 +84,93 @@ class StreamedInput:
         async for chunk in rest:
             for step in self._steps(chunk):
                 yield step
+
+
+class StreamedFeed:
+    """One streamed call's input: writes each upstream chunk (``steps``) to the EngineCore's connector under
+    the key its chunk adapter polls, for as long as the engine request runs (:meth:`run`, beside it).
+
+    Every segment it wrote goes when the request ends: the engine unlinks what it read, the feed what it
+    did not (a put on its way when the request ended is waited for first: its thread would create the
+    segment after the unlink otherwise). The request's end marker, which the stage's adapter sends on
+    for the stage after it, is read by the replica (:class:`_EndMarkers`).
+    """
+
+    def __init__(self, streamed: StreamedInput, steps: AsyncIterator[HandoffPayload], voice: str | None):
+        self.streamed, self.steps, self.voice = streamed, steps, voice
+        self.engine_finished = False  # the engine finished the request (set by the call): an end marker comes
+
+    async def run(self, engine_request_id: str) -> None:
+        streamed = self.streamed
+        connector, dtype = streamed.connector, streamed.vllm_config.model_config.dtype
+        # The adapter reads the chunks of its input source.
+        upstream, stage = str(streamed.upstream.stage_id), str(streamed.stage_id)
+        keys: list[str] = []
+        put: asyncio.Future[Any] | None = None
+        try:
+            async for step in self.steps:
+                payload = from_handoff(step)
+                if streamed.hooks.chunk_payload is not None:
+                    payload = streamed.hooks.chunk_payload(payload, dtype)
+                if self.voice:
+                    payload["speaker"] = self.voice
+                key = f"{engine_request_id}_{upstream}_{len(keys)}"
+                keys.append(key)
+                put = asyncio.ensure_future(asyncio.to_thread(connector.put, upstream, stage, key, payload))
+                ok, _, _ = await asyncio.shield(put)
+                if not ok:
+                    raise EngineError(f"stage {streamed.stage_name}: writing the upstream's chunk {key} failed")
+            # Every chunk is written; the engine request may still read them: hold their keys until
+            # the request ends (the engine request's end cancels this feed).
+            await asyncio.Future()
+        except (asyncio.CancelledError, EngineError):
+            raise
+        except Exception as err:  # the channel's ProducerFailed (the upstream failed), or a lost channel
+            raise EngineError(f"stage {streamed.stage_name}: its input stream failed ({type(err).__name__})") from err
+        finally:
+            if put is not None and not put.done():  # cancelled mid-put: its segment exists once the put is done
+                await asyncio.wait([put])
+            for key in keys:  # chunks the engine never read (aborted, or it stopped first)
+                connector.cleanup(key)
+            streamed.markers.expect(f"{engine_request_id}_{stage}_0", sure=self.engine_finished)
+
+
+class _EndMarkers:
+    """The end markers of this replica's streamed requests, read (which unlinks them) as they come.
+
+    vLLM-Omni's chunk adapter sends every request it finished an end marker for the next stage (its own
+    pipeline's downstream stage reads it; here the downstream stage takes its input from this replica, so
+    the replica reads the marker). It comes from the adapter's save thread, some time after the
+    request's last output: a marker a finished request is due is waited for however long it takes. An
+    aborted request gets one only if its end was already on its way to that thread: its marker is
+    waited for :data:`UNSURE_MARKER_WAIT_S`, then unlinked in case it comes later. One task sweeps them
+    all while any is due; :meth:`close` (the engine's shutdown) unlinks whatever is still due.
+    """
+
+    def __init__(self, connector: Any, stage_id: int):
+        self._connector = connector
+        self._stages = (str(stage_id), str(stage_id + 1))
+        self._due: dict[str, float] = {}  # marker key -> until when it is waited for (inf: until it comes)
+        self._sweep: asyncio.Task[None] | None = None
+
+    def expect(self, key: str, *, sure: bool) -> None:
+        self._due[key] = float("inf") if sure else time.monotonic() + UNSURE_MARKER_WAIT_S
+        if self._sweep is None or self._sweep.done():
+            self._sweep = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while self._due:
+            for key, until in list(self._due.items()):
+                if self._connector.get(*self._stages, key) is not None:  # read: the connector unlinked it
+                    del self._due[key]
+                elif time.monotonic() > until:
+                    self._connector.cleanup(key)  # came later than any marker should: not left behind
+                    del self._due[key]
+            await asyncio.sleep(MARKER_POLL_S)
+
+    def close(self) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+        for key in list(self._due):
+            self._connector.cleanup(key)
+        self._due.clear()

@@ -1,0 +1,150 @@
+"""OpenAI's video API (``/v1/videos``): the create form, the ``Video`` job object, the delete reply.
+
+Pure models and builders (importable without Ray); the job runs in :mod:`omni_serve.api.video_jobs`.
+The form is OpenAI's (``prompt``, ``model``, ``seconds``, ``size``; the official client sends it as
+multipart) plus the generation fields vLLM-Omni's ``/v1/videos`` takes under the same names
+(``num_frames``, ``fps``, ``num_inference_steps``, ``guidance_scale``, ``negative_prompt``, ``seed``).
+``input_reference`` (image-to-video) is refused: the served graphs generate from text. The frame count
+is ``num_frames``, or ``seconds`` x ``fps`` + 1 (the frames spanning that many seconds); the stage
+checks it against what the model can make (Wan 2.2: 4k + 1) and refuses the rest naming the field.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from omni_serve.api.openai.errors import APIError, bad_request
+from omni_serve.api.openai.messages import _Strict
+from omni_serve.types import ChatMessage, VideoParams
+
+_SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+MAX_SIDE = 4096
+MAX_SECONDS = 600.0
+JobStatus = Literal["queued", "in_progress", "completed", "failed"]
+
+
+class VideoCreateRequest(_Strict):
+    """The create form's fields (values arrive as strings; pydantic converts them)."""
+
+    prompt: str = Field(min_length=1, description="What to film.")
+    model: str | None = None
+    seconds: float | None = Field(
+        None, gt=0, le=MAX_SECONDS, description="Clip length; frames = seconds x fps + 1 unless num_frames is given."
+    )
+    size: str | None = Field(None, description="'WIDTHxHEIGHT' in pixels (default: the stage's).")
+    num_frames: int | None = Field(None, ge=1, description="Frames to generate (wins over seconds).")
+    fps: float | None = Field(None, gt=0, le=120, description="Frames per second of the MP4 (default: the stage's).")
+    num_inference_steps: int | None = Field(None, ge=1, le=200, description="Denoising steps.")
+    guidance_scale: float | None = Field(None, ge=0.0, le=20.0, description="Classifier-free guidance scale.")
+    negative_prompt: str | None = Field(None, description="What to steer away from (with guidance_scale > 1).")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Same seed, same video.")
+    user: str | None = None  # accepted for client compatibility; not used
+
+    @field_validator("size")
+    @classmethod
+    def _size(cls, size: str | None) -> str | None:
+        if size is None:
+            return None
+        match = _SIZE.match(size)
+        if not match:
+            raise ValueError("must be 'WIDTHxHEIGHT', e.g. '1280x704'")
+        if not all(1 <= int(side) <= MAX_SIDE for side in match.groups()):
+            raise ValueError(f"width and height must be in [1, {MAX_SIDE}]")
+        return size
+
+    def messages(self) -> list[ChatMessage]:
+        return [ChatMessage(role="user", content=self.prompt)]
+
+    def video_params(self, defaults: VideoParams) -> VideoParams:
+        """What the stage is asked for: the request's values over the stage's defaults."""
+        width, height = (int(side) for side in self.size.split("x")) if self.size else (defaults.width, defaults.height)
+        fps = self.fps or defaults.fps
+        if self.num_frames is not None:
+            frames = self.num_frames
+        elif self.seconds is not None:
+            frames = round(self.seconds * fps) + 1
+        else:
+            frames = defaults.num_frames
+        return VideoParams(
+            width=width,
+            height=height,
+            num_frames=frames,
+            fps=fps,
+            num_inference_steps=self.num_inference_steps or defaults.num_inference_steps,
+            guidance_scale=defaults.guidance_scale if self.guidance_scale is None else self.guidance_scale,
+            negative_prompt=self.negative_prompt,
+            seed=self.seed,
+        )
+
+
+def refuse_files(files: dict[str, bytes]) -> None:
+    """The create form carries no files: ``input_reference`` (image-to-video) is not served."""
+    for name in files:
+        if name == "input_reference":
+            raise bad_request("input_reference: not supported (this graph generates video from text)", name)
+        raise bad_request(f"{name}: unknown field", name)
+
+
+@dataclass
+class VideoJob:
+    """One job's state as the API reports it (the result itself is an ObjectRef the jobs actor holds)."""
+
+    id: str
+    owner: str  # a digest of the API key that created it: another key sees no such job
+    model: str
+    prompt: str
+    params: VideoParams
+    created_at: int
+    status: JobStatus = "queued"
+    progress: int = 0
+    completed_at: int | None = None
+    expires_at: int | None = None
+    error: dict[str, Any] | None = None
+    result_bytes: int = 0
+    ended: float | None = None  # time.time() when it completed or failed; it expires ttl_s later
+
+    def seconds(self) -> str:
+        """The clip's length as OpenAI reports it: (frames - 1) / fps, the time its frames span."""
+        return f"{(self.params.num_frames - 1) / self.params.fps:g}"
+
+    def json(self) -> dict[str, Any]:
+        """OpenAI's ``Video`` object."""
+        return {
+            "id": self.id,
+            "object": "video",
+            "created_at": self.created_at,
+            "completed_at": self.completed_at,
+            "expires_at": self.expires_at,
+            "model": self.model,
+            "prompt": self.prompt,
+            "progress": self.progress,
+            "seconds": self.seconds(),
+            "size": f"{self.params.width}x{self.params.height}",
+            "status": self.status,
+            "error": self.error,
+            "remixed_from_video_id": None,
+        }
+
+
+def job_error(error: APIError) -> dict[str, Any]:
+    """A failed job's ``error`` (OpenAI's ``VideoCreateError``): the API error it would have been as a reply."""
+    return {"code": error.code or error.type, "message": error.message, "param": error.param, "type": error.type}
+
+
+def deleted(video_id: str) -> dict[str, Any]:
+    return {"id": video_id, "object": "video.deleted", "deleted": True}
+
+
+def not_found(video_id: str) -> APIError:
+    """The one answer for a job that does not exist, expired, was deleted, is another key's, or was lost."""
+    return APIError(
+        404,
+        f"no video '{video_id:.80}' (it expired, was deleted, or its ingress replica stopped)",
+        type="invalid_request_error",
+        param="video_id",
+        code="video_not_found",
+    )

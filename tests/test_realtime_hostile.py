@@ -1,0 +1,252 @@
+"""The Realtime API under a hostile client, against the deployed tiny graph: large appends, event floods,
+item floods, many sessions, absurd token counts, malformed JSON.
+
+Each abuse gets a clean ``error`` event naming its limit (the session goes on, or, past the replica's
+sessions, is refused with one), what the ingress holds and the VAD work it does stay within the graph's
+``realtime`` bounds (read from the ingress replica itself), and a victim session on the same ingress
+replica, seeded, gets the reply it gets alone, byte for byte. A client that never reads is in
+tests/test_haproxy_realtime.py (only the HAProxy ingress lets the replica see it); the limits one by
+one, in process: tests/test_realtime_limits.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import pytest
+
+from omni_serve.graph.config import RealtimeConfig
+from tests.conftest import one_replica_per_stage, wait_until
+from tests.test_cancellation import idle
+from tests.test_realtime import Raw, of, realtime_url
+
+pytestmark = pytest.mark.integration
+
+T = TypeVar("T")
+RATE = 24000
+LIMITS = RealtimeConfig()  # the deployed graph sets none: the defaults are what is tested
+SEEDED = {"seed": 11, "instructions": "Answer briefly."}
+
+
+@pytest.fixture(scope="module")
+def graph(graphs: Any) -> Any:
+    return one_replica_per_stage(graphs)  # one ingress replica: the victim shares it with the abuser
+
+
+def silence_b64(seconds: float) -> str:
+    return base64.b64encode(bytes(int(RATE * seconds) * 2)).decode()
+
+
+def realtime_stats(graph: Any) -> dict[str, Any]:
+    return graph.handle("ingress").realtime_stats.remote().result()
+
+
+def ingress_rss() -> int:
+    """The ingress replica's resident memory (the test runs on the cluster's one node)."""
+    import os
+
+    import psutil
+    import ray
+
+    from tests.test_faults import replica_names
+
+    [replica] = replica_names("ingress")
+    pid = ray.get(ray.get_actor(replica, namespace="serve").__ray_call__.remote(lambda _self: os.getpid()))
+    return int(psutil.Process(pid).memory_info().rss)
+
+
+async def session(graph: Any) -> Any:
+    import websockets
+
+    ws = await websockets.connect(realtime_url(graph), max_size=None)
+    s = Raw(ws)
+    await s.until("session.created")
+    return s
+
+
+@contextlib.asynccontextmanager
+async def opened(graph: Any) -> AsyncIterator[Any]:
+    s = await session(graph)
+    try:
+        yield s
+    finally:
+        await s.ws.close()
+
+
+async def victim_reply(graph: Any, already: Any = None) -> tuple[str, bytes]:
+    s = already or await session(graph)
+    try:
+        events = await s.reply("Tell me about the sea.", **SEEDED)
+    finally:
+        await s.ws.close()
+    assert events[-1]["response"]["status"] in ("completed", "incomplete"), events[-1]
+    text = "".join(e["delta"] for e in of(events, "response.output_audio_transcript.delta"))
+    audio = b"".join(base64.b64decode(e["delta"]) for e in of(events, "response.output_audio.delta"))
+    return text, audio
+
+
+@pytest.fixture(scope="module")
+def solo(graph: Any) -> tuple[str, bytes]:
+    """The victim's reply with nothing else running."""
+    wait_until(lambda: idle(graph), 90, "idle stages before the victim's solo reply")
+    reply = asyncio.run(victim_reply(graph))
+    assert reply[0] and reply[1]
+    return reply
+
+
+def beside_victim(graph: Any, solo: tuple[str, bytes], abuse: Callable[[], Awaitable[T]]) -> T:
+    """Run ``abuse`` and the victim's reply at once; the victim's reply must be its solo reply."""
+
+    async def both() -> tuple[T, tuple[str, bytes]]:
+        return await asyncio.gather(abuse(), victim_reply(graph))
+
+    result, victim = asyncio.run(both())
+    assert victim == solo, "the abuse changed another session's reply"
+    wait_until(lambda: realtime_stats(graph)["sessions"] == 0, 60, "every session of the test to end")
+    return result
+
+
+def test_large_appends_are_bounded_in_audio_per_second(graph: Any, solo: tuple[str, bytes]) -> None:
+    """An append over the burst is refused; a flood of appends is taken at most at the real-time factor
+    (a burst, then the factor times the time it took, at whatever speed), and the VAD scores exactly
+    what was taken (its CPU is per audio second)."""
+    before = realtime_stats(graph)["vad_audio_s"]
+
+    async def abuse() -> tuple[list[dict[str, Any]], float, int]:
+        async with opened(graph) as s:
+            big = {"type": "input_audio_buffer.append", "event_id": "big", "audio": silence_b64(35)}
+            error = await s.error_for(big)
+            assert error["code"] == "audio_rate_exceeded" and error["event_id"] == "big", error
+            started = time.monotonic()
+            for _ in range(24):  # 120 s of audio as fast as the socket takes it
+                await s.send({"type": "input_audio_buffer.append", "audio": silence_b64(5)})
+            await s.send({"type": "input_audio_buffer.clear"})
+            answers = await s.until("input_audio_buffer.cleared")
+            elapsed = time.monotonic() - started  # an upper bound of the time the server took them in
+            return of(answers, "error"), elapsed, 24
+
+    refused, elapsed, sent = beside_victim(graph, solo, abuse)
+    # Refused or not depends on how fast this machine scores (the budget refills meanwhile); the bound does not.
+    assert all(e["error"]["code"] == "audio_rate_exceeded" for e in refused), refused
+    taken_s = 5.0 * (sent - len(refused))
+    assert taken_s <= LIMITS.audio_burst_s + LIMITS.audio_realtime_factor * elapsed + 1e-6, (taken_s, elapsed)
+    assert realtime_stats(graph)["vad_audio_s"] - before == pytest.approx(taken_s)
+
+
+def test_event_floods_are_bounded_per_second(graph: Any, solo: tuple[str, bytes]) -> None:
+    """Every event of a flood is answered, by its own reply or a rate-limit error; those taken fit the
+    bucket (a burst of twice the rate, then the rate) whatever the speed of the machine."""
+
+    async def abuse() -> tuple[list[dict[str, Any]], float]:
+        async with opened(graph) as s:
+            started = time.monotonic()
+            for _ in range(600):
+                await s.send({"type": "input_audio_buffer.clear"})
+            answers = [await s.recv() for _ in range(600)]
+            return answers, time.monotonic() - started
+
+    answers, elapsed = beside_victim(graph, solo, abuse)
+    refused = of(answers, "error")
+    assert all(e["error"]["code"] == "rate_limit_exceeded" for e in refused), refused
+    taken = len(of(answers, "input_audio_buffer.cleared"))
+    assert taken + len(refused) == 600
+    rate = LIMITS.events_per_second
+    assert taken <= 2 * rate + rate * elapsed, (taken, elapsed)
+
+
+def test_item_floods_are_bounded_in_bytes(graph: Any, solo: tuple[str, bytes]) -> None:
+    """Items of 4 MiB of audio, 40 MiB in all: the session holds at most max_session_bytes, every item is
+    added or refused with an error event, and the ingress's memory grows by about that much at most."""
+    rss_before = ingress_rss()
+    audio = silence_b64(4 * 2**20 / (RATE * 2))
+
+    async def abuse() -> tuple[list[dict[str, Any]], list[int], int]:
+        answers, held = [], []
+        async with opened(graph) as s:
+            for i in range(10):
+                message = {"type": "message", "role": "user", "content": [{"type": "input_audio", "audio": audio}]}
+                await s.send({"type": "conversation.item.create", "event_id": f"i{i}", "item": message})
+                reply = await s.recv()
+                if reply["type"] == "conversation.item.added":
+                    reply = await s.recv()  # its .done
+                answers.append(reply)
+                held.append(max((await asyncio.to_thread(realtime_stats, graph))["held_bytes"]))
+            return answers, held, await asyncio.to_thread(ingress_rss)
+
+    answers, held, rss = beside_victim(graph, solo, abuse)
+    refused = [a["error"] for a in answers if a["type"] == "error"]
+    assert refused and {e["code"] for e in refused} <= {"session_memory_full", "rate_limit_exceeded"}, refused
+    assert len(refused) + len(of(answers, "conversation.item.done")) == 10
+    assert max(held) <= LIMITS.max_session_bytes, held
+    # What the session holds, the flood's JSON and base64 in flight, and allocator slack: not the 40 MiB sent.
+    assert rss - rss_before < 2 * LIMITS.max_session_bytes + (64 << 20), (rss_before, rss)
+
+
+def test_a_replica_refuses_sessions_beyond_max_sessions(graph: Any, solo: tuple[str, bytes]) -> None:
+    """``max_sessions`` open (the victim's among them), the next is refused with an error event and close 1013;
+    the victim, meanwhile, replies as alone."""
+    import websockets
+
+    async def run() -> tuple[dict[str, Any], int, tuple[str, bytes]]:
+        victim = asyncio.ensure_future(victim_reply(graph, await session(graph)))
+        held = []
+        try:
+            held = [await session(graph) for _ in range(LIMITS.max_sessions - 1)]
+            ws = await websockets.connect(realtime_url(graph), max_size=None)
+            refused = json.loads(await ws.recv())
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                await ws.recv()
+            reply = await victim
+        finally:
+            for s in held:
+                await s.ws.close()
+        assert closed.value.rcvd is not None
+        return refused, closed.value.rcvd.code, reply
+
+    wait_until(lambda: realtime_stats(graph)["sessions"] == 0, 60, "no session open before the test")
+    refused, code, reply = asyncio.run(run())
+    assert refused["type"] == "error" and refused["error"]["code"] == "too_many_sessions", refused
+    assert code == 1013
+    assert reply == solo
+
+
+def test_absurd_token_counts_are_refused_by_the_chat_routes_bounds(graph: Any, solo: tuple[str, bytes]) -> None:
+    async def abuse() -> list[dict[str, Any]]:
+        async with opened(graph) as s:
+            return [
+                await s.error_for({"type": "response.create", "event_id": event_id, "response": params})
+                for event_id, params in (
+                    ("t", {"stage_sampling": {"talker": {"max_tokens": 10**12}}}),
+                    ("m", {"max_output_tokens": 10**12}),
+                    ("l", {"stage_sampling": {"thinker": {"max_tokens": 2**20 + 1}}}),
+                )
+            ]
+
+    talker, output, thinker = beside_victim(graph, solo, abuse)
+    assert talker["param"] == "response.stage_sampling.talker.max_tokens" and talker["event_id"] == "t", talker
+    assert output["param"] == "response.max_output_tokens", output
+    assert thinker["param"] == "response.stage_sampling.thinker.max_tokens", thinker
+
+
+def test_malformed_json_gets_an_error_event_and_the_session_goes_on(graph: Any, solo: tuple[str, bytes]) -> None:
+    async def abuse() -> list[dict[str, Any]]:
+        async with opened(graph) as s:
+            errors = [
+                await s.error_for(raw)
+                for raw in ("{not json", "][", "[" * 100_000, '{"type": "session.update", "session": ' + "[" * 50_000)
+            ]
+            await s.ws.send(b"\xff\xfe binary, not UTF-8")
+            errors.append((await s.until("error"))[-1]["error"])
+            events = await s.reply("Still there?", output_modalities=["text"], max_output_tokens=4)
+            assert events[-1]["response"]["status"] in ("completed", "incomplete"), events[-1]
+            return errors
+
+    errors = beside_victim(graph, solo, abuse)
+    assert [e["type"] for e in errors] == ["invalid_request_error"] * 5, errors
+    assert all("JSON" in e["message"] for e in errors), errors

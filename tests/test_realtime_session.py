@@ -362,7 +362,11 @@ def test_openai_fields_that_would_change_the_reply_are_refused_by_name_and_the_r
         ("session", {"include": ["item.input_audio_transcription.logprobs"]}, "session.include"),
         ("session", {"prompt": {"id": "pmpt_1"}}, "session.prompt"),
         ("session", {"reasoning": {"effort": "low"}}, "session.reasoning"),
-        ("session", {"audio": {"input": {"noise_reduction": {"type": "near_field"}}}}, "session.audio.input.noise_reduction"),
+        (
+            "session",
+            {"audio": {"input": {"noise_reduction": {"type": "near_field"}}}},
+            "session.audio.input.noise_reduction",
+        ),
         ("session", {"audio": {"output": {"speed": 1.5}}}, "session.audio.output.speed"),
         ("response", {"input": [{"type": "message", "role": "user", "content": []}]}, "response.input"),
         ("response", {"reasoning": {"effort": "low"}}, "response.reasoning"),

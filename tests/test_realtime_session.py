@@ -353,3 +353,43 @@ def test_calls_and_their_outputs_are_the_history_chat_makes_of_them() -> None:
         ("tool", "out a", "a"),
         ("tool", "out b", "b"),
     ]
+
+
+def test_openai_fields_that_would_change_the_reply_are_refused_by_name_and_the_rest_accepted() -> None:
+    """Every GA field omni_serve cannot honour is an error naming it (never ignored); tracing and truncation,
+    which change nothing a client gets back here, are accepted; each refused update leaves the session as it was."""
+    refused = [
+        ("session", {"include": ["item.input_audio_transcription.logprobs"]}, "session.include"),
+        ("session", {"prompt": {"id": "pmpt_1"}}, "session.prompt"),
+        ("session", {"reasoning": {"effort": "low"}}, "session.reasoning"),
+        (
+            "session",
+            {"audio": {"input": {"noise_reduction": {"type": "near_field"}}}},
+            "session.audio.input.noise_reduction",
+        ),
+        ("session", {"audio": {"output": {"speed": 1.5}}}, "session.audio.output.speed"),
+        ("response", {"input": [{"type": "message", "role": "user", "content": []}]}, "response.input"),
+        ("response", {"reasoning": {"effort": "low"}}, "response.reasoning"),
+        ("response", {"audio": {"output": {"speed": 0.5}}}, "response.audio.output.speed"),
+    ]
+    accepted = {"tracing": "auto", "truncation": "auto", "include": [], "audio": {"output": {"speed": 1.0}}}
+
+    async def run() -> list[dict[str, Any]]:
+        events, send = recorder()
+        session = Session(graph(replying), send)
+        for where, fields, _ in refused:
+            if where == "session":
+                await session.handle(json.dumps({"type": "session.update", "session": {"type": "realtime", **fields}}))
+            else:
+                await session.handle(json.dumps({"type": "response.create", "response": fields}))
+        await session.handle(json.dumps({"type": "session.update", "session": {"type": "realtime", **accepted}}))
+        await session.handle(CREATE)
+        await settle(session)
+        return events
+
+    events = asyncio.run(run())
+    errors = [e["error"] for e in events if e["type"] == "error"]
+    assert [e["param"] for e in errors] == [param for _, _, param in refused], errors
+    assert all(e["type"] == "invalid_request_error" for e in errors)
+    assert [e["type"] for e in events if e["type"] == "session.updated"] == ["session.updated"]
+    assert statuses(events) == ["completed"]  # no refused response.create started a response

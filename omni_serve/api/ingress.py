@@ -481,10 +481,11 @@ class Ingress:
 
     # ---- /v1/videos: OpenAI's video jobs (omni_serve.api.video_jobs) ------------------------------
     def _video_route(self, request: Request) -> str:
-        """Auth, and 404 on a graph that makes no video (the routes exist only where videos do); the owner key."""
+        """Auth first (every route but /health answers 401 without the key, whatever the graph serves), then
+        404 on a graph that makes no video (the routes exist only where videos do); the owner key."""
+        self._check_auth(request)
         if self.routes["/v1/videos"] is not None:
             raise APIError(404, "Not Found", type="invalid_request_error")
-        self._check_auth(request)
         return owner_of(request.headers.get("authorization"))
 
     def _own_video_jobs(self) -> tuple[str, Any]:

@@ -2,9 +2,12 @@
 
 The reference is the official ``openai`` package's ``openai.types.realtime`` (client events in
 ``realtime_client_event.py``, server events in ``realtime_server_event.py``). Client events are
-validated here with pydantic models of the fields omni_serve reads; a field it does not read (tracing,
-noise reduction, ...) is accepted and ignored, as OpenAI ignores what a model does not use.
-Server events are plain dicts built by :func:`server_event`.
+validated here with pydantic models of the fields omni_serve reads. A field of OpenAI's that would change
+the reply and cannot be honoured here (``include``, ``prompt``, ``reasoning``, noise reduction, a speed
+other than 1, a response's own ``input``) is refused with an ``error`` naming it (:data:`Refused`);
+``tracing`` and ``truncation`` (OpenAI's own dashboards, and a context policy omni_serve's history rules
+replace: docs/realtime.md) are accepted; a field the GA API does not have is ignored, so a client built for
+a newer API still connects. Server events are plain dicts built by :func:`server_event`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,39 @@ PCM_RATE = 24000
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+def _refused(why: str) -> AfterValidator:
+    def check(value: Any) -> Any:
+        if value not in (None, [], {}):
+            raise ValueError(why)
+        return value
+
+    return AfterValidator(check)
+
+
+# OpenAI's fields that would change the reply and that omni_serve cannot honour: absent, null or empty only.
+Refused = {
+    "include": "omni_serve's transcriptions carry no logprobs; send no include",
+    "prompt": "omni_serve has no stored prompts; send the instructions themselves",
+    "reasoning": "the served models have no reasoning effort to set",
+    "noise_reduction": "omni_serve applies no noise reduction to input audio; send null",
+    "input": "responses run over the conversation (or none, with conversation: none); input item lists are "
+    "not supported",
+}
+
+
+Include = Annotated[Any, _refused(Refused["include"])]
+StoredPrompt = Annotated[Any, _refused(Refused["prompt"])]
+Reasoning = Annotated[Any, _refused(Refused["reasoning"])]
+NoiseReduction = Annotated[Any, _refused(Refused["noise_reduction"])]
+ResponseInput = Annotated[Any, _refused(Refused["input"])]
+
+
+def _speed_one(speed: float | None) -> float | None:
+    if speed not in (None, 1.0):
+        raise ValueError("only 1.0: the talker speaks at its own pace")
+    return speed
 
 
 class AudioFormat(_Lenient):
@@ -54,11 +90,13 @@ class AudioInput(_Lenient):
     format: AudioFormat | None = None
     turn_detection: TurnDetection | None = None  # null: manual turns (commit + response.create)
     transcription: Transcription | None = None
+    noise_reduction: NoiseReduction = None
 
 
 class AudioOutput(_Lenient):
     format: AudioFormat | None = None
     voice: str | None = None
+    speed: Annotated[float | None, AfterValidator(_speed_one)] = None
 
 
 class SessionAudio(_Lenient):
@@ -88,6 +126,12 @@ class SessionConfig(_Lenient):
     tools: Tools | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    include: Include = None
+    prompt: StoredPrompt = None
+    reasoning: Reasoning = None
+    # Accepted: OpenAI's trace dashboards, and its context-overflow policy (omni_serve's history rules apply).
+    tracing: Any = None
+    truncation: Any = None
 
 
 class ContentPart(_Lenient):
@@ -122,6 +166,7 @@ class Item(_Lenient):
 class AudioOutputOverride(_Lenient):
     voice: str | None = None
     format: AudioFormat | None = None
+    speed: Annotated[float | None, AfterValidator(_speed_one)] = None
 
 
 class ResponseAudio(_Lenient):
@@ -138,6 +183,9 @@ class ResponseParams(_Lenient):
     tools: Tools | None = Field(None, max_length=MAX_TOOLS, description="Replace the session's for this response.")
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    input: ResponseInput = None
+    prompt: StoredPrompt = None
+    reasoning: Reasoning = None
     # omni_serve's extensions, with their chat-completions meaning (benchmarks and tests pin sampling).
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Every stage's seed.")
     stage_sampling: dict[str, dict[str, Any]] | None = Field(

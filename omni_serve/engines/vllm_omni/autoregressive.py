@@ -117,6 +117,7 @@ class AutoregressiveEngine(VllmOmniEngine):
         params = self._params(
             request, "DELTA", sampling, **({"max_tokens": request.sampling.max_tokens + extra} if extra else {})
         )
+        self._stop_at_eos(params)
         prompt, mm_features, feed = await self._prompt(request, handoff, params, voice)
         prompt_ids: list[int] = list(prompt["prompt_token_ids"])
         if not prompt_ids:  # the EngineCore would die on it (assert num_new_tokens > 0)
@@ -217,6 +218,21 @@ class AutoregressiveEngine(VllmOmniEngine):
         except ValueError as err:
             raise InvalidStageInput(f"stage {self.stage_name}: {err}") from None
         return prompt, None, None
+
+    def _stop_at_eos(self, params: Any) -> None:
+        """An entry stage that writes text stops at its tokenizer's EOS and its generation config's EOS ids.
+
+        vLLM's input processor adds these to every request's sampling params
+        (``SamplingParams.update_from_generation_config``; vLLM-Omni runs its entry stage's requests through
+        it), and the EngineCore stops only at the EOS its params name. These requests are built from tokens
+        without that processor: without this a reply ran on past its end of turn to ``max_tokens``, even where
+        a structured-output constraint (a forced tool call) had ended it with the EOS (finish ``length``).
+        Downstream stages stop at their declared stop ids (``sampling_constraints``), as vLLM-Omni's do.
+        """
+        if not (self.is_entry and self.emits_text) or self._tokenizer is None:
+            return
+        model_config = self._vllm_config.model_config
+        params.update_from_generation_config(model_config.try_get_generation_config(), self._tokenizer.eos_token_id)
 
     def _tool_calls(self, request: StageRequest) -> ToolCallStream | None:
         """The request's tool-call parsing (None without tools, or with ``tool_choice: none``)."""

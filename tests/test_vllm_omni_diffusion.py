@@ -422,7 +422,8 @@ def test_cpu_an_image_graph_has_no_video_routes_and_edits_nothing(cpu_graph: Any
     assert "does not answer /v1/images/edits: its entry stage takes no images" in reply.json()["error"]["message"]
 
     for method, path in (("POST", "/v1/videos"), ("GET", "/v1/videos"), ("GET", "/v1/videos/video_x/content")):
-        reply = httpx.request(method, f"{cpu_graph.base_url}{path}", timeout=30)
+        body = {"json": {}} if method == "POST" else {}  # a POST says it is JSON first (else 415, test_auth)
+        reply = httpx.request(method, f"{cpu_graph.base_url}{path}", timeout=30, **body)
         assert reply.status_code == 404 and reply.json()["error"]["message"] == "Not Found", (path, reply.text)
 
 

@@ -573,8 +573,10 @@ class Ingress:
     async def videos_create(self, request: Request) -> JSONResponse:
         """OpenAI's video API: the job answers at once (queued) and runs apart from this request."""
         self._check_auth(request)
-        body = await self._video_form(request)  # its 415 / 400 before the 404, as on every POST route
+        if not (request.headers.get("content-type") or "").lower().startswith("multipart/form-data"):
+            check_content_type(request.headers.get("content-type"))  # the 415 first, as on every POST route
         owner = self._video_route(request)
+        body = await self._video_form(request)
         self._check_model(body.model, "/v1/videos")
         rules = await self._video_stage_rules()
         params = body.video_params(rules.defaults)

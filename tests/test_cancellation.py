@@ -37,8 +37,8 @@ BODY = {
 
 
 @pytest.fixture(scope="module")
-def graph(graphs: Any) -> Any:
-    return one_replica_per_stage(graphs)
+def graph(tiny_omni: Any) -> Any:
+    return one_replica_per_stage(tiny_omni)
 
 
 def stats(graph: Any) -> dict[str, dict[str, Any]]:

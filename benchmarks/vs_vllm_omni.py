@@ -5,9 +5,10 @@
 
 Both servers serve omni_serve's tiny random-weight Qwen3-Omni on vLLM-Omni 0.30 stage engines with
 omni_serve's CPU platform (its plugin is what native vLLM-Omni loads too). Native's deploy config is
-built from ``graphs/tiny_omni_vllm.yaml`` (one source: each stage's engine args, its default
-sampling with the stage's sampling constraints, the talker's codec chunk sizes as the shared-memory
-connector's), so the two cannot drift. Two pairs, each pair up side by side for its rounds:
+built from ``graphs/tiny_omni_vllm.yaml`` (one source: each stage's deploy settings, its default
+sampling with the stage's sampling constraints, the talker's chunk settings as the shared-memory
+connector's; the pipeline's declaration is the same for both), so the two cannot drift. Two pairs,
+each pair up side by side for its rounds:
 
 - ``off``: native with ``--no-async-chunk`` (the talker starts from the thinker's whole reply; audio
   comes in one piece at the end) against the graph as shipped (streamed handoffs, thinker float32);
@@ -62,8 +63,6 @@ METRICS = ("request_throughput", "median_e2el_ms", "median_ttft_ms", "median_aud
 # --gpu: each server's GPU shares (half of tests/one_gpu.py's): both fit the one GPU side by side.
 GPU_SHARES = {"thinker": 0.15, "talker": 0.15, "code2wav": 0.1}
 GPU_METRICS = ("ttfa_p50", "ttfa_p99", "e2e_p50", "e2e_p99", "req_per_s", "rtf_p50", "ttft_p50", "audio_s_p50")
-# Topology fields: vLLM-Omni's pipeline defines them (a deploy config only tunes a stage's engine).
-TOPOLOGY = ("model_arch", "worker_type", "scheduler_cls", "hf_config_name", "engine_output_type")
 
 
 def fixed_audio(stage: dict[str, Any]) -> dict[str, Any]:
@@ -88,34 +87,32 @@ def graph_config(gpu: bool) -> dict[str, Any]:
 
 
 def deploy_config(async_chunk: bool, thinker_dtype: str | None, gpu: bool = False) -> dict[str, Any]:
-    """Native vLLM-Omni's deploy config for the graph's three stages (the shape of its deploy/qwen3_omni_moe.yaml).
+    """Native vLLM-Omni's deploy config for the graph's three stages (the shape of its deploy/qwen3_omni_moe.yaml):
+    each stage's deploy settings as the graph gives them (its pipeline declares the rest, for both servers).
 
     ``gpu``: the stages of the one-GPU variant, every one on GPU 0 (``devices``), as omni_serve's are.
     """
     stages, chunk = [], None
-    for stage in graph_config(gpu)["applications"][0]["args"]["stages"]:
+    graph_stages = graph_config(gpu)["applications"][0]["args"]["stages"]
+    ids = {stage["name"]: stage["engine_args"]["stage_id"] for stage in graph_stages}
+    for stage in graph_stages:
         args = stage["engine_args"]
-        engine = {k: v for k, v in args.get("engine", {}).items() if k not in TOPOLOGY}
-        if args["model_stage"] == "thinker" and thinker_dtype:
+        engine = dict(args.get("engine", {}))
+        if stage["name"] == "thinker" and thinker_dtype:
             engine["dtype"] = thinker_dtype
         sampling = {**stage.get("default_sampling", {}), **args.get("sampling_constraints", {})}
-        if args["model_stage"] == "talker":
+        if stage["name"] == "talker":
             sampling.update(fixed_audio(stage))
         entry = {"stage_id": args["stage_id"], **engine, "default_sampling_params": sampling}
         if gpu:
             entry["devices"] = "0"
-        for source in args.get("engine_input_source", []):
-            entry.setdefault("input_connectors", {})[f"from_stage_{source}"] = "shm"
+        for source in stage.get("inputs", []):
+            entry.setdefault("input_connectors", {})[f"from_stage_{ids[source]}"] = "shm"
         stages.append(entry)
-        chunk = args.get("codec_chunk") or chunk
-    extra = {
-        "initial_codec_chunk_frames": chunk["initial_chunk_frames"],
-        "codec_chunk_frames": chunk["chunk_frames"],
-        "codec_left_context_frames": chunk["left_context_frames"],
-    }
+        chunk = args.get("chunks") or chunk
     return {
         "async_chunk": async_chunk,
-        "connectors": {"shm": {"name": "SharedMemoryConnector", "extra": extra}},
+        "connectors": {"shm": {"name": "SharedMemoryConnector", "extra": dict(chunk or {})}},
         "stages": stages,
     }
 
@@ -129,9 +126,9 @@ def graph_mutation(dtype: str | None, gpu: bool = False) -> Any:
         else:
             vs_native.fixed_replicas(config)
         for stage in config["applications"][0]["args"]["stages"]:
-            if dtype and stage["engine_args"]["model_stage"] == "thinker":
+            if dtype and stage["name"] == "thinker":
                 stage["engine_args"]["engine"]["dtype"] = dtype
-            if stage["engine_args"]["model_stage"] == "talker":
+            if stage["name"] == "talker":
                 stage["default_sampling"].update(fixed_audio(stage))
 
     return mutate

@@ -293,7 +293,8 @@ class StageRequest:
     """One call of one stage for one client request.
 
     The entry stage gets ``messages``; downstream stages get ``handoff``, an ObjectRef
-    to the upstream :class:`HandoffPayload` (the replica resolves it, never the ingress).
+    to the upstream :class:`HandoffPayload` (the replica resolves it, never the ingress), or
+    ``handoffs``, one per upstream stage, when the stage reads several.
 
     ``request_id`` is minted by the orchestrator, unique per stage call (request, stage,
     chunk, attempt): engines may use it as their engine request id and abort key, and no
@@ -327,6 +328,9 @@ class StageRequest:
     # order as they come (an AsyncIterator[HandoffPayload]); the engine gets no ``handoff`` then. Set by
     # the stage (omni_serve.graph.transport.receive), never sent across deployments.
     handoff_stream: Any = None
+    # A fan-in call (its stage reads several upstream stages, ``inputs``): each one's final handoff, in the
+    # order of ``inputs``. ObjectRefs on the wire; the stage resolves them (payloads), as it does ``handoff``.
+    handoffs: list[Any] | None = None
     # Where this call waits for its caller to catch up when it runs a window ahead
     # (omni_serve.graph.flow.Window); None: the caller pulls each output itself (in process).
     window: Any = None

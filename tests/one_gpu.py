@@ -42,11 +42,9 @@ def stage_engine(stage: str, share: float, *, eager: bool = True) -> dict[str, A
         "enforce_eager": eager,
     }
     if stage in AR_STAGES:
-        engine |= {
-            "async_scheduling": True,
-            "scheduler_cls": "vllm_omni.core.sched.omni_ar_scheduler.OmniARAsyncScheduler",
-            "moe_backend": "triton",
-        }
+        # async_scheduling picks the pipeline's async AR scheduler (vLLM-Omni's merge_pipeline_deploy: the
+        # scheduler is the declaration's, not a deploy setting).
+        engine |= {"async_scheduling": True, "moe_backend": "triton"}
     return engine
 
 

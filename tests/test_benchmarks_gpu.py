@@ -58,9 +58,8 @@ def test_vs_vllm_omni_gpu_puts_both_servers_on_one_gpu_with_the_same_engines(pla
         engine = stage["engine_args"]["engine"]
         entry = native[stage["engine_args"]["stage_id"]]
         assert entry["devices"] == "0" and engine["gpu_memory_utilization"] == vs_vllm_omni.GPU_SHARES[name]
-        # The same engine on both sides: every engine arg but the topology native's pipeline defines.
-        same = {k: v for k, v in engine.items() if k not in vs_vllm_omni.TOPOLOGY}
-        assert {k: entry[k] for k in same} == same, name
+        # The same engine on both sides: every deploy setting (the pipeline declares the rest for both).
+        assert {k: entry[k] for k in engine} == engine, name
         assert engine["dtype"] == "bfloat16", name
     assert plan["native_deploy_config"]["async_chunk"] is True  # bfloat16 everywhere: native's async-chunk path
     # Both talkers make the same fixed-length audio: min_tokens = max_tokens on both.

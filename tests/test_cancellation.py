@@ -17,7 +17,9 @@ from urllib.parse import urlparse
 
 import pytest
 
+from tests import graph_properties
 from tests.conftest import one_replica_per_stage, wait_until
+from tests.families import BY_NAME
 
 pytestmark = pytest.mark.integration
 
@@ -35,8 +37,8 @@ BODY = {
 
 
 @pytest.fixture(scope="module")
-def graph(graphs: Any) -> Any:
-    return one_replica_per_stage(graphs)
+def graph(tiny_omni: Any) -> Any:
+    return one_replica_per_stage(tiny_omni)
 
 
 def stats(graph: Any) -> dict[str, dict[str, Any]]:
@@ -99,3 +101,9 @@ def test_graph_serves_normally_after_cancellations(graph) -> None:
     reply = httpx.post(f"{graph.base_url}/v1/chat/completions", json=body, timeout=120)
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["message"]["audio"]["data"]
+
+
+@pytest.mark.parametrize("check", graph_properties.PROPERTIES, ids=lambda check: check.__name__)
+def test_graph_property(graph, check) -> None:
+    """The properties every served family holds (tests/graph_properties.py), on this family's graph."""
+    check(graph, BY_NAME["transformers"])

@@ -46,16 +46,43 @@ def test_every_shipped_graph_validates(path: Path) -> None:
 
 def test_unknown_upstream_stage() -> None:
     args = tiny_args()
-    args["stages"][1]["input"] = "thinkr"
+    args["stages"][1]["inputs"] = ["thinkr"]
     message = error_of(args)
-    assert "stages[1].input" in message and "unknown upstream stage 'thinkr'" in message
+    assert "stages[1].inputs" in message and "unknown upstream stage 'thinkr'" in message
 
 
 def test_cycle() -> None:
     args = tiny_args()
-    args["stages"][0]["input"] = "code2wav"
+    args["stages"][0]["inputs"] = ["code2wav"]
     message = error_of(args)
     assert "cycle" in message and "stages[" in message
+
+
+def test_input_was_renamed_inputs() -> None:
+    args = tiny_args()
+    args["stages"][1].pop("inputs")
+    args["stages"][1]["input"] = "thinker"
+    assert "stages[1]: input: renamed inputs, a list" in error_of(args)
+
+
+def test_fan_in_stage_reads_several_upstream_stages() -> None:
+    """A stage with several inputs (vLLM-Omni's several input_sources) joins its branches; it runs for any
+    modality it leads to with all of its upstream stages, and it cannot stream one of them."""
+    args = tiny_args()
+    thinker, talker, code2wav = args["stages"]
+    args["stages"] = [
+        thinker,
+        {**talker, "name": "left", "inputs": ["thinker"]},
+        {**talker, "name": "right", "inputs": ["thinker"]},
+        {**code2wav, "inputs": ["left", "right"]},
+    ]
+    graph = load_graph(args)
+    assert [c.name for c in graph.children("left")] == ["code2wav"]
+    assert graph.stages_for({Modality.AUDIO}) == {"thinker", "left", "right", "code2wav"}
+    args["stages"][3]["stream_input"] = True
+    assert "stages[3].stream_input: a stage streams the input of exactly one upstream stage" in error_of(args)
+    args["stages"][3].update(stream_input=False, inputs=["left", "left"])
+    assert "stages[3].inputs: an upstream stage named twice" in error_of(args)
 
 
 def test_no_final_output() -> None:
@@ -115,8 +142,8 @@ def test_engine_in_ingress_takes_one_stage() -> None:
 
 def test_unknown_key_is_rejected() -> None:
     args = tiny_args()
-    args["stages"][0]["inputs"] = ["x"]
-    assert "stages[0].inputs" in error_of(args)
+    args["stages"][0]["upstream"] = ["x"]
+    assert "stages[0].upstream" in error_of(args)
 
 
 def test_stages_for_modalities() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -37,25 +38,39 @@ def _deployments(config: dict) -> dict[str, dict]:
     return {d["name"]: d for d in config["applications"][0]["deployments"]}
 
 
+def stage_configs(config: dict) -> list:
+    """Each stage's vLLM-Omni StageConfig as its engine builds it at start, from the declaration and the graph."""
+    from omni_serve.engines.vllm_omni import EngineArgs, stage_config
+
+    return [
+        stage_config(EngineArgs.model_validate(s["engine_args"]), s.get("stream_input", False)) for s in _stages(config)
+    ]
+
+
 def test_stage_list_and_edges_follow_the_pipeline(qwen3):
     from vllm_omni.model_executor.models.qwen3_omni.pipeline import QWEN3_OMNI_PIPELINE
 
     stages = _stages(qwen3)
-    assert [(s["name"], s.get("input"), s.get("final_output")) for s in stages] == [
+    assert [(s["name"], s.get("inputs"), s.get("final_output")) for s in stages] == [
         ("thinker", None, "text"),
-        ("talker", "thinker", None),
-        ("code2wav", "talker", "audio"),
+        ("talker", ["thinker"], None),
+        ("code2wav", ["talker"], "audio"),
     ]
-    for stage, topo in zip(stages, QWEN3_OMNI_PIPELINE.stages, strict=True):
-        args = stage["engine_args"]
-        assert stage["engine"] == "vllm_omni"
-        assert (args["stage_id"], args["model_stage"]) == (topo.stage_id, topo.model_stage)
-        assert args["engine"]["hf_config_name"] == topo.hf_config_name
-        assert args["engine"]["engine_output_type"] == topo.engine_output_type
-        assert args["engine"]["worker_type"] == ("generation" if topo.model_stage == "code2wav" else "ar")
-        assert args["engine"]["scheduler_cls"].startswith("vllm_omni.core.sched.")
-    assert stages[1]["engine_args"]["custom_process_input_func"].endswith("qwen3_omni.thinker2talker_token_only")
-    assert stages[1]["engine_args"]["sampling_constraints"] == {"detokenize": False, "stop_token_ids": [2150]}
+    for stage, config, topo in zip(stages, stage_configs(qwen3), QWEN3_OMNI_PIPELINE.stages, strict=True):
+        assert stage["engine"] == "vllm_omni" and stage["engine_args"]["stage_id"] == topo.stage_id
+        # The stage config comes from the declaration: nothing of it is written in the graph.
+        engine = config.to_omegaconf()["engine_args"]
+        assert (config.stage_id, config.model_stage) == (topo.stage_id, topo.model_stage)
+        assert (
+            engine["hf_config_name"] == topo.hf_config_name and engine["engine_output_type"] == topo.engine_output_type
+        )
+        assert engine["worker_type"] == ("generation" if topo.model_stage == "code2wav" else "ar")
+        assert engine["scheduler_cls"].startswith("vllm_omni.core.sched.")
+        assert not {"model_stage", "worker_type", "hf_config_name"} & set(stage["engine_args"]["engine"])
+    talker = stage_configs(qwen3)[1]
+    assert talker.custom_process_input_func.endswith("qwen3_omni.thinker2talker_token_only")
+    assert talker.sampling_constraints == {"detokenize": False, "stop_token_ids": [2150]}
+    assert "sampling_constraints" not in stages[1]["engine_args"]  # the declaration's
 
 
 def test_engine_args_sampling_and_memory_match_the_shipped_deploy(qwen3, shipped):
@@ -67,21 +82,17 @@ def test_engine_args_sampling_and_memory_match_the_shipped_deploy(qwen3, shipped
         assert stage["default_sampling"] == expected
         assert "devices" not in str(stage)  # Ray assigns GPUs
     assert _stages(qwen3)[0]["engine_args"]["engine"]["compilation_config"] == {"custom_ops": ["+rotary_embedding"]}
-    extra = shipped["connectors"]["connector_of_shared_memory"]["extra"]
-    assert _stages(qwen3)[1]["engine_args"]["codec_chunk"] == {
-        "chunk_frames": extra["codec_chunk_frames"],
-        "left_context_frames": extra["codec_left_context_frames"],
-        "initial_chunk_frames": extra["initial_codec_chunk_frames"],
-    }
+    # The talker cuts codec chunks for code2wav with the connector's settings, as vLLM-Omni's adapter does.
+    assert _stages(qwen3)[1]["engine_args"]["chunks"] == shipped["connectors"]["connector_of_shared_memory"]["extra"]
 
 
 def test_every_engine_arg_is_a_vllm_omni_engine_arg(qwen3):
     from vllm_omni.engine.arg_utils import OmniEngineArgs
 
     known = {f.name for f in dataclasses.fields(OmniEngineArgs)}
-    for stage in _stages(qwen3) + _stages(graphs.generate("qwen2_5_omni")):
-        unknown = set(stage["engine_args"]["engine"]) - known
-        assert not unknown, (stage["name"], unknown)
+    for config in stage_configs(qwen3) + stage_configs(graphs.generate("qwen2_5_omni")):
+        unknown = set(config.to_omegaconf()["engine_args"]) - known
+        assert not unknown, (config.model_stage, unknown)
 
 
 def test_deployments_place_stages_like_the_deploy_config(qwen3):
@@ -131,3 +142,165 @@ def test_cli_writes_a_graph_from_a_deploy_yaml_path(tmp_path):
     assert config["applications"][0]["args"]["served_model_name"] == "/models/q25"
     assert {s["engine_args"]["model"] for s in _stages(config)} == {"/models/q25"}
     assert out.read_text().startswith("# ")
+
+
+# --- the whole registry ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def every_source() -> dict[str, dict | str]:
+    """Every registered pipeline, then every deploy YAML vLLM-Omni ships: its graph, or why it has none."""
+    from omni_serve.models.vllm_omni import pipelines
+
+    made: dict[str, dict | str] = {}
+    for source in [*pipelines.registry(), *(p.name for p in graphs.deploy_configs())]:
+        try:
+            made[source] = graphs.generate(source)
+        except graphs.Refused as err:
+            made[source] = str(err)
+    return made
+
+
+REFUSALS = re.compile(
+    r"cannot be served: (stage \d+ \(\w+\) is a diffusion stage|session_mode 'duplex')|names no pipeline"
+)
+
+
+def test_the_generator_covers_every_pipeline_and_every_shipped_deploy_config(every_source):
+    """A graph for each, or the reason it cannot be served; every graph checked against the declaration."""
+    from omni_serve.models.vllm_omni import pipelines
+
+    registry = pipelines.registry()
+    assert len(registry) == 66 and len(graphs.deploy_configs()) == 110  # vLLM-Omni 0.30's
+    refused = {source: why for source, why in every_source.items() if isinstance(why, str)}
+    for source, why in refused.items():
+        assert REFUSALS.search(why), (source, why)  # a reason, never a traceback
+    made = {source: config for source, config in every_source.items() if not isinstance(config, str)}
+    print(f"{len(made)} graphs: {len([s for s in made if s in registry])} of {len(registry)} pipelines")
+    assert len([s for s in made if s in registry]) == 41 and len(made) - 41 == 71
+    for source, config in made.items():
+        check_graph(source, config)
+
+
+def check_graph(source: str, config: dict) -> None:
+    """One generated graph: it validates, its stages and edges are the pipeline's, its stage configs build
+    from the declaration, GPUs and placement are whole or the deploy's fractions, its routes follow its outputs."""
+    from omni_serve.engines.vllm_omni import EngineArgs, stage_config
+    from omni_serve.models.vllm_omni import pipelines
+    from omni_serve.types import Modality
+
+    app = config["applications"][0]
+    graph = load_graph(app["args"])
+    key = graph.entry.engine_args["pipeline"]
+    declared = pipelines.pipeline(key)
+    ids = {s.name: s.engine_args["stage_id"] for s in graph.stages}
+    assert list(ids.values()) == [s.stage_id for s in declared.stages], source  # stage order
+    for stage in graph.stages:
+        decl = declared.get_stage(ids[stage.name])
+        assert [ids[name] for name in stage.inputs] == list(decl.input_sources), (source, stage.name)
+        expected = Modality(decl.final_output_type) if decl.final_output else None
+        assert stage.final_output == expected, (source, stage.name)
+        built = stage_config(EngineArgs.model_validate(stage.engine_args), stage.stream_input)
+        assert (built.stage_id, built.model_stage) == (decl.stage_id, decl.model_stage), source
+        assert (
+            built.to_omegaconf()["engine_args"]["worker_type"]
+            == {"llm_ar": "ar", "llm_generation": "generation"}[decl.execution_type.value]
+        )
+        if stage.stream_input:
+            (upstream,) = decl.input_sources
+            assert declared.get_stage(upstream).async_chunk_process_next_stage_input_func, (source, stage.name)
+    deployments = {d["name"]: d for d in app["deployments"]}
+    assert set(deployments) == {"ingress", *ids}, source
+    for name in ids:
+        options = deployments[name]["ray_actor_options"]
+        gpus = options["num_gpus"]
+        engine = graph.stage(name).engine_args["engine"]
+        assert gpus >= 1 or gpus == engine["gpu_memory_utilization"], (source, name)  # shares: the deploy's
+        pins = set(options.get("resources", {}))
+        assert pins == ({graphs.NODE_RESOURCES[key][name]} if key in graphs.NODE_RESOURCES else set()), source
+    assert graphs.gpus_needed(config) >= 1
+    routes = {route for route, why in graph.routes().items() if why is None}
+    outputs = {s.final_output_type for s in declared.stages if s.final_output}
+    assert ("/v1/chat/completions" in routes) == ("text" in outputs), source
+    assert ("/v1/audio/speech" in routes) == ("audio" in outputs), source
+    assert ("/v1/realtime" in routes) == ("text" in outputs and Modality.AUDIO in graph.input_modalities), source
+    assert "/v1/images/generations" not in routes
+
+
+def test_qwen3_tts_stages_are_built_from_its_declaration():
+    """A non-Qwen-Omni pipeline: its graph validates, its stages' vLLM-Omni configs come from its declaration
+    (engine kind, worker, scheduler, processors, constraints), and the route it answers is speech."""
+    from vllm_omni.engine.stage_init_utils import build_engine_args_dict
+
+    from omni_serve.engines import vllm_omni as family
+    from omni_serve.engines.vllm_omni.autoregressive import AutoregressiveEngine
+    from omni_serve.engines.vllm_omni.generation import GenerationEngine
+    from omni_serve.types import EngineError
+
+    config = graphs.generate("qwen3_tts", model="Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice")
+    stages = _stages(config)
+    assert [(s["name"], s.get("inputs"), s.get("final_output")) for s in stages] == [
+        ("qwen3_tts", None, None),
+        ("code2wav", ["qwen3_tts"], "audio"),
+    ]
+    assert stages[0]["engine_args"]["entry"] == "speech" and "media" not in stages[0]["engine_args"]
+    graph = load_graph(config["applications"][0]["args"])
+    assert {r for r, why in graph.routes().items() if why is None} == {"/v1/audio/speech", "/v1/audio/voices"}
+    talker, code2wav = (c.to_omegaconf() for c in stage_configs(config))
+    assert (talker["engine_args"]["worker_type"], code2wav["engine_args"]["worker_type"]) == ("ar", "generation")
+    assert talker["engine_args"]["scheduler_cls"].endswith("OmniARAsyncScheduler")
+    assert code2wav["engine_args"]["scheduler_cls"].endswith("OmniGenerationScheduler")
+    assert talker["engine_args"]["engine_output_type"] == "latent" and talker["engine_input_source"] == []
+    assert code2wav["custom_process_input_func"].endswith("qwen3_tts.talker2code2wav_token_only")
+    assert code2wav["engine_input_source"] == [0] and code2wav["final_output_type"] == "audio"
+    # The declared constraints, and the deploy's min_tokens (a vLLM extra parameter: applied on every request).
+    assert stages[0]["engine_args"]["sampling_constraints"] == {"min_tokens": 2}
+    assert talker["sampling_constraints"] == {"detokenize": False, "stop_token_ids": [2150], "min_tokens": 2}
+    assert talker["engine_args"]["requires_full_payload_input"] is False  # no connector: the replica hands it in
+    engine_args = build_engine_args_dict(talker, "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice")
+    deploy = yaml.safe_load((graphs.deploy_dir() / "qwen3_tts.yaml").read_text())["stages"][0]
+    assert engine_args["model_stage"] == "qwen3_tts" and engine_args["max_num_seqs"] == deploy["max_num_seqs"]
+    made = [family.create(s["name"], s["engine_args"]) for s in stages]
+    assert [type(e) for e in made] == [AutoregressiveEngine, GenerationEngine]
+    # Its entry takes text to speak in a prompt of the model's own: until omni_serve has a builder for it,
+    # the stage refuses to start, naming what is missing (before any EngineCore starts).
+    with pytest.raises(EngineError, match="entry speech: pipeline 'qwen3_tts' builds its prompt"):
+        made[0].check_declaration()
+    made[1].check_declaration()
+    assert "Not served yet" in graphs.header(config, "cmd", None, None)
+
+
+ROW = re.compile(r"^\| `([^`]+)` \| ([^|]+) \| (.+) \|$")
+
+
+def test_docs_models_lists_every_pipeline_with_what_it_gets(every_source):
+    """docs/models.md: one row per registered pipeline, its stages, and its status as the generator sees it."""
+    from omni_serve.models.vllm_omni import pipelines
+
+    doc = (ROOT / "docs" / "models.md").read_text()
+    # The registry's table: its section only (the page's other tables name pipelines too).
+    table = doc.split("\n## Every registered pipeline\n", 1)[1].split("\n## ", 1)[0]
+    rows: dict[str, tuple[str, str]] = {}
+    for line in table.splitlines():
+        if m := ROW.match(line):
+            assert m[1] not in rows, f"{m[1]}: two rows"
+            rows[m[1]] = (m[2].strip(), m[3].strip())
+    assert set(rows) == set(pipelines.registry())
+    for key, (stages, status) in rows.items():
+        made = every_source[key]
+        if isinstance(made, str):
+            assert status.startswith("refused: "), (key, status)
+            assert ("diffusion" in made) == ("diffusion" in status) and ("duplex" in made) == ("duplex" in status)
+            assert stages == " → ".join(s.model_stage for s in pipelines.pipeline(key).stages), key
+            continue
+        graph_stages = _stages(made)
+        assert stages == " → ".join(s["name"] for s in graph_stages), key
+        assert status.startswith(("graph generated", "**served end to end in CI**")), (key, status)
+        entry = graph_stages[0]["engine_args"]
+        unserved = entry.get("entry") == "speech" and pipelines.hooks(key).speech_prompt is None
+        assert ("not served yet" in status) == unserved, key
+        if status.startswith("**served"):
+            served = re.search(r"`(graphs/[\w.]+)`", status)
+            assert served is not None, key
+            graph = yaml.safe_load((ROOT / served[1]).read_text())["applications"][0]["args"]
+            assert {s["engine_args"]["pipeline"] for s in graph["stages"]} == {key}

@@ -47,8 +47,8 @@ RSS_MARGIN = 64 << 20  # the ingress's allocator keeps some of what a request us
 
 
 @pytest.fixture(scope="module")
-def graph(graphs: Any) -> Any:
-    return one_replica_per_stage(graphs)
+def graph(tiny_omni: Any) -> Any:
+    return one_replica_per_stage(tiny_omni)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import contextlib
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from omni_serve.api.errors import from_failure
 from omni_serve.graph.config import GraphConfig
 from omni_serve.graph.orchestrator import AbortedStageCall, OmniRequest, Orchestrator, StageFailed, StageTimeout
-from omni_serve.graph.transport import StageTransport
+from omni_serve.graph.transport import Handoff, StageTransport
 from omni_serve.models.qwen3_omni import SAMPLE_RATE
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import ChatMessage, FinishReason, Modality, SamplingParams, StageOutput, StageRequest
@@ -24,8 +25,8 @@ GRAPH = GraphConfig.model_validate(
         "served_model_name": "fake",
         "stages": [
             {"name": "thinker", "engine": "transformers", "final_output": "text"},
-            {"name": "talker", "engine": "transformers", "input": "thinker"},
-            {"name": "code2wav", "engine": "transformers", "input": "talker", "final_output": "audio"},
+            {"name": "talker", "engine": "transformers", "inputs": ["thinker"]},
+            {"name": "code2wav", "engine": "transformers", "inputs": ["talker"], "final_output": "audio"},
         ],
     }
 )
@@ -192,6 +193,116 @@ def test_request_deadline_ends_the_walk_with_a_timeout() -> None:
         asyncio.run(collect(Orchestrator(GRAPH, stages, stage_timeout_s=60), req))
     assert info.value.stage == "talker" and "talker" in stages.cancelled
     assert from_failure(info.value, "r").status == 504
+
+
+# --- fan-in: a stage that reads several upstream stages ----------------------------------------
+
+FAN_IN = GraphConfig.model_validate(
+    {
+        "served_model_name": "fake",
+        "stages": [
+            {"name": "thinker", "engine": "transformers", "final_output": "text"},
+            {"name": "left", "engine": "transformers", "inputs": ["thinker"]},
+            {"name": "right", "engine": "transformers", "inputs": ["thinker"]},
+            {"name": "mix", "engine": "transformers", "inputs": ["left", "right"], "final_output": "audio"},
+        ],
+    }
+)
+
+
+class FanInStages(StageTransport):
+    """thinker -> (left, right) -> mix: each branch hands on after a delay (``delays``), mix reads both."""
+
+    def __init__(self, delays: dict[str, float], fail: str | None = None, no_handoff: str | None = None):
+        self.calls: dict[str, list[StageRequest]] = defaultdict(list)
+        self.delays, self.fail, self.no_handoff = delays, fail, no_handoff
+        self.cancelled: list[str] = []
+
+    async def voices(self, stage: str) -> list[str]:
+        return []
+
+    async def _attempt(self, stage: str, request: StageRequest) -> AsyncIterator[StageOutput]:
+        self.calls[stage].append(request)
+        try:
+            await asyncio.sleep(self.delays.get(stage, 0))
+            if stage == self.fail:
+                raise RuntimeError("engine exploded")
+            if stage == "mix":
+                # Every upstream's final handoff, in the order of the stage's inputs.
+                assert request.handoff is None
+                kinds = [h.kind for h in request.handoffs]
+                yield StageOutput(
+                    stage=stage, audio=np.full(2, len(kinds), np.float32), finished=True, text=",".join(kinds)
+                )
+                return
+            if stage == "thinker":
+                yield StageOutput(stage=stage, text="hi")
+            payload = None if stage == self.no_handoff else HandoffPayload(f"fake.{stage}", {"x": np.ones(2)})
+            yield StageOutput(stage=stage, finished=True, finish_reason=FinishReason.STOP, handoff=payload)
+        except asyncio.CancelledError:
+            self.cancelled.append(stage)
+            raise
+
+
+def fan_in_request() -> OmniRequest:
+    return OmniRequest(
+        request_id="r1",
+        modalities={Modality.TEXT, Modality.AUDIO},
+        sampling={s.name: SamplingParams() for s in FAN_IN.stages},
+        messages=[ChatMessage(role="user", content="hi")],
+    )
+
+
+@pytest.fixture
+def claims(monkeypatch: Any) -> list[Handoff]:
+    """Every handoff claim the walk makes (each must be released by the time the walk ends)."""
+    made: list[Handoff] = []
+    claim = Handoff.claim
+
+    def recorded(handoff: Handoff) -> Handoff:
+        made.append(held := claim(handoff))
+        return held
+
+    monkeypatch.setattr(Handoff, "claim", recorded)
+    return made
+
+
+@pytest.mark.parametrize("slower", ["left", "right"])
+def test_fan_in_stage_runs_once_with_every_upstream_handoff_in_input_order(slower: str, claims: list[Handoff]) -> None:
+    """Whichever branch finishes last starts the fan-in stage, once, with both handoffs in ``inputs`` order."""
+    stages = FanInStages({slower: 0.05})
+    outputs = asyncio.run(collect(Orchestrator(FAN_IN, stages), fan_in_request()))
+    (mix,) = stages.calls["mix"]
+    assert [o.text for o in outputs if o.stage == "mix"] == ["fake.left,fake.right"]
+    assert mix.request_id.startswith(f"r1/thinker/{slower}.0/mix")  # started by the branch that finished last
+    assert [o.audio[0] for o in outputs if o.audio is not None] == [2.0]
+    assert all(c.wants_handoff for c in stages.calls["left"] + stages.calls["right"])
+    assert claims and all(held.value is None for held in claims), "a handoff outlived its walk"
+
+
+def test_fan_in_fails_with_a_failed_branch_and_cancels_the_other() -> None:
+    stages = FanInStages({"right": 3600}, fail="left")
+    with pytest.raises(StageFailed, match="stage 'left' failed"):
+        asyncio.run(collect(Orchestrator(FAN_IN, stages), fan_in_request()))
+    assert "mix" not in stages.calls and "right" in stages.cancelled
+
+
+def test_a_fan_in_stage_that_never_started_lets_go_of_the_handoff_it_was_given(claims: list[Handoff]) -> None:
+    """left finishes (its handoff waits for mix), then right fails: when the walk ends, every handoff it
+    claimed is released, the one waiting for mix too (it would keep left's payload in the object store)."""
+    stages = FanInStages({"right": 0.05}, fail="right")
+    with pytest.raises(StageFailed, match="stage 'right' failed"):
+        asyncio.run(collect(Orchestrator(FAN_IN, stages), fan_in_request()))
+    assert "mix" not in stages.calls and stages.calls["left"]
+    assert claims and all(held.value is None for held in claims), "a handoff outlived its walk"
+
+
+def test_fan_in_fails_when_a_branch_finishes_without_a_handoff() -> None:
+    stages = FanInStages({}, no_handoff="right")
+    with pytest.raises(StageFailed) as failure:
+        asyncio.run(collect(Orchestrator(FAN_IN, stages), fan_in_request()))
+    assert failure.value.stage == "right" and "no final handoff for mix" in str(failure.value.cause)
+    assert "mix" not in stages.calls
 
 
 AUDIO_CHUNK = 48000  # float32 samples per code2wav output: 192 KB, the size of a 25-frame chunk

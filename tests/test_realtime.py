@@ -33,8 +33,8 @@ LONG_TALK = {"talker": {"temperature": 0.0, "max_tokens": 4000}}  # greedy tiny 
 
 
 @pytest.fixture(scope="module")
-def graph(graphs: Any) -> Any:
-    return one_replica_per_stage(graphs)
+def graph(tiny_omni: Any) -> Any:
+    return one_replica_per_stage(tiny_omni)
 
 
 def silence(ms: int) -> bytes:

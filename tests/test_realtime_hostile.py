@@ -35,8 +35,8 @@ SEEDED = {"seed": 11, "instructions": "Answer briefly."}
 
 
 @pytest.fixture(scope="module")
-def graph(graphs: Any) -> Any:
-    return one_replica_per_stage(graphs)  # one ingress replica: the victim shares it with the abuser
+def graph(tiny_omni: Any) -> Any:
+    return one_replica_per_stage(tiny_omni)  # one ingress replica: the victim shares it with the abuser
 
 
 def silence_b64(seconds: float) -> str:

@@ -181,11 +181,16 @@ def test_stream_input_is_refused_where_the_engine_reads_whole_handoffs() -> None
         "served_model_name": "m",
         "stages": [
             {"name": "thinker", "engine": "transformers", "engine_args": {"model_stage": "thinker"}},
-            {"name": "talker", "engine": "transformers", "input": "thinker", "engine_args": {"model_stage": "talker"}},
+            {
+                "name": "talker",
+                "engine": "transformers",
+                "inputs": ["thinker"],
+                "engine_args": {"model_stage": "talker"},
+            },
             {
                 "name": "code2wav",
                 "engine": "transformers",
-                "input": "talker",
+                "inputs": ["talker"],
                 "stream_input": True,
                 "engine_args": {"model_stage": "code2wav"},
                 "final_output": "audio",
@@ -260,8 +265,8 @@ GRAPH = GraphConfig.model_validate(
         "served_model_name": "fake",
         "stages": [
             {"name": "thinker", "engine": "transformers", "final_output": "text"},
-            {"name": "talker", "engine": "transformers", "input": "thinker", "stream_input": True},
-            {"name": "code2wav", "engine": "transformers", "input": "talker", "final_output": "audio"},
+            {"name": "talker", "engine": "transformers", "inputs": ["thinker"], "stream_input": True},
+            {"name": "code2wav", "engine": "transformers", "inputs": ["talker"], "final_output": "audio"},
         ],
     }
 )

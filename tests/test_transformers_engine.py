@@ -14,6 +14,8 @@ import pytest
 
 from omni_serve.engines import transformers as te
 from omni_serve.engines.base import StageEngine
+from omni_serve.engines.transformers import sampling
+from omni_serve.engines.transformers.worker import MAX_UNTAKEN_OUTPUTS
 from omni_serve.models import qwen3_omni as q
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import (
@@ -123,7 +125,9 @@ def test_engine_args() -> None:
         te.create("thinker", {"model_stage": "thinker", "unknown_field": 1})
     with pytest.raises(pydantic.ValidationError, match="model_stage"):
         te.create("x", {"model_stage": "vocoder"})
-    assert isinstance(te.create("t", {"model_stage": "talker"}), te.TalkerEngine)
+    from omni_serve.engines.transformers.talker import TalkerEngine
+
+    assert isinstance(te.create("t", {"model_stage": "talker"}), TalkerEngine)
 
 
 def test_import_is_cheap() -> None:
@@ -173,7 +177,7 @@ def test_thinker_coalesces_tokens_for_a_slow_consumer(engines: dict[str, StageEn
         outs = [await anext(stream)]
         # A consumer busy elsewhere until the job is done or held back, MAX_UNTAKEN_OUTPUTS ahead of it.
         while (  # noqa: ASYNC110
-            thinker.stats()["running"] and thinker.stats()["emitted"] - emitted < te.MAX_UNTAKEN_OUTPUTS
+            thinker.stats()["running"] and thinker.stats()["emitted"] - emitted < MAX_UNTAKEN_OUTPUTS
         ):
             await asyncio.sleep(0.01)
         return outs + [out async for out in stream]
@@ -205,8 +209,8 @@ def test_top_k_1_decodes_greedily_without_sampling(engines: dict[str, StageEngin
     # top_k 1 leaves one candidate whatever the temperature / top_p / seed: the greedy tokens (with the
     # repetition penalty still applied), and HF's sampling path (a sort and a draw over the vocabulary)
     # is not run for it.
-    assert te._sampling_kwargs(SamplingParams(temperature=0.9, top_k=1, top_p=0.5))["do_sample"] is False
-    assert te._sampling_kwargs(SamplingParams(temperature=0.9, top_k=2))["do_sample"] is True
+    assert sampling.sampling_kwargs(SamplingParams(temperature=0.9, top_k=1, top_p=0.5))["do_sample"] is False
+    assert sampling.sampling_kwargs(SamplingParams(temperature=0.9, top_k=2))["do_sample"] is True
     thinker = engines["thinker"]
     greedy = ids_of(run(thinker, thinker_request(temperature=0, repetition_penalty=1.3, max_tokens=12)))
     for seed in (1, 2):

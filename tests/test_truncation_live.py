@@ -35,8 +35,8 @@ CUT_TALKER = {"temperature": 0.0, "max_tokens": 3}  # greedy: never its codec EO
 
 
 @pytest.fixture(scope="module")
-def graph(graphs: Any) -> Any:
-    return one_replica_per_stage(graphs)
+def graph(tiny_omni: Any) -> Any:
+    return one_replica_per_stage(tiny_omni)
 
 
 def chat(base_url: str, **body: Any) -> httpx.Response:

@@ -192,7 +192,8 @@ def test_image_to_video_and_other_variants_are_refused(graph, client) -> None:
 
 def test_other_routes_refuse_a_video_graph(graph) -> None:
     reply = httpx.post(f"{graph.base_url}/v1/images/generations", json={"prompt": "p"}, timeout=30)
-    assert reply.status_code == 400 and "does not generate images" in reply.json()["error"]["message"]
+    assert reply.status_code == 400, reply.text
+    assert "does not answer /v1/images/generations: it generates no images" in reply.json()["error"]["message"]
     card = httpx.get(f"{graph.base_url}/v1/models", timeout=30).json()["data"][0]
     assert card["modalities"] == ["video"]
 

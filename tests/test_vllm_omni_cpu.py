@@ -38,11 +38,13 @@ require("torchvision", "vLLM's Qwen3-Omni modules need it; make test installs it
 from omni_serve.engines import transformers as te  # noqa: E402
 from omni_serve.graph.transport import PAYLOAD_FOLLOWS  # noqa: E402
 from omni_serve.models import qwen3_omni as q  # noqa: E402
-from omni_serve.models import vllm_omni_handoffs as handoffs  # noqa: E402
+from omni_serve.models.vllm_omni.payload import from_handoff  # noqa: E402
 from omni_serve.payload import HandoffPayload  # noqa: E402
 from omni_serve.types import ChatMessage, SamplingParams, StageOutput, StageRequest  # noqa: E402
+from tests import graph_properties  # noqa: E402
 from tests import test_omni_input as omni  # noqa: E402
 from tests.conftest import graph_variant, wait_until  # noqa: E402
+from tests.families import BY_NAME  # noqa: E402
 from tests.media import mp4, png, wav  # noqa: E402
 from tests.test_cancellation import open_request  # noqa: E402
 from tests.test_engine_pacing import assert_paced, measured  # noqa: E402
@@ -60,7 +62,7 @@ CODE2WAV_PACE = 0.3  # s per code2wav engine step (one decode of the batch): ~10
 def graph(graphs) -> Iterator[Any]:
     started = time.perf_counter()
     graphs.deploy(GRAPH, mutate=graph_variant(engine_args={"code2wav": {"min_step_s": CODE2WAV_PACE}}))
-    graphs.wait_healthy(timeout_s=900)  # three EngineCores starting on a busy 2-core machine
+    graphs.wait_healthy(timeout_s=3000)  # three EngineCores starting on a busy 2-core machine
     print(f"\n{GRAPH} (code2wav paced) healthy in {time.perf_counter() - started:.1f} s")
     yield graphs
     graphs.delete()  # three EngineCores: free them for the next module
@@ -115,6 +117,19 @@ def decode_wav(data: bytes) -> tuple[np.ndarray, int]:
     samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
     assert samples.shape[1] == 1
     return samples[:, 0], rate
+
+
+def talker_handoff(request_id: str, codes: Any) -> HandoffPayload:
+    """The talker's whole handoff of these codec frames, built as its engine builds it (its declared
+    talker2code2wav_full_payload, through the generic producer)."""
+    from omni_serve.models.vllm_omni import edges, pipelines
+
+    talker = pipelines.stage("qwen3_omni_moe", 1)
+    hooks = pipelines.hooks("qwen3_omni_moe").stage("talker")
+    producer = edges.Producer(talker, None, hooks)
+    payload = producer.whole(request_id, [], codes[:, 0].tolist(), {}, rows={"codes.audio": codes})
+    assert payload is not None
+    return payload
 
 
 def greedy(**more: Any) -> SamplingParams:
@@ -400,7 +415,7 @@ def test_speech_conditions_the_vllm_omni_talker_on_input(graph) -> None:
     tokenizer = build_omni_tokenizer()
     request = StageRequest("s", greedy(max_tokens=16), messages=SPEECH_PROMPT, reply=SPOKEN)
     (out,) = call_stage(graph, "thinker", request)
-    info = handoffs.from_handoff(out.handoff)
+    info = from_handoff(out.handoff)
     prompt, everything = info["ids"]["prompt"], info["ids"]["all"]
     spoken = everything[len(prompt) :]
     # The talker's payload holds exactly `input` then <|im_end|>, and a hidden-state row for every
@@ -452,9 +467,7 @@ def test_code2wav_matches_transformers(graph, hf_engines, lag: int) -> None:
     import torch
 
     codes = torch.randint(0, 128, (30, 16), generator=torch.Generator().manual_seed(0))
-    payload = handoffs.talker_handoff(
-        "qwen3_omni_moe", request_id="c", output_token_ids=codes[:, 0].tolist(), codes=codes
-    )
+    payload = talker_handoff("c", codes)
     (vllm,) = call_stage(graph, "code2wav", StageRequest("c", greedy(), handoff=payload))
     chunk = q.chunk_codec_codes(codes.T.numpy(), first_chunk_frames=10**6)[0]
     (hf,) = run_hf(hf_engines["code2wav"], StageRequest("c", greedy(), handoff=chunk), chunk)
@@ -471,9 +484,7 @@ def test_code2wav_output_does_not_depend_on_its_batch(graph, lag: int) -> None:
 
     def payload(frames: int, seed: int) -> HandoffPayload:
         codes = torch.randint(0, 128, (frames, 16), generator=torch.Generator().manual_seed(seed))
-        return handoffs.talker_handoff(
-            "qwen3_omni_moe", request_id="b", output_token_ids=codes[:, 0].tolist(), codes=codes
-        )
+        return talker_handoff("b", codes)
 
     short, long = payload(12, 1), payload(60, 2)
     (alone,) = call_stage(graph, "code2wav", StageRequest("b", greedy(), handoff=short))
@@ -504,9 +515,7 @@ def test_code2wav_engine_steps_are_paced_without_a_core_and_batched(graph) -> No
 
     def payload(seed: int) -> HandoffPayload:
         codes = torch.randint(0, 128, (12, 16), generator=torch.Generator().manual_seed(seed))
-        return handoffs.talker_handoff(
-            "qwen3_omni_moe", request_id="p", output_token_ids=codes[:, 0].tolist(), codes=codes
-        )
+        return talker_handoff("p", codes)
 
     payloads = [payload(seed) for seed in range(8)]
     wait_until(lambda: idle(graph), 90, "idle stages before the test")
@@ -623,3 +632,9 @@ def test_vllm_omni_benchmark_client_against_this_family(graph, tmp_path) -> None
     result, printed = run_benchmark_client(graph.base_url, tmp_path)
     assert result["num_audio_ttfp_samples"] == result["completed"], printed
     assert result["total_audio_duration_s"] > 0, printed
+
+
+@pytest.mark.parametrize("check", graph_properties.PROPERTIES, ids=lambda check: check.__name__)
+def test_graph_property(graph, check) -> None:
+    """The properties every served family holds (tests/graph_properties.py), on this family's graph."""
+    check(graph, BY_NAME["vllm_omni.qwen3_omni_moe"])

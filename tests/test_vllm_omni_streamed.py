@@ -35,7 +35,7 @@ require("torchvision", "vLLM's Qwen3-Omni modules need it; make test installs it
 
 from omni_serve.engines import create_engine  # noqa: E402
 from omni_serve.graph.channel import ProducerFailed  # noqa: E402
-from omni_serve.models import vllm_omni_handoffs as handoffs  # noqa: E402
+from omni_serve.models.vllm_omni.payload import from_handoff  # noqa: E402
 from omni_serve.payload import HandoffPayload  # noqa: E402
 from omni_serve.types import ChatMessage, EngineError, SamplingParams, StageOutput, StageRequest  # noqa: E402
 
@@ -111,7 +111,7 @@ async def slowly(
 
 
 def frames(outputs: list[StageOutput]) -> np.ndarray:
-    parts = [handoffs.from_handoff(o.handoff)["codes"]["audio"].numpy() for o in outputs if o.handoff is not None]
+    parts = [from_handoff(o.handoff)["codes"]["audio"].numpy() for o in outputs if o.handoff is not None]
     return np.concatenate(parts)
 
 
@@ -209,7 +209,7 @@ def test_a_call_cancelled_while_a_chunk_is_being_written_leaves_no_segment(engin
     talker = engines["streamed"]
     streamed = run(engines, collect(engines["thinker"].generate(thinker_call("p", True, max_tokens=20), None)))
     chunks = [o.handoff for o in streamed if o.handoff is not None]
-    connector, put = talker._connector, talker._connector.put
+    connector, put = talker.streamed.connector, talker.streamed.connector.put
     writing = threading.Event()
 
     def slow_put(*args: Any) -> Any:
@@ -240,15 +240,15 @@ def test_a_call_cancelled_while_a_chunk_is_being_written_leaves_no_segment(engin
 def test_an_end_marker_that_comes_late_is_still_read(engines: dict[str, Any], monkeypatch: Any) -> None:
     """A finished request's end marker comes from the talker adapter's save thread whenever that gets to it
     (a loaded machine: seconds); it is read whenever it comes, never given up on (it would stay in /dev/shm)."""
-    from omni_serve.engines.vllm_omni import talker as talker_module
+    from omni_serve.engines.vllm_omni import streamed as streamed_module
 
     # The code before issue 30 polled MARKER_POLLS times and gave up: at 20 (1 s) it misses this marker, which
     # comes 3 s late. Today's code has no such count (raising=False: the name is gone), so this changes nothing.
-    monkeypatch.setattr(talker_module, "MARKER_POLLS", 20, raising=False)
+    monkeypatch.setattr(streamed_module, "MARKER_POLLS", 20, raising=False)
     talker = engines["streamed"]
     streamed = run(engines, collect(engines["thinker"].generate(thinker_call("m", True), None)))
     whole = [o.handoff for o in streamed if o.handoff is not None]
-    connector, get = talker._connector, talker._connector.get
+    connector, get = talker.streamed.connector, talker.streamed.connector.get
     hidden_until = time.monotonic() + 3.0
 
     def late_get(*args: Any) -> Any:  # the marker "comes" 3 s after the request: hidden until then

@@ -120,6 +120,8 @@ class Ingress:
         self.request_timeout_s = float(timeout) if timeout and timeout > 0 else None
         check_timeouts(self.graph.stage_timeout_s, self.request_timeout_s)
         self.text_stage = next((s.name for s in self.graph.stages if s.final_output is Modality.TEXT), None)
+        # What this graph answers, by its final outputs and its entry stage: None, or why not (GraphConfig.routes).
+        self.routes = self.graph.routes()
         self.media_rules = MediaRules(
             frozenset(m.value for m in self.graph.input_modalities), self.graph.media_policy, self.graph.media_input
         )
@@ -141,6 +143,7 @@ class Ingress:
             limits=realtime,
             sessions=Sessions(realtime.max_sessions),
             vad=VadWorkers(realtime.audio_workers, keep_models=realtime.max_sessions),
+            unavailable=self._unanswered("/v1/realtime"),
         )
 
     # ---- the engine in this replica (engine_in_ingress): Serve's hooks, handle methods, shutdown ------
@@ -197,7 +200,8 @@ class Ingress:
         except ValidationError as err:
             raise from_validation(err) from None
 
-    def _check_model(self, model: str | None, produces: Modality | None = None) -> None:
+    def _check_model(self, model: str | None, route: str) -> None:
+        """The model the request names is this graph's, and the graph answers ``route`` (else a 4xx saying why)."""
         if model is not None and model != self.graph.served_model_name:
             raise APIError(
                 404,
@@ -206,11 +210,13 @@ class Ingress:
                 param="model",
                 code="model_not_found",
             )
-        if produces is not None and produces not in self.graph.modalities:
-            verb = {Modality.IMAGE: "generate images", Modality.VIDEO: "generate videos"}.get(
-                produces, f"produce {produces.value}"
-            )
-            raise bad_request(f"model '{self.graph.served_model_name}' does not {verb}", "model")
+        why = self._unanswered(route)
+        if why is not None:
+            raise APIError(400, why, type="invalid_request_error", param="model", code="unsupported_route")
+
+    def _unanswered(self, route: str) -> str | None:
+        why = self.routes[route]
+        return None if why is None else f"model '{self.graph.served_model_name}' does not answer {route}: {why}"
 
     def _omni_request(self, request: Request, arrived: float | None = None, **fields: Any) -> OmniRequest:
         """The internal request with its server-minted id, its deadline and its stage log (what its stages did,
@@ -295,6 +301,8 @@ class Ingress:
             "modalities": sorted(m.value for m in self.graph.modalities),
             "input_modalities": [m.value for m in self.graph.input_modalities],
             "stages": [s.name for s in self.graph.stages],
+            # The routes this graph answers (by its final outputs and what its entry stage takes).
+            "routes": [route for route, why in self.routes.items() if why is None],
         }
         if Modality.AUDIO in self.graph.modalities:
             try:
@@ -309,13 +317,14 @@ class Ingress:
     async def audio_voices(self, request: Request) -> JSONResponse:
         """vLLM-Omni's route: the voices a request may name, plus the graph's aliases."""
         self._check_auth(request)
+        self._check_model(None, "/v1/audio/voices")
         return JSONResponse(voices_json(await self._graph_voices(), self.graph.voice_aliases))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         arrived = time.perf_counter()  # vLLM-Omni's stage timings count from the request's arrival
         body = await self._parse(request, ChatCompletionRequest)
-        self._check_model(body.model)
+        self._check_model(body.model, "/v1/chat/completions")
         modalities = self._modalities(body)
         messages = self._chat_messages(body)
         tools = body.tool_calling()
@@ -357,9 +366,7 @@ class Ingress:
             body = TranscriptionRequest.model_validate(fields)
         except ValidationError as err:
             raise from_validation(err) from None
-        self._check_model(body.model)
-        if Modality.AUDIO not in self.graph.input_modalities:
-            raise bad_request(f"model '{self.graph.served_model_name}' does not take audio input", "file")
+        self._check_model(body.model, "/v1/audio/transcriptions")
         audio, fmt = self._audio_file(files.get("file"))
         omni = self._omni_request(
             request,
@@ -401,7 +408,7 @@ class Ingress:
     @api.post("/v1/audio/speech")
     async def audio_speech(self, request: Request) -> Response:
         body = await self._parse(request, SpeechRequest)
-        self._check_model(body.model, produces=Modality.AUDIO)
+        self._check_model(body.model, "/v1/audio/speech")
         voice = await self._voice(body.voice, "voice")
         messages = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
         messages.append(ChatMessage(role="user", content=body.input))
@@ -420,7 +427,7 @@ class Ingress:
     async def images_generations(self, request: Request) -> Response:
         """OpenAI images API on a graph with an image final output: PNGs as b64_json."""
         body = await self._parse(request, ImageGenerationRequest)
-        self._check_model(body.model, produces=Modality.IMAGE)
+        self._check_model(body.model, "/v1/images/generations")
         omni = self._omni_request(
             request,
             modalities={Modality.IMAGE},
@@ -442,9 +449,7 @@ class Ingress:
             body = ImageEditRequest.model_validate(fields)
         except ValidationError as err:
             raise from_validation(err) from None
-        self._check_model(body.model, produces=Modality.IMAGE)
-        if Modality.IMAGE not in self.graph.input_modalities:
-            raise bad_request(f"model '{self.graph.served_model_name}' does not edit images (it takes none)", "image")
+        self._check_model(body.model, "/v1/images/edits")
         image = self._image_file(files)
         omni = self._omni_request(
             request,
@@ -479,7 +484,7 @@ class Ingress:
         """Auth first (every route but /health answers 401 without the key, whatever the graph serves), then
         404 on a graph that makes no video (the routes exist only where videos do); the owner key."""
         self._check_auth(request)
-        if Modality.VIDEO not in self.graph.modalities:
+        if self.routes["/v1/videos"] is not None:
             raise APIError(404, "Not Found", type="invalid_request_error")
         return owner_of(request.headers.get("authorization"))
 
@@ -572,7 +577,7 @@ class Ingress:
             check_content_type(request.headers.get("content-type"))  # the 415 first, as on every POST route
         owner = self._video_route(request)
         body = await self._video_form(request)
-        self._check_model(body.model, produces=Modality.VIDEO)
+        self._check_model(body.model, "/v1/videos")
         rules = await self._video_stage_rules()
         params = body.video_params(rules.defaults)
         self._media_check(video_params.check, params, rules)  # 400 naming the field, before any job exists

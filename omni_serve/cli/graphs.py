@@ -1,37 +1,39 @@
-"""Graph files generated from vLLM-Omni's own deploy configs.
+"""Graph files generated from vLLM-Omni's own pipeline declarations and deploy configs, for any pipeline.
 
     python -m omni_serve.cli.graphs from-vllm-omni qwen3_omni_moe -o graphs/qwen3_omni.yaml
     python -m omni_serve.cli.graphs from-vllm-omni path/to/deploy.yaml --pipeline qwen3_omni_moe --model ORG/NAME
+    python -m omni_serve.cli.graphs list        # every registered pipeline: its graph, or why it has none
 
-vLLM-Omni describes a model twice: its topology in code (``PipelineConfig``: stages,
-edges, model_stage, worker/scheduler, stage input processors, sampling constraints)
-and its deployment in a deploy YAML (per-stage memory fractions, batch sizes,
-sampling defaults, devices, platform overrides). vLLM-Omni merges the two with
-``merge_pipeline_deploy``; this module runs that same merge and writes the result
-as a Ray Serve config: graph semantics in ``args`` (one ``vllm_omni`` stage per
-vLLM-Omni stage), placement in ``deployments:``.
+vLLM-Omni describes a model twice: its topology in code (``PipelineConfig``, registered in
+``OMNI_PIPELINES``: stages, inputs, execution types, processors, sampling constraints) and its
+deployment in a deploy YAML (per-stage memory fractions, batch sizes, sampling defaults, devices,
+platform overrides, connectors). A graph here is one ``vllm_omni`` stage per declared stage: its
+``engine_args`` name the pipeline and stage id (the declaration builds the stage at start,
+:mod:`omni_serve.engines.vllm_omni`) and carry the stage's deploy settings; placement goes to
+``deployments:``. A pipeline that cannot be served is refused with the reason
+(:func:`omni_serve.models.vllm_omni.pipelines.refusal`).
 
 What changes on the way, and why:
-- ``devices`` are dropped; Ray assigns GPUs. Stages that share a device in the
-  deploy config get fractional ``num_gpus`` equal to their ``gpu_memory_utilization``
-  (so Ray packs them on one GPU as vLLM-Omni would); a stage alone on its devices
-  gets whole GPUs. Tensor parallel > 1 becomes one placement-group bundle with that
-  many GPUs and ``distributed_executor_backend: mp`` (the Ray executor loses the
-  placement group under Serve).
-- Each stage runs standalone (no connectors): handoffs travel through the Ray
-  object store, so the connector-only knobs are switched off in the engine args
-  (``async_chunk``, ``requires_full_payload_input``, the worker-side
-  next-stage hook). Codec streaming keeps the connector's chunk sizes, in
-  ``engine_args.codec_chunk``.
-- Sampling keys omni_serve models go to ``default_sampling``; the pipeline's
-  sampling constraints (e.g. the talker's stop token) to ``engine_args``, applied
-  on every request as vLLM-Omni does.
+- ``devices`` are dropped; Ray assigns GPUs. Stages that share a device in the deploy config get
+  fractional ``num_gpus`` equal to their ``gpu_memory_utilization`` (so Ray packs them on one GPU as
+  vLLM-Omni would); a stage alone on its devices gets whole GPUs. Tensor parallel > 1 becomes one
+  placement-group bundle with that many GPUs and ``distributed_executor_backend: mp`` (the Ray
+  executor loses the placement group under Serve).
+- Stages run without connectors: handoffs travel through the Ray object store, built by the
+  pipeline's own processors in the replicas. Where the deploy config turns ``async_chunk`` on, an
+  edge whose producer declares an async-chunk processor streams: into an autoregressive stage as its
+  ``stream_input`` (where omni_serve knows that stage's streamed prompt), into a generation stage as
+  chunks, one call each, cut with the connector's settings (``engine_args.chunks``, where omni_serve
+  knows the decoder's frame geometry).
+- Sampling keys omni_serve models go to ``default_sampling``; others the deploy config sets to
+  ``engine_args.sampling_constraints``, applied on every request as vLLM-Omni does (with the
+  pipeline's declared constraints, which the stage reads from the declaration).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -39,38 +41,42 @@ from typing import Any
 
 import yaml
 
-from omni_serve.engines import reads_streamed_input
-from omni_serve.models.vllm_omni_handoffs import PIPELINES
+from omni_serve.engines.vllm_omni.args import NOT_DEPLOY_KEYS
 from omni_serve.types import SAMPLING_EXTENSIONS, SamplingParams
 
-# Engine args that only make sense with vLLM-Omni's in-process connectors.
-STANDALONE_ENGINE_ARGS: dict[str, Any] = {"async_chunk": False, "requires_full_payload_input": False}
-CONNECTOR_ONLY_ENGINE_ARGS = ("custom_process_next_stage_input_func",)
-# Emitted by vLLM-Omni's merge for every stage, read only by its diffusion stage runtime.
-DIFFUSION_ONLY_ENGINE_ARGS = ("inline_diffusion",)
-# Fields owned by omni_serve's typed EngineArgs, or by topology rather than the engine.
-TOPOLOGY_ENGINE_ARGS = ("model", "model_stage", "final_output", "devices")
-CODEC_CHUNK_KEYS = {
-    "codec_chunk_frames": "chunk_frames",
-    "codec_left_context_frames": "left_context_frames",
-    "initial_codec_chunk_frames": "initial_chunk_frames",
-}
+# Reference checkpoints of the pipelines that have one here (others: --model, or the placeholder).
+REFERENCE_MODELS = {"qwen3_omni_moe": "Qwen/Qwen3-Omni-30B-A3B-Instruct", "qwen2_5_omni": "Qwen/Qwen2.5-Omni-7B"}
+# A stage's deploy entry fields that are not its engine settings (placement, connectors, sampling).
+DEPLOY_NOT_ENGINE = (
+    "stage_id",
+    "devices",
+    "num_replicas",
+    "env",
+    "async_chunk",
+    "output_connectors",
+    "input_connectors",
+    "default_sampling_params",
+    "engine_extras",
+)
 
 # Multi-node placement (cluster.yaml, deploy/kuberay.yaml): each node type advertises a marker
 # custom resource and a stage asks for a sliver of its node type's marker, so Ray places it only
 # there. Ray's autoscalers (v1 and v2, and KubeRay's) launch the node type that supplies a
-# pending resource; label selectors are not honoured by the v1 autoscaler.
+# pending resource; label selectors are not honoured by the v1 autoscaler. The node types are sized
+# for Qwen3-Omni (per model: where its stages fit), the other pipelines place by GPUs alone.
 NODE_RESOURCES: dict[str, dict[str, str]] = {
     "qwen3_omni_moe": {"thinker": "omni_gpu_big", "talker": "omni_gpu_shared", "code2wav": "omni_gpu_shared"},
 }
 NODE_RESOURCE_PER_REPLICA = 0.01  # a node type advertises 1: room for 100 replicas, the GPUs bind first
-# Application-level autoscaling (omni_serve.graph.autoscaling): at least one code2wav replica per two talkers.
-MIN_RATIOS = {"code2wav": {"talker": 0.5}}
+# Application-level autoscaling (omni_serve.graph.autoscaling): at least one decoder (a generation stage)
+# replica per two replicas of the autoregressive stage that feeds it.
+DECODER_RATIO = 0.5
 
 # Serve defaults the deploy config has no word for; the graph header says so.
 HTTP_OPTIONS = {"host": "0.0.0.0", "port": 8000, "request_timeout_s": 600}
 STAGE_TIMEOUT_S = 540  # below request_timeout_s (omni_serve.graph.config.check_timeouts): the client gets the 504
-# OpenAI's voice names -> the model's speakers (female / male voices to the closest timbre).
+# OpenAI's voice names -> the model's speakers (female / male voices to the closest timbre): a choice per
+# model, not declared anywhere.
 VOICE_ALIASES: dict[str, dict[str, str]] = {
     "qwen3_omni_moe": {
         **dict.fromkeys(["alloy", "coral", "marin", "nova", "sage", "shimmer"], "chelsie"),
@@ -95,11 +101,8 @@ INGRESS = {
 STAGE_CPUS = 2
 
 
-def _import(path: str) -> Any:
-    import importlib
-
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
+class Refused(ValueError):
+    """A pipeline or deploy config that cannot become a graph; the message says why."""
 
 
 def deploy_dir() -> Path:
@@ -108,107 +111,165 @@ def deploy_dir() -> Path:
     return Path(vllm_omni.__file__).parent / "deploy"
 
 
-def resolve_source(source: str, pipeline: str | None) -> tuple[str, Path]:
-    """(pipeline model_type, deploy YAML) for a pipeline name, a known model id, or a deploy YAML path."""
-    path = Path(source)
+def _deploy_pipeline(path: Path) -> str | None:
+    """The pipeline a deploy YAML is for: its ``pipeline:`` key, the pipeline whose default deploy config it (or a
+    ``base_config`` it builds on) is, or the longest registered pipeline name its file name starts with."""
+    from omni_serve.models.vllm_omni import pipelines
+
+    raw, chain = yaml.safe_load(path.read_text()) or {}, [path.name]
+    if raw.get("pipeline"):
+        return str(raw["pipeline"])
+    base, folder = raw.get("base_config"), path.parent
+    while base:
+        chain.append(Path(base).name)
+        folder = (folder / base).parent
+        base = (yaml.safe_load((folder / Path(base).name).read_text()) or {}).get("base_config")
+    names = list(pipelines.registry())
+    for name in chain:
+        for key in names:
+            if pipelines.pipeline(key).default_deploy_config_name == name:
+                return key
+    prefixed = [key for key in names if path.stem == key or path.stem.startswith(key + "_")]
+    if prefixed:
+        return max(prefixed, key=len)
+    # vLLM-Omni picks a deploy config's pipeline from the checkpoint's config; the header comment of one
+    # written for a checkpoint of another name names its architecture.
+    comments = " ".join(line for line in path.read_text().splitlines() if line.lstrip().startswith("#"))
+    archs = {pipelines.pipeline(key).model_arch: key for key in names if pipelines.pipeline(key).model_arch}
+    named = {key for arch, key in archs.items() if f"({arch}" in comments or f" {arch}," in comments}
+    return named.pop() if len(named) == 1 else None
+
+
+def deploy_configs() -> list[Path]:
+    """Every deploy YAML vLLM-Omni ships."""
+    return sorted(deploy_dir().glob("*.yaml"))
+
+
+def _turn_config_of(path: Path, pipeline: str) -> bool:
+    try:
+        return _deploy_pipeline(path) == pipeline and deploy_config(path, "cuda").session_mode == "turn"
+    except Exception:  # a deploy config that does not load is no alternative
+        return False
+
+
+def resolve_source(source: str, pipeline: str | None) -> tuple[str, Path | None]:
+    """(pipeline, deploy YAML or None) for a pipeline name, a reference model id, or a deploy YAML path."""
+    from omni_serve.models.vllm_omni import pipelines
+
     if source.endswith((".yaml", ".yml")):
+        path = Path(source)
         if not path.exists():
             path = deploy_dir() / source
         if not path.exists():
-            raise SystemExit(f"deploy config not found: {source}")
-        declared = (yaml.safe_load(path.read_text()) or {}).get("pipeline")
-        pipeline = pipeline or declared or path.stem
-    else:
-        by_model = {p.default_model.lower(): name for name, p in PIPELINES.items()}
-        pipeline = pipeline or by_model.get(source.lower(), source)
-        path = None  # type: ignore[assignment]  # a model id or pipeline name: no deploy YAML file
-    if pipeline not in PIPELINES:
-        raise SystemExit(
-            f"no omni_serve handoffs for pipeline {pipeline!r}; supported: {sorted(PIPELINES)} "
-            "(pass --pipeline for a deploy YAML whose file name is not the pipeline name)"
-        )
-    if path is None:
-        path = deploy_dir() / _import(PIPELINES[pipeline].topology).default_deploy_config_name
-    return pipeline, path
+            raise Refused(f"deploy config not found: {source}")
+        found = pipeline or _deploy_pipeline(path)
+        if found is None:
+            raise Refused(
+                f"deploy config {path.name} names no pipeline (no pipeline: key, no pipeline's default deploy "
+                "config or name it starts with, no architecture its comments name; vLLM-Omni picks it from the "
+                "checkpoint's config): pass --pipeline"
+            )
+        return found, path
+    by_model = {model.lower(): name for name, model in REFERENCE_MODELS.items()}
+    found = pipeline or by_model.get(source.lower(), source)
+    if found not in pipelines.registry():
+        raise Refused(f"no vLLM-Omni pipeline {found!r} (python -m omni_serve.cli.graphs list names them)")
+    name = pipelines.pipeline(found).default_deploy_config_name
+    return found, (deploy_dir() / name if name else None)
 
 
-def merged_stages(pipeline: str, deploy_path: Path, platform: str) -> tuple[list[Any], Any]:
-    """vLLM-Omni's own merge of topology + deploy config, with ``platform``'s overrides applied."""
+def deploy_config(path: Path | None, platform: str) -> Any:
+    """The deploy config (vLLM-Omni's defaults without one), with ``platform``'s overrides applied.
+
+    vLLM-Omni applies the overrides of the platform it runs on; a graph is generated for the cluster's
+    platform instead, so they are applied here and the section cleared (private helper: vLLM-Omni has
+    no public "merge for platform X").
+    """
     from vllm_omni.config import stage_config as sc
 
-    deploy = sc.load_deploy_config(deploy_path)
-    # merge_pipeline_deploy applies the overrides of the platform it runs on; a graph
-    # is generated for the cluster's platform instead, so apply those first and clear
-    # the section (private helper: vLLM-Omni has no public "merge for platform X").
+    deploy = sc.load_deploy_config(path) if path is not None else sc.DeployConfig()
     deploy = sc._apply_platform_overrides(deploy, platform)
     deploy.platforms = None
-    # Stages run standalone, fed by the object store: merge them as vLLM-Omni's
-    # non-async-chunk path (which picks the consumer-side processors, e.g.
-    # thinker2talker_token_only); the returned deploy keeps async_chunk and the
-    # connector's codec chunk sizes for the talker's own streaming.
-    standalone = copy.deepcopy(deploy)
-    standalone.async_chunk = False
-    return sc.merge_pipeline_deploy(_import(PIPELINES[pipeline].topology), standalone), deploy
+    return deploy
 
 
-def _plain(value: Any) -> Any:
-    """OmegaConf / tuples -> plain YAML-safe Python."""
-    from vllm_omni.config.yaml_util import to_dict
+def _split_sampling(defaults: dict[str, Any], constraints: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A deploy config's sampling defaults: (omni_serve default_sampling, others applied on every request).
 
-    if hasattr(value, "items") and not isinstance(value, dict):
-        value = to_dict(value)
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _split_sampling(merged: dict[str, Any], constraints: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(omni_serve default_sampling, constraints applied on every request)."""
-    # vLLM's extra parameters stay vLLM-Omni constraints: the engine applies them as vLLM-Omni does.
+    The pipeline's declared constraints win over the deploy's defaults (as in vLLM-Omni's merge): the
+    stage applies them from its declaration, so they are left out here.
+    """
     known = set(SamplingParams.model_fields) - set(SAMPLING_EXTENSIONS)
     sampling: dict[str, Any] = {}
-    extra = dict(constraints)
-    for key, value in merged.items():
+    extra: dict[str, Any] = {}
+    for key, value in defaults.items():
         if key in constraints:
             continue
         if key == "top_k" and value == -1:
             value = 0  # both mean "disabled"
-        if key in known:
-            sampling[key] = value
-        else:
-            extra[key] = value
+        (sampling if key in known else extra)[key] = value
     return sampling, extra
 
 
-def _codec_chunk(deploy: Any, stage: Any) -> dict[str, int] | None:
-    """Chunk sizes of the connector that carries this stage's codec output, if it streams."""
-    if not deploy.async_chunk or stage.model_stage != "talker":
-        return None
-    for spec in (deploy.connectors or {}).values():
-        extra = (spec or {}).get("extra") or {}
-        found = {ours: int(extra[theirs]) for theirs, ours in CODEC_CHUNK_KEYS.items() if theirs in extra}
-        if found:
-            return found
-    return None
+def deploy_settings(deploy: Any, stage: Any | None) -> dict[str, Any]:
+    """One stage's engine settings as its deploy entry gives them: the pipeline-wide ones, the stage's own
+    (those it sets away from vLLM-Omni's defaults) and its engine extras; what the pipeline declares or
+    omni_serve owns (NOT_DEPLOY_KEYS) left out."""
+    from vllm_omni.config import stage_config as sc
+
+    settings: dict[str, Any] = {}
+    defaults = sc.DeployConfig()
+    for name in sc.PIPELINE_WIDE_ENGINE_FIELDS:
+        value = getattr(deploy, name)
+        if value is not None and value != getattr(defaults, name, None):
+            settings[name] = value
+    if stage is not None:
+        blank = sc.StageDeployConfig(stage_id=stage.stage_id)
+        for field in dataclasses.fields(stage):
+            value = getattr(stage, field.name)
+            if field.name not in DEPLOY_NOT_ENGINE and value is not None and value != getattr(blank, field.name):
+                settings[field.name] = value
+        settings.update(stage.engine_extras)
+    for key in NOT_DEPLOY_KEYS:
+        settings.pop(key, None)
+    if int(settings.get("tensor_parallel_size") or 1) > 1:
+        settings["distributed_executor_backend"] = "mp"
+    return _plain(settings)
 
 
-def _devices(stage: Any) -> str | None:
-    devices = (stage.yaml_runtime or {}).get("devices")
-    return None if devices is None else str(devices)
+def _plain(value: Any) -> Any:
+    """Tuples, OmegaConf and enums -> plain YAML-safe Python."""
+    if hasattr(value, "items") and not isinstance(value, dict):
+        value = dict(value.items())
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return getattr(value, "value", value) if hasattr(value, "value") and not isinstance(value, (int, float)) else value
 
 
-def _deployment(stage: Any, engine: dict[str, Any], shared: bool, num_replicas: int) -> dict[str, Any]:
+def _connector_extra(deploy: Any, stage: Any | None) -> dict[str, Any]:
+    """The ``extra`` of the connector carrying a stage's output (its output connector, else the only one)."""
+    connectors = deploy.connectors or {}
+    names = list((stage.output_connectors or {}).values()) if stage is not None else []
+    spec = connectors.get(names[0]) if names else (next(iter(connectors.values())) if len(connectors) == 1 else None)
+    return _plain(dict((spec or {}).get("extra") or {}))
+
+
+def _devices(stage: Any | None) -> str | None:
+    return None if stage is None or stage.devices is None else str(stage.devices)
+
+
+def _deployment(name: str, engine: dict[str, Any], shared: bool, num_replicas: int) -> dict[str, Any]:
     tp = int(engine.get("tensor_parallel_size") or 1)
     seqs = int(engine.get("max_num_seqs") or 1)
-    entry: dict[str, Any] = {"name": stage.model_stage, "max_ongoing_requests": seqs}
+    entry: dict[str, Any] = {"name": name, "max_ongoing_requests": seqs}
     if tp > 1:
         # One bundle holding all TP GPUs: the replica and vLLM's mp workers share it.
         entry["ray_actor_options"] = {"num_cpus": STAGE_CPUS, "num_gpus": tp}
         entry["placement_group_bundles"] = [{"CPU": STAGE_CPUS, "GPU": tp}]
         entry["placement_group_strategy"] = "STRICT_PACK"
-    elif shared:
+    elif shared and engine.get("gpu_memory_utilization") is not None:
         entry["ray_actor_options"] = {"num_cpus": STAGE_CPUS, "num_gpus": float(engine["gpu_memory_utilization"])}
     else:
         entry["ray_actor_options"] = {"num_cpus": STAGE_CPUS, "num_gpus": 1}
@@ -224,12 +285,7 @@ def _deployment(stage: Any, engine: dict[str, Any], shared: bool, num_replicas: 
     return entry
 
 
-def _autoscaling_policy(stages: set[str]) -> dict[str, Any]:
-    ratios = {
-        stage: {other: r for other, r in partners.items() if other in stages}
-        for stage, partners in MIN_RATIOS.items()
-        if stage in stages and any(other in stages for other in partners)
-    }
+def _autoscaling_policy(ratios: dict[str, dict[str, float]]) -> dict[str, Any]:
     return {
         "policy_function": "omni_serve.graph.autoscaling:StagePolicy",
         "policy_kwargs": {"min_ratios": ratios} if ratios else {},
@@ -239,69 +295,90 @@ def _autoscaling_policy(stages: set[str]) -> dict[str, Any]:
 def generate(
     source: str, *, model: str | None = None, pipeline: str | None = None, platform: str = "cuda"
 ) -> dict[str, Any]:
-    """The Serve config (as a dict) for one vLLM-Omni pipeline + deploy config."""
-    pipeline, deploy_path = resolve_source(source, pipeline)
-    model = model or PIPELINES[pipeline].default_model
-    stages, deploy = merged_stages(pipeline, deploy_path, platform)
-    names = {s.stage_id: s.model_stage for s in stages}
-    device_users: dict[str, int] = {}
-    for s in stages:
-        if (devices := _devices(s)) is not None:
-            device_users[devices] = device_users.get(devices, 0) + 1
+    """The Serve config (as a dict) for one vLLM-Omni pipeline + deploy config; :class:`Refused` with the reason
+    when it cannot be served."""
+    from vllm_omni.config import stage_config as sc
 
-    def streams(engine_args: dict[str, Any]) -> bool:
-        return reads_streamed_input("vllm_omni", engine_args)
+    from omni_serve.models.vllm_omni import pipelines
+
+    key, deploy_path = resolve_source(source, pipeline)
+    declared = pipelines.pipeline(key)
+    where = f"pipeline {key}" + (f" with {deploy_path.name}" if deploy_path is not None else "")
+    try:
+        deploy = deploy_config(deploy_path, platform)
+        # vLLM-Omni's own merge validates the pair (stage ids, async-chunk edges); the graph is built from it.
+        sc.merge_pipeline_deploy(declared, dataclasses.replace(deploy, platforms=None))
+    except (ValueError, KeyError, TypeError, FileNotFoundError) as err:
+        raise Refused(f"{where}: vLLM-Omni cannot merge it: {err}") from None
+    reason = pipelines.refusal(declared, deploy.session_mode)
+    if reason is None and (unknown := {s.stage_id for s in deploy.stages} - {s.stage_id for s in declared.stages}):
+        reason = f"the deploy config has stages {sorted(unknown)} the pipeline does not declare"
+    if reason is not None and deploy.session_mode != "turn":
+        turns = [p.name for p in deploy_configs() if p != deploy_path and _turn_config_of(p, key)]
+        reason += f" (turn-based deploy configs of it: {', '.join(turns)})" if turns else ""
+    if reason is not None:
+        raise Refused(f"{where}: cannot be served: {reason}")
+    model = model or REFERENCE_MODELS.get(key) or key
+    by_id = {s.stage_id: s for s in deploy.stages}
+    model_stages = [s.model_stage for s in declared.stages]
+    names = {
+        s.stage_id: s.model_stage if model_stages.count(s.model_stage) == 1 else f"{s.model_stage}_{s.stage_id}"
+        for s in declared.stages
+    }
+    device_users: dict[str, int] = {}
+    for s in declared.stages:
+        if (devices := _devices(by_id.get(s.stage_id))) is not None:
+            device_users[devices] = device_users.get(devices, 0) + 1
+    entry_prompt = pipelines.entry_prompt(declared)
 
     graph_stages: list[dict[str, Any]] = []
     deployments: list[dict[str, Any]] = [INGRESS]
-    for s in stages:
-        omega = _plain(s.to_omegaconf())
-        engine = {k: v for k, v in omega["engine_args"].items() if v is not None}
-        for key in (*TOPOLOGY_ENGINE_ARGS, *CONNECTOR_ONLY_ENGINE_ARGS, *DIFFUSION_ONLY_ENGINE_ARGS):
-            engine.pop(key, None)
-        engine.update(STANDALONE_ENGINE_ARGS)
-        if int(engine.get("tensor_parallel_size") or 1) > 1:
-            engine["distributed_executor_backend"] = "mp"
-        if len(s.input_sources) > 1:
-            raise SystemExit(f"stage {s.model_stage}: several inputs {s.input_sources} are not supported")
-        sampling, constraints = _split_sampling(
-            omega.get("default_sampling_params") or {}, omega.get("sampling_constraints") or {}
-        )
-        engine_args: dict[str, Any] = {
-            "model": model,
-            "pipeline": pipeline,
-            "stage_id": s.stage_id,
-            "model_stage": s.model_stage,
-            "engine_input_source": list(s.input_sources),
-            "final_output_type": s.final_output_type if s.final_output else None,
-            "is_comprehension": bool(s.is_comprehension),
-            "requires_multimodal_data": bool((s.yaml_runtime or {}).get("requires_multimodal_data", False)),
-            "custom_process_input_func": s.custom_process_input_func,
-            "sampling_constraints": constraints,
-            "codec_chunk": _codec_chunk(deploy, s),
-            # The stage that reads the chat parses tool calls from its output with the model family's parser.
-            "tool_call_parser": PIPELINES[pipeline].tool_call_parser if s.is_comprehension else None,
-            "engine": engine,
-        }
-        graph_stages.append(
-            {
-                "name": s.model_stage,
-                "engine": "vllm_omni",
-                **({"input": names[s.input_sources[0]]} if s.input_sources else {}),
-                "engine_args": {k: v for k, v in engine_args.items() if v is not None},
-                # vLLM-Omni's async_chunk streams the thinker into the talker: here the talker's stream_input.
-                **({"stream_input": True} if s.input_sources and deploy.async_chunk and streams(engine_args) else {}),
-                **({"final_output": s.final_output_type} if s.final_output else {}),
-                "default_sampling": sampling,
-            }
-        )
-        devices = _devices(s)
+    ratios: dict[str, dict[str, float]] = {}
+    for s in declared.stages:
+        ds = by_id.get(s.stage_id)
+        engine = deploy_settings(deploy, ds)
+        sampling, extra = _split_sampling(dict((ds and ds.default_sampling_params) or {}), s.sampling_constraints)
+        engine_args: dict[str, Any] = {"model": model, "pipeline": key, "stage_id": s.stage_id}
+        if not s.input_sources:
+            if entry_prompt != "chat":
+                engine_args["entry"] = entry_prompt
+            if media := pipelines.entry_media(declared):
+                engine_args["media"] = media
+            # A chat entry stage parses tool calls from its output with the model family's parser (a hook).
+            if entry_prompt == "chat" and (parser := pipelines.hooks(key).tool_call_parser):
+                engine_args["tool_call_parser"] = parser
+        if extra:
+            engine_args["sampling_constraints"] = extra
+        stage: dict[str, Any] = {"name": names[s.stage_id], "engine": "vllm_omni"}
+        if s.input_sources:
+            stage["inputs"] = [names[i] for i in s.input_sources]
+        chunks = _chunks(declared, deploy, s)
+        if chunks is not None:
+            engine_args["chunks"] = chunks
+        engine_args["engine"] = engine
+        stage["engine_args"] = engine_args
+        if _streams(declared, deploy, s):
+            stage["stream_input"] = True
+        if s.final_output:
+            stage["final_output"] = s.final_output_type
+        stage["default_sampling"] = sampling
+        graph_stages.append(stage)
+        devices = _devices(ds)
         shared = devices is not None and device_users[devices] > 1
-        deployments.append(_deployment(s, engine, shared, int((s.yaml_runtime or {}).get("num_replicas", 1))))
-        node_resource = NODE_RESOURCES.get(pipeline, {}).get(s.model_stage)
+        deployments.append(_deployment(names[s.stage_id], engine, shared, ds.num_replicas if ds else 1))
+        if ds is not None and ds.env:
+            deployments[-1]["ray_actor_options"]["runtime_env"] = {"env_vars": {k: str(v) for k, v in ds.env.items()}}
+        node_resource = NODE_RESOURCES.get(key, {}).get(s.model_stage)
         if node_resource:
             deployments[-1]["ray_actor_options"]["resources"] = {node_resource: NODE_RESOURCE_PER_REPLICA}
+        if pipelines.kind(s) == "generation" and len(s.input_sources) == 1:
+            (upstream,) = s.input_sources
+            if pipelines.kind(declared.get_stage(upstream)) == "autoregressive":
+                ratios[names[s.stage_id]] = {names[upstream]: DECODER_RATIO}
 
+    args: dict[str, Any] = {"served_model_name": model, "stages": graph_stages, "stage_timeout_s": STAGE_TIMEOUT_S}
+    if key in VOICE_ALIASES:
+        args["voice_aliases"] = VOICE_ALIASES[key]
     return {
         "proxy_location": "EveryNode",
         "http_options": dict(HTTP_OPTIONS),
@@ -310,17 +387,53 @@ def generate(
                 "name": "omni",
                 "route_prefix": "/",
                 "import_path": "omni_serve.app:build_app",
-                "args": {
-                    "served_model_name": model,
-                    "stages": graph_stages,
-                    "stage_timeout_s": STAGE_TIMEOUT_S,
-                    **({"voice_aliases": VOICE_ALIASES[pipeline]} if pipeline in VOICE_ALIASES else {}),
-                },
-                "autoscaling_policy": _autoscaling_policy({s["name"] for s in graph_stages}),
+                "args": args,
+                "autoscaling_policy": _autoscaling_policy(ratios),
                 "deployments": deployments,
             }
         ],
     }
+
+
+def _async_edge(declared: Any, deploy: Any, consumer: Any) -> Any | None:
+    """The producer of ``consumer``'s one input when that edge streams: the deploy config turns async chunks
+    on for both and the producer declares an async-chunk processor (vLLM-Omni's rule)."""
+    from vllm_omni.config import stage_config as sc
+
+    if len(consumer.input_sources) != 1:
+        return None
+    producer = declared.get_stage(consumer.input_sources[0])
+    by_id = {s.stage_id: s for s in deploy.stages}
+    on = all(sc.resolve_stage_async_chunk(deploy, by_id.get(s.stage_id)) for s in (producer, consumer))
+    return producer if on and producer.async_chunk_process_next_stage_input_func else None
+
+
+def _streams(declared: Any, deploy: Any, consumer: Any) -> bool:
+    """An autoregressive consumer of a streaming edge reads it as a stream, where its streamed prompt is known."""
+    from omni_serve.models.vllm_omni import pipelines
+
+    hooks = pipelines.hooks(declared.model_type).stage(consumer.model_stage)
+    return (
+        _async_edge(declared, deploy, consumer) is not None
+        and pipelines.kind(consumer) == "autoregressive"
+        and hooks.chunk_prompt is not None
+    )
+
+
+def _chunks(declared: Any, deploy: Any, producer: Any) -> dict[str, Any] | None:
+    """The connector settings a producer cuts its chunks with, when its consumer is a generation stage fed one
+    chunk a call (where the consumer's frame geometry is known: it cuts each chunk's left context)."""
+    from omni_serve.models.vllm_omni import pipelines
+
+    consumers = [s for s in declared.stages if s.input_sources == (producer.stage_id,)]
+    if len(consumers) != 1 or _async_edge(declared, deploy, consumers[0]) is None:
+        return None
+    consumer = consumers[0]
+    hooks = pipelines.hooks(declared.model_type).stage(consumer.model_stage)
+    if pipelines.kind(consumer) != "generation" or hooks.frame_geometry is None:
+        return None
+    by_id = {s.stage_id: s for s in deploy.stages}
+    return _connector_extra(deploy, by_id.get(producer.stage_id))
 
 
 def gpus_needed(config: dict[str, Any]) -> int:
@@ -350,15 +463,34 @@ def _placement_header(app: dict[str, Any], output: str | None) -> list[str]:
     ]
 
 
-def header(config: dict[str, Any], command: str, deploy_path: Path, output: str | None) -> str:
+def notes(config: dict[str, Any]) -> list[str]:
+    """What a generated graph still needs before it serves (each a header line): a checkpoint to name, or the
+    per-model prompt builder a TTS entry stage needs (docs/models.md)."""
+    from omni_serve.models.vllm_omni import pipelines
+
+    app = config["applications"][0]
+    entry = next(s for s in app["args"]["stages"] if not s.get("inputs"))["engine_args"]
+    lines = []
+    if entry["model"] == entry["pipeline"]:
+        lines.append("# engine_args.model is the pipeline's name here: pass --model ORG/NAME (or edit every stage's).")
+    if entry.get("entry") == "speech" and pipelines.hooks(entry["pipeline"]).speech_prompt is None:
+        lines.append(
+            "# Not served yet: its entry stage takes text to speak in a prompt of the model's own, and omni_serve "
+            "has no builder for it (docs/models.md); its stages refuse to start until one is added."
+        )
+    return lines
+
+
+def header(config: dict[str, Any], command: str, deploy_path: Path | None, output: str | None) -> str:
     import vllm_omni
 
     app = config["applications"][0]
+    deploy = f"deploy config {deploy_path.parent.name}/{deploy_path.name}" if deploy_path else "vLLM-Omni's defaults"
     lines = [
         f"# {app['args']['served_model_name']} on vLLM-Omni {getattr(vllm_omni, '__version__', '?')} stage engines,",
         "# one Ray Serve deployment per stage. Generated, then only these comments edited:",
         f"#   {command}",
-        f"# from vLLM-Omni's pipeline topology + deploy config {deploy_path.parent.name}/{deploy_path.name}.",
+        f"# from vLLM-Omni's pipeline declaration + {deploy}.",
         "# GPUs (one replica per stage): "
         + ", ".join(
             f"{d['name']} {d['ray_actor_options']['num_gpus']}" for d in app["deployments"] if d["name"] != "ingress"
@@ -366,24 +498,50 @@ def header(config: dict[str, Any], command: str, deploy_path: Path, output: str 
         + f" -> {gpus_needed(config)} GPU(s).",
         "# Stages with fractional num_gpus share a GPU as in the deploy config; each one's vLLM",
         "# gpu_memory_utilization equals its fraction. Needs: pip install 'omni_serve[vllm]' on the nodes.",
+        *notes(config),
         *(_placement_header(app, output) or [f"#   serve run {output or 'THIS_FILE.yaml'}"]),
     ]
     return "\n".join(lines) + "\n"
+
+
+def listing() -> list[tuple[str, str]]:
+    """Every registered pipeline, then every deploy YAML vLLM-Omni ships, with its graph's stages or why it has none."""
+    from omni_serve.models.vllm_omni import pipelines
+
+    rows = []
+    for source in [*pipelines.registry(), *(p.name for p in deploy_configs())]:
+        try:
+            config = generate(source)
+        except Refused as err:
+            rows.append((source, f"refused: {err}"))
+            continue
+        stages = config["applications"][0]["args"]["stages"]
+        rows.append((source, "graph: " + " -> ".join(s["name"] for s in stages)))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m omni_serve.cli.graphs", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("from-vllm-omni", help="write a graph from a vLLM-Omni pipeline / deploy config")
-    gen.add_argument("source", help="pipeline model_type (qwen3_omni_moe), model id, or deploy YAML path")
+    gen.add_argument("source", help="pipeline (its registry key: qwen3_omni_moe), reference model id, or deploy YAML")
     gen.add_argument("-o", "--output", help="graph file to write (default: stdout)")
     gen.add_argument("--model", help="HF model id or local path served (default: the pipeline's reference model)")
-    gen.add_argument("--pipeline", help="vLLM-Omni pipeline model_type, when the source does not name it")
+    gen.add_argument("--pipeline", help="vLLM-Omni pipeline, when a deploy YAML does not name it")
     gen.add_argument("--platform", default="cuda", help="platform section of the deploy config to apply")
+    sub.add_parser("list", help="every registered vLLM-Omni pipeline: its graph's stages, or why it has none")
     args = parser.parse_args(argv)
 
-    config = generate(args.source, model=args.model, pipeline=args.pipeline, platform=args.platform)
-    _, deploy_path = resolve_source(args.source, args.pipeline)
+    if args.command == "list":
+        for key, what in listing():
+            sys.stdout.write(f"{key}: {what}\n")
+        return 0
+    try:
+        config = generate(args.source, model=args.model, pipeline=args.pipeline, platform=args.platform)
+        _, deploy_path = resolve_source(args.source, args.pipeline)
+    except Refused as err:
+        sys.stderr.write(f"{err}\n")
+        return 2
     command = "python -m omni_serve.cli.graphs " + " ".join(argv if argv is not None else sys.argv[1:])
     text = header(config, command, deploy_path, args.output) + yaml.safe_dump(config, sort_keys=False, width=120)
     if args.output:

@@ -2,8 +2,9 @@
 
 Each family module exposes ``EngineArgs`` (a pydantic model, cheap to import) and
 ``create(stage_name, engine_args) -> StageEngine``, and may expose ``input_modalities(args)``
-(what an entry stage of the family takes in chat messages; text only if absent); heavy imports
-happen in ``start()``.
+(what an entry stage of the family takes in chat messages; text only if absent) and
+``entry_prompt(args)`` (``speech`` for an entry stage that takes the text to speak alone, a TTS
+model; ``chat`` if absent); heavy imports happen in ``start()``.
 A family that honours some of vLLM's extra sampling parameters
 (:data:`omni_serve.types.SAMPLING_EXTENSIONS`) says which in
 ``honoured_sampling(engine_args) -> frozenset[str]``; without it, it honours none.
@@ -68,6 +69,14 @@ def unhonoured_sampling(params: SamplingParams, honoured: frozenset[str]) -> lis
 
 def create_engine(family: str, stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
     return _module(family).create(stage_name, engine_args)
+
+
+def entry_prompt(family: str, engine_args: dict[str, Any]) -> str:
+    """What an entry stage of the family builds its prompt from with these args: ``chat`` unless the family says
+    ``speech`` (the text to speak alone) in ``entry_prompt(args)``."""
+    module = _module(family)
+    declare = getattr(module, "entry_prompt", None)
+    return declare(module.EngineArgs.model_validate(engine_args)) if declare else "chat"
 
 
 def input_modalities(family: str, engine_args: dict[str, Any]) -> list[Modality]:

@@ -36,7 +36,12 @@ class StageConfig(BaseModel):
     engine_args: dict[str, Any] = Field(
         default_factory=dict, description="Arguments of the engine family, validated by the engine at start."
     )
-    input: str | None = Field(None, description="Upstream stage whose handoffs this stage consumes; None = entry.")
+    inputs: list[str] = Field(
+        default_factory=list,
+        description="Upstream stages whose handoffs this stage consumes; [] = the entry stage. Several (fan-in, as "
+        "a vLLM-Omni stage with several input_sources): one call per request, started once every one of them "
+        "finished, with each one's final handoff, in this order.",
+    )
     final_output: Modality | None = Field(None, description="What this stage contributes to the client's reply.")
     stream_input: bool = Field(
         False,
@@ -65,6 +70,13 @@ class StageConfig(BaseModel):
         "(a tensor no engine reads; a streamed handoff: to its first chunk), so the tiny model moves "
         "production-sized handoffs (1-15 MB for Qwen3-Omni's thinker). 0 in every shipped graph.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "input" in data:
+            raise ValueError("input: renamed inputs, a list (a stage may read several upstream stages)")
+        return data
 
     @field_validator("name")
     @classmethod
@@ -241,22 +253,33 @@ class GraphConfig(BaseModel):
         for i, stage in enumerate(self.stages):
             if names.count(stage.name) > 1:
                 raise ValueError(f"stages[{i}].name: duplicate stage name '{stage.name}'")
-            if stage.input is not None and stage.input not in names:
-                raise ValueError(f"stages[{i}].input: unknown upstream stage '{stage.input}' (stages: {names})")
-            if stage.stream_input and stage.input is None:
-                raise ValueError(f"stages[{i}].stream_input: the entry stage has no upstream to stream from")
+            for upstream in stage.inputs:
+                if upstream not in names:
+                    raise ValueError(f"stages[{i}].inputs: unknown upstream stage '{upstream}' (stages: {names})")
+            if len(set(stage.inputs)) != len(stage.inputs):
+                raise ValueError(f"stages[{i}].inputs: an upstream stage named twice")
+            if stage.stream_input and len(stage.inputs) != 1:
+                raise ValueError(
+                    f"stages[{i}].stream_input: a stage streams the input of exactly one upstream stage "
+                    f"(it has {len(stage.inputs)})"
+                )
         by_name = {s.name: s for s in self.stages}
+
+        def cycle(path: list[str]) -> list[str] | None:
+            for upstream in by_name[path[-1]].inputs:
+                if upstream in path:
+                    return [*path, upstream]
+                found = cycle([*path, upstream])
+                if found:
+                    return found
+            return None
+
         for i, stage in enumerate(self.stages):
-            seen = [stage.name]
-            node = stage
-            while node.input is not None:
-                if node.input in seen:
-                    raise ValueError(f"stages[{i}].input: cycle {' -> '.join(reversed([*seen, node.input]))}")
-                seen.append(node.input)
-                node = by_name[node.input]
-        entries = [s.name for s in self.stages if s.input is None]
+            if found := cycle([stage.name]):
+                raise ValueError(f"stages[{i}].inputs: cycle {' -> '.join(reversed(found))}")
+        entries = [s.name for s in self.stages if not s.inputs]
         if len(entries) != 1:
-            raise ValueError(f"stages: a graph needs exactly one entry stage (with no input), found {entries}")
+            raise ValueError(f"stages: a graph needs exactly one entry stage (with no inputs), found {entries}")
         if not any(s.final_output for s in self.stages):
             raise ValueError("stages: no stage has a final_output, the graph would return nothing")
         if self.engine_in_ingress and any(s.final_output is Modality.VIDEO for s in self.stages):
@@ -273,7 +296,7 @@ class GraphConfig(BaseModel):
 
     @property
     def entry(self) -> StageConfig:
-        return next(s for s in self.stages if s.input is None)
+        return next(s for s in self.stages if not s.inputs)
 
     def deployment(self, stage: str) -> str:
         """The Serve deployment that runs ``stage``'s engine."""
@@ -283,7 +306,7 @@ class GraphConfig(BaseModel):
         return next(s for s in self.stages if s.name == name)
 
     def children(self, name: str) -> list[StageConfig]:
-        return [s for s in self.stages if s.input == name]
+        return [s for s in self.stages if name in s.inputs]
 
     @property
     def modalities(self) -> set[Modality]:
@@ -297,15 +320,57 @@ class GraphConfig(BaseModel):
         entry = self.entry
         return input_modalities(entry.engine, entry.engine_args)
 
+    @property
+    def entry_prompt(self) -> str:
+        """What the entry stage builds its prompt from: ``chat`` (a conversation; text to speak is teacher-forced as
+        the reply) or ``speech`` (the text to speak alone: a TTS model)."""
+        from omni_serve.engines import entry_prompt
+
+        return entry_prompt(self.entry.engine, self.entry.engine_args)
+
+    def routes(self) -> dict[str, str | None]:
+        """Every API route and whether this graph answers it: None, or why not (the 4xx a request gets).
+
+        What a graph answers follows from its final outputs and what its entry stage takes: a TTS graph
+        (audio out, text to speak in) speech; a speech-to-speech graph chat, realtime, transcriptions and
+        speech; an image graph images (edits too where its entry stage takes images); a video graph videos.
+        """
+        out, takes = self.modalities, set(self.input_modalities)
+        chat = self.entry_prompt == "chat"
+        not_chat = "its entry stage takes text to speak, not a conversation (a TTS model): use /v1/audio/speech"
+
+        def need(ok: bool, why: str) -> str | None:
+            return None if ok else why
+
+        audio_in = "its entry stage takes no audio"
+        return {
+            "/v1/chat/completions": (
+                need(chat, not_chat)
+                or need(bool(out & {Modality.TEXT, Modality.AUDIO}), "it produces no text or audio")
+            ),
+            "/v1/audio/speech": need(Modality.AUDIO in out, "it produces no audio"),
+            "/v1/audio/voices": need(Modality.AUDIO in out, "it produces no audio"),
+            "/v1/realtime": need(chat, not_chat) or need(Modality.AUDIO in takes, audio_in),
+            "/v1/audio/transcriptions": (
+                need(chat, not_chat) or need(Modality.AUDIO in takes, audio_in) or need(Modality.TEXT in out, "no text")
+            ),
+            "/v1/images/generations": need(Modality.IMAGE in out, "it generates no images"),
+            "/v1/images/edits": (
+                need(Modality.IMAGE in out, "it generates no images")
+                or need(Modality.IMAGE in takes, "its entry stage takes no images")
+            ),
+            "/v1/videos": need(Modality.VIDEO in out, "it generates no videos"),
+        }
+
     def stages_for(self, modalities: set[Modality]) -> set[str]:
         """Stages a request must run: producers of the wanted outputs and their upstreams."""
         needed: set[str] = set()
-        for stage in self.stages:
-            if stage.final_output in modalities:
-                node: StageConfig | None = stage
-                while node is not None and node.name not in needed:
-                    needed.add(node.name)
-                    node = self.stage(node.input) if node.input else None
+        todo = [s.name for s in self.stages if s.final_output in modalities]
+        while todo:
+            name = todo.pop()
+            if name not in needed:
+                needed.add(name)
+                todo += self.stage(name).inputs
         return needed
 
 

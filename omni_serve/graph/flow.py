@@ -22,7 +22,7 @@ client. Every hop has a bound, and a full hop stops the one before it, up to the
   stage whose caller keeps up never waits, and one whose reader stopped waits there (one call)
   until it reads again or its call is cancelled.
 - **Engines.** A stage that waits stops pulling its engine's outputs. The transformers family's
-  job then waits too, a few outputs ahead (``engines/transformers.py``); the vLLM families cannot
+  job then waits too, a few outputs ahead (``engines/transformers/worker.py``); the vLLM families cannot
   pause one request of a batch (vLLM has no such call), so their engine request runs on to its
   ``max_tokens`` while the stage holds the outputs (vLLM's output collector merges them).
 

@@ -5,9 +5,11 @@ stages) run. Every output of a stage that carries a handoff starts one call of e
 needed downstream stage with that handoff reference; downstream calls run
 concurrently and their outputs are relayed in handoff order, so a talker's codec
 chunks can be decoded by several code2wav replicas at once yet reach the client in
-order. The final outputs of every stage that ran and has a ``final_output`` are relayed,
-wanted or not (an audio-only reply still needs the text stage's transcript, usage and
-finish reason); the ingress decides what the client sees. Cancellation (client gone)
+order. A stage with several ``inputs`` (fan-in) gets one call instead, started once every
+upstream stage's call finished, with their final handoffs in ``inputs`` order. The final
+outputs of every stage that ran and has a ``final_output`` are relayed, wanted or not (an
+audio-only reply still needs the text stage's transcript, usage and finish reason); the
+ingress decides what the client sees. Cancellation (client gone)
 cancels every stage call this request started.
 
 Every stage call gets its own engine request id, minted here from the server's request
@@ -133,6 +135,28 @@ class _Walk:
     # closes its own when it ends, but one cancelled before it started (the client left right after the
     # feed's first chunk) never runs that code, and its channel would keep the chunk.
     feeds: list[HandoffFeed] = field(default_factory=list)
+    joins: dict[str, _Join] = field(default_factory=dict)  # fan-in stage -> the handoffs it has so far
+
+
+@dataclass
+class _Join:
+    """A fan-in stage's handoffs of one request as its upstream stages finish (claimed: held until it starts).
+
+    vLLM-Omni hands a stage with several ``input_sources`` every source's output; here the stage's one
+    call starts once the last of them finished, with each one's final handoff in ``inputs`` order.
+    """
+
+    inputs: list[str]
+    handoffs: dict[str, Handoff] = field(default_factory=dict)
+
+    def add(self, upstream: str, handoff: Handoff) -> list[Handoff] | None:
+        """Keep ``upstream``'s handoff; every input's, in order, once this was the last one."""
+        self.handoffs[upstream] = handoff.claim()
+        return [self.handoffs[name] for name in self.inputs] if len(self.handoffs) == len(self.inputs) else None
+
+    def release(self) -> None:
+        for handoff in self.handoffs.values():
+            handoff.release()
 
 
 _END = object()
@@ -202,6 +226,8 @@ class Orchestrator:
                 await asyncio.gather(*walk.tasks, return_exceptions=True)
             for feed in walk.feeds:  # after the calls ended: a no-op for every consumer that closed its own
                 feed.close()
+            for join in walk.joins.values():  # fan-in stages that never started: their handoffs go now
+                join.release()
             self._walking.discard(walk.buffers)
             # The tasks' coroutines refer to the walk (a cycle): nothing the request held may wait for the
             # cycle collector, so the walk lets go of its tasks and of what its queues still hold.
@@ -224,7 +250,11 @@ class Orchestrator:
         return (left, True) if left < self.stage_timeout_s else (self.stage_timeout_s, False)
 
     def _stage_stream(
-        self, stage: StageConfig, request: StageRequest, handoff: Handoff | HandoffFeed | None, walk: _Walk
+        self,
+        stage: StageConfig,
+        request: StageRequest,
+        handoff: Handoff | HandoffFeed | list[Handoff] | None,
+        walk: _Walk,
     ) -> AsyncGenerator[StageOutput, None]:
         """One stage call, started now (so it claims ``handoff`` before the producer moves on)."""
         log = walk.request.stage_log
@@ -305,7 +335,8 @@ class _FanOut:
 
     - :meth:`_produce` reads the call: relays its own final outputs, and hands each handoff on to
       every downstream stage (:meth:`_hand_on`): a new call per handoff, or for a ``stream_input``
-      stage one call fed every handoff through its feed;
+      stage one call fed every handoff through its feed; its final handoff goes to the fan-in stages
+      (:meth:`_join`), whose call starts here when this was the last of their inputs to finish;
     - one task per downstream call pumps that call's subtree into the call's own queue (:meth:`_start`);
     - :meth:`_sequence` moves those queues' outputs into the relay queue, one downstream call after
       the other, in handoff order.
@@ -326,7 +357,10 @@ class _FanOut:
         children: list[StageConfig],
     ):
         self.orchestrator, self.walk, self.stage = orchestrator, walk, stage
-        self.request_id, self.call, self.children = request_id, call, children
+        self.request_id, self.call = request_id, call
+        # Fan-in stages (several inputs) start once all their inputs finished (_join); the others per handoff.
+        self.children = [c for c in children if len(c.inputs) == 1]
+        self.joined = [c for c in children if len(c.inputs) > 1]
         self.relay: Buffer[Any] = walk.buffers.queue()
         # The downstream calls' queues, in handoff order; None: no more. Bounded by the slots.
         self.started: asyncio.Queue[tuple[StageConfig, Buffer[Any]] | None] = asyncio.Queue()
@@ -352,14 +386,20 @@ class _FanOut:
 
     async def _produce(self) -> None:
         index = 0
+        last: StageOutput | None = None
         try:
             async with contextlib.aclosing(self.call) as outputs:
-                async for output in outputs:
+                async for last in outputs:
                     if self.stage.final_output is not None:
-                        await self.relay.put(dataclasses.replace(output, handoff=None))
-                    if output.handoff is not None:
-                        await self._hand_on(output.handoff, index)
+                        await self.relay.put(dataclasses.replace(last, handoff=None))
+                    if last.handoff is not None:
+                        await self._hand_on(last.handoff, index)
+                        if last.finished:
+                            await self._join(last.handoff)
                         index += 1
+            if self.joined and (last is None or not last.finished or last.handoff is None):
+                missing = IncompleteStageStream(f"no final handoff for {self.joined[0].name}")
+                raise StageFailed(self.stage.name, missing)
         except Exception as err:
             for feed in self.feeds.values():  # a consumer must never take a failed producer's end for its finish
                 with contextlib.suppress(Exception):  # the producer's error is the one to report
@@ -386,13 +426,27 @@ class _FanOut:
             else:
                 self._start(child, index, handoff)
 
+    async def _join(self, handoff: Handoff) -> None:
+        """This call's final handoff for its fan-in stages; one whose inputs are all here starts."""
+        for child in self.joined:
+            join = self.walk.joins.setdefault(child.name, _Join(list(child.inputs)))
+            handoffs = join.add(self.stage.name, handoff)
+            if handoffs is None:
+                continue
+            del self.walk.joins[child.name]
+            try:
+                await self.slots[child.name].acquire()  # one call per request: this only keeps _sequence's rule
+                self._start(child, 0, handoffs)  # the call claims them as it starts
+            finally:
+                join.release()
+
     async def _fed(self, child: StageConfig, feed: HandoffFeed, handoff: Handoff) -> bool:
         try:
             return await feed.put(handoff)
         except Exception as err:  # the channel is gone (its actor died): the streamed call fails
             raise StageFailed(child.name, err) from err
 
-    def _start(self, child: StageConfig, index: int, handoff: Handoff | HandoffFeed) -> None:
+    def _start(self, child: StageConfig, index: int, handoff: Handoff | HandoffFeed | list[Handoff]) -> None:
         """Start one downstream call now (it claims ``handoff`` before the producer moves on) and pump its subtree."""
         orchestrator = self.orchestrator
         request = orchestrator._child_request(child, self.request_id, index, self.walk)

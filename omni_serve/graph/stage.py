@@ -98,6 +98,7 @@ class Stage:
             handoff = inputs.handoff
             if handoff is not None and not isinstance(handoff, HandoffPayload):  # a streamed call's chunks
                 request.handoff_stream, handoff = handoff, None
+            request.handoffs = inputs.handoffs  # a fan-in call's (in this process now)
             stream = self.engine.generate(request, handoff)  # aborts its engine work when cancelled
             merge = self.engine.merge_handoffs if request.stream_handoff else None
             outputs = coalesced(
@@ -178,6 +179,7 @@ class Stage:
             "items": self.items,
             "payload_loads": payload_loads(),
             "media_decodes": media_decodes(),
+            **self.engine.calls.stats(),  # live engine requests and aborts: what every family tracks
             **self.engine.stats(),
         }
 

@@ -33,7 +33,7 @@ class StageRecord:
     name: str
     position: int  # in the graph's stage list (vLLM-Omni's stage id; sampling_params_list's index)
     final_output: Modality | None
-    upstream: str | None
+    upstream: list[str]  # its graph inputs
     calls: int = 0  # started
     finished_calls: int = 0
     first_call_at: float | None = None  # the first call's start
@@ -61,7 +61,8 @@ class StageLog:
         self.clock = clock
         self.start = clock() if start is None else start
         self.stages = {
-            s.name: StageRecord(s.name, position, s.final_output, s.input) for position, s in enumerate(graph.stages)
+            s.name: StageRecord(s.name, position, s.final_output, list(s.inputs))
+            for position, s in enumerate(graph.stages)
         }
 
     def started(self, stage: str) -> None:
@@ -99,7 +100,7 @@ class StageLog:
         record = self.stages[stage]
         if record.calls == 0 or record.finished_calls < record.calls:
             return False
-        return record.upstream is None or self.done(record.upstream)
+        return all(self.done(upstream) for upstream in record.upstream)
 
     def cut_short(self) -> list[str]:
         """The stages some call of which stopped at its ``max_tokens``, in graph order: the reply lacks their end."""

@@ -103,11 +103,12 @@ class Inputs:
     """A stage call's inputs, in this process: the upstream payload and the request's media items.
 
     ``handoff`` is one payload, or for a streamed call (``stream_input``) the upstream's chunks in
-    order as they are produced (the iterator waits for the next one).
+    order as they are produced (the iterator waits for the next one); ``handoffs`` a fan-in call's.
     """
 
     handoff: HandoffPayload | AsyncIterator[HandoffPayload] | None
     media: list[MediaPart]  # each with ``data`` as bytes (or ``url`` to fetch under the media policy)
+    handoffs: list[HandoffPayload] | None = None
 
 
 async def _resolved(value: Any) -> HandoffPayload:
@@ -142,13 +143,16 @@ async def receive(request: StageRequest) -> Inputs:
         handoff = _chunks(handoff)
     elif handoff is not None:
         handoff = await _resolved(handoff)
+    fan_in, request.handoffs = request.handoffs, None
+    handoffs = [await _resolved(value) for value in fan_in] if fan_in is not None else None
+    fan_in = None
     media: list[MediaPart] = []
     for part in (p for message in request.messages or [] for p in message.media()):
         data, part.data = part.data, None
         if isinstance(data, ray.ObjectRef):
             data = await data
         media.append(part.model_copy(update={"data": data}))
-    return Inputs(handoff, media)
+    return Inputs(handoff, media, handoffs)
 
 
 # --- the caller side: the orchestrator's stage client --------------------------------------------
@@ -261,9 +265,10 @@ class StageTransport(abc.ABC):
     """Starts stage calls for the orchestrator; owns their handoffs and the retry rule."""
 
     def call(
-        self, stage: str, request: StageRequest, handoff: Handoff | HandoffFeed | None = None
+        self, stage: str, request: StageRequest, handoff: Handoff | HandoffFeed | list[Handoff] | None = None
     ) -> AsyncGenerator[StageOutput, None]:
-        """One streaming call of ``stage``. ``handoff`` is claimed now, before the producer moves on.
+        """One streaming call of ``stage``. ``handoff`` is claimed now, before the producer moves on (a list:
+        a fan-in call's handoffs, one per upstream stage, reaching the stage as ``request.handoffs``).
 
         The outputs' ``handoff`` are :class:`Handoff` objects, valid until the caller asks for the
         next output or closes the stream: pass them on (:meth:`call`, :meth:`HandoffFeed.put`) before
@@ -273,6 +278,8 @@ class StageTransport(abc.ABC):
         """
         if isinstance(handoff, HandoffFeed):
             return self._call(stage, request, None, handoff)
+        if isinstance(handoff, list):  # a fan-in call: every upstream stage's handoff, each claimed now
+            return self._call(stage, request, [h.claim() for h in handoff], None)
         return self._call(stage, request, handoff.claim() if handoff is not None else None, None)
 
     def feed(self, request_id: str) -> HandoffFeed:
@@ -297,7 +304,7 @@ class StageTransport(abc.ABC):
         return channels
 
     async def _call(
-        self, stage: str, request: StageRequest, claim: Handoff | None, feed: HandoffFeed | None
+        self, stage: str, request: StageRequest, claim: Handoff | list[Handoff] | None, feed: HandoffFeed | None
     ) -> AsyncGenerator[StageOutput, None]:
         output: StageOutput | None = None
         messages: list[ChatMessage] | None = None
@@ -308,7 +315,8 @@ class StageTransport(abc.ABC):
                 wire = dataclasses.replace(
                     request,
                     request_id=call_id,
-                    handoff=feed.reader if feed is not None else claim.value if claim is not None else None,
+                    handoff=feed.reader if feed is not None else claim.value if isinstance(claim, Handoff) else None,
+                    handoffs=[c.value for c in claim] if isinstance(claim, list) else None,
                     messages=messages,
                     sent_at=time.time(),
                     window=self._window(call_id),
@@ -343,12 +351,12 @@ class StageTransport(abc.ABC):
                 finally:
                     taken.close()
                     # Serve may keep the request it sent for a while after the call: it must keep no payload.
-                    wire.handoff = wire.messages = None
+                    wire.handoff = wire.messages = wire.handoffs = None
         finally:
             if output is not None and isinstance(output.handoff, Handoff):
                 output.handoff.release()
-            if claim is not None:
-                claim.release()
+            for held in claim if isinstance(claim, list) else [claim] if claim is not None else []:
+                held.release()
             if feed is not None:
                 feed.close()
             messages = None  # media by reference: held for the call and its retry only

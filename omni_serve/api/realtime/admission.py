@@ -63,8 +63,13 @@ class Sessions:
         }
 
 
-def refusal(websocket: WebSocket, model: str, limits: RealtimeConfig, api_key: str | None) -> APIError | None:
-    """Why this connection may not open a session to the graph serving ``model`` (auth, Origin, model), or None."""
+def refusal(
+    websocket: WebSocket, model: str, limits: RealtimeConfig, api_key: str | None, unavailable: str | None = None
+) -> APIError | None:
+    """Why this connection may not open a session to the graph serving ``model`` (auth, Origin, model), or None.
+
+    ``unavailable``: why the graph runs no sessions at all (its routes), or None.
+    """
     protocols = [p.strip() for p in websocket.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
     if api_key is not None:
         offered = [p[len(KEY_PROTOCOL) :] for p in protocols if p.startswith(KEY_PROTOCOL)]
@@ -80,6 +85,8 @@ def refusal(websocket: WebSocket, model: str, limits: RealtimeConfig, api_key: s
     if origin is not None and not origin_allowed(origin, websocket.headers.get("host"), limits.allowed_origins):
         message = f"origin {origin[:80]!r} is neither this server's nor listed in realtime.allowed_origins"
         return APIError(403, message, type="invalid_request_error", code="origin_not_allowed")
+    if unavailable is not None:
+        return APIError(400, unavailable, type="invalid_request_error", param="model", code="unsupported_route")
     asked = websocket.query_params.get("model")
     if asked is not None and asked != model:
         return APIError(

@@ -103,7 +103,7 @@ async def serve_session(
             await websocket.send_text(text)
 
     outbox = Outbox(send_text, graph.limits.max_unsent_bytes)
-    refused = refusal(websocket, graph.model, graph.limits, api_key)
+    refused = refusal(websocket, graph.model, graph.limits, api_key, graph.unavailable)
     code = POLICY_VIOLATION
     if refused is None and (refused := graph.sessions.full()) is not None:
         code = TRY_AGAIN_LATER

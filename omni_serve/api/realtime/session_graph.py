@@ -34,3 +34,4 @@ class SessionGraph:
     limits: RealtimeConfig
     sessions: Sessions  # the replica's open sessions (admission)
     vad: VadWorkers  # the replica's VAD threads and models
+    unavailable: str | None = None  # why this graph runs no sessions (a TTS model), or None

@@ -1,33 +1,37 @@
-"""The ``vllm_omni`` engine family: one vLLM-Omni 0.30 stage engine per Serve replica (GPU production path).
+"""The ``vllm_omni`` engine family: one vLLM-Omni 0.30 pipeline stage per Serve replica (GPU production path).
 
-vLLM-Omni normally runs every stage of a model under one orchestrator. Here a replica builds
-exactly one stage's engine the way vLLM-Omni's ``StageRuntime`` builds each of its stages; the
-plumbing every stage shares (EngineCore process, client, output pump, one engine request, abort,
-health, stats) is :mod:`.engine`, and each ``model_stage`` is a role class on top of it, chosen
-once in :func:`create`:
+vLLM-Omni normally runs every stage of a model under one orchestrator. Here a replica builds exactly
+one stage's engine the way vLLM-Omni's ``StageRuntime`` builds each of its stages, from the stage's
+declaration in its pipeline (``StagePipelineConfig``, :mod:`omni_serve.models.vllm_omni.pipelines`):
+the engine kind comes from its ``execution_type``, never from a model or role name.
 
-- :mod:`.thinker`: chat messages (and media) -> text deltas, then the thinker -> talker handoff;
-- :mod:`.talker`: that handoff -> codec frames, in chunks for code2wav;
-- :mod:`.code2wav`: codec frames -> 24 kHz audio.
+- :mod:`.engine`: what every kind shares: the EngineCore process, its client, the output pump, one
+  engine request, abort, health, stats, the handoff out (the stage's declared producer processors);
+- :mod:`.autoregressive`: ``llm_ar`` stages: a prompt (an entry stage's chat or text to speak, else its
+  upstream's handoff) -> text and/or a handoff, whole or in chunks;
+- :mod:`.generation`: ``llm_generation`` stages: a handoff (codec frames) -> audio in one step;
+- :mod:`.prompts`: an entry stage's prompt; :mod:`.streamed`: a stage reading its upstream's async
+  chunks through its EngineCore's connector;
+- :mod:`.args`: the engine args and the stage config vLLM-Omni's merge builds from them;
+  :mod:`.mapping`: pure conversions (sampling, multimodal outputs).
 
-:mod:`.args` holds the engine args and the stage config built from them, :mod:`.mapping` the
-pure conversions (sampling, prompts, multimodal outputs); handoffs reuse vLLM-Omni's stage input
-processors (:mod:`omni_serve.models.vllm_omni_handoffs`). Importing this package is cheap (the
-graph is validated with :class:`EngineArgs`); vLLM and vLLM-Omni are imported when an engine starts.
+Handoffs run the pipeline's own stage input processors (:mod:`omni_serve.models.vllm_omni.edges`).
+Importing this package is cheap (graphs are validated with :class:`EngineArgs`); vLLM and vLLM-Omni
+are imported when an engine is made.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from omni_serve.engines.base import StageEngine, engine_for_role
-from omni_serve.engines.vllm_omni.args import CodecChunkArgs, EngineArgs, stage_config
+from omni_serve.engines.base import StageEngine
+from omni_serve.engines.vllm_omni.args import EngineArgs, stage_config
 from omni_serve.types import SAMPLING_EXTENSIONS, Modality
 
 __all__ = [
-    "CodecChunkArgs",
     "EngineArgs",
     "create",
+    "entry_prompt",
     "honoured_sampling",
     "input_modalities",
     "reads_streamed_input",
@@ -36,14 +40,25 @@ __all__ = [
 
 
 def create(stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
-    """The role class of ``engine_args['model_stage']``; raises ``pydantic.ValidationError`` on bad args."""
-    from omni_serve.engines.vllm_omni.code2wav import Code2WavEngine
-    from omni_serve.engines.vllm_omni.talker import TalkerEngine
-    from omni_serve.engines.vllm_omni.thinker import ThinkerEngine
+    """The engine of the stage's declared execution type; raises ``pydantic.ValidationError`` on bad args and
+    ``ValueError`` for a stage the family does not run (an unknown pipeline or stage, a diffusion stage)."""
+    from omni_serve.engines.vllm_omni.autoregressive import AutoregressiveEngine
+    from omni_serve.engines.vllm_omni.generation import GenerationEngine
+    from omni_serve.models.vllm_omni import pipelines
 
     args = EngineArgs.model_validate(engine_args)
-    roles = {"thinker": ThinkerEngine, "talker": TalkerEngine, "code2wav": Code2WavEngine}
-    return engine_for_role(roles, args.model_stage, stage_name, engine_args)
+    try:
+        declared = pipelines.stage(args.pipeline, args.stage_id)
+    except KeyError as err:
+        raise ValueError(f"stage {stage_name}: {err.args[0]}") from None
+    kinds = {"autoregressive": AutoregressiveEngine, "generation": GenerationEngine}
+    kind = pipelines.kind(declared)
+    if kind is None:
+        raise ValueError(
+            f"stage {stage_name}: pipeline {args.pipeline!r} stage {args.stage_id} ({declared.model_stage}) is a "
+            f"{declared.execution_type.value} stage, which the vllm_omni family does not run"
+        )
+    return kinds[kind](stage_name, engine_args)
 
 
 def honoured_sampling(engine_args: dict[str, Any]) -> frozenset[str]:
@@ -52,10 +67,17 @@ def honoured_sampling(engine_args: dict[str, Any]) -> frozenset[str]:
 
 
 def reads_streamed_input(engine_args: dict[str, Any]) -> bool:
-    """The Qwen3-Omni talker reads its thinker's handoff as vLLM-Omni's async chunks (``stream_input``)."""
-    return engine_args.get("model_stage") == "talker" and engine_args.get("pipeline") == "qwen3_omni_moe"
+    """Any stage may read its upstream's async chunks as far as the graph can tell (reading the declaration is
+    heavy): the engine checks at start that its upstream declares an async-chunk processor and that it is an
+    autoregressive stage (``VllmOmniEngine.check_declaration``)."""
+    return True
+
+
+def entry_prompt(args: EngineArgs) -> str:
+    """``speech`` for a TTS entry stage (``engine_args.entry``), else ``chat``."""
+    return args.entry
 
 
 def input_modalities(args: EngineArgs) -> set[Modality]:
-    """Both pipelines' thinkers take images, audio and video; the other stages take no chat."""
-    return {Modality.TEXT, Modality.IMAGE, Modality.AUDIO, Modality.VIDEO} if args.model_stage == "thinker" else set()
+    """Text, and the media the graph lets an entry stage's chat messages carry (``media``)."""
+    return {Modality.TEXT, *(Modality(m) for m in args.media)}

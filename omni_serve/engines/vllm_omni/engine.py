@@ -1,10 +1,10 @@
-"""What every vLLM-Omni stage role shares: its EngineCore, the client, the output pump, one engine request.
+"""What every vLLM-Omni stage kind shares: its EngineCore, the client, the output pump, one engine request.
 
 The stage is built the way vLLM-Omni's ``StageRuntime`` builds each of its stages
 (``_build_logical_stage_init_plans`` + ``_initialize_local_llm_replica``):
 
-1. the stage config in vLLM-Omni's (legacy, production) per-stage shape, from this stage's
-   ``engine_args`` (:func:`~omni_serve.engines.vllm_omni.args.stage_config`);
+1. the stage config in vLLM-Omni's (legacy, production) per-stage shape, merged by vLLM-Omni from the
+   stage's declaration and its deploy settings (:func:`~omni_serve.engines.vllm_omni.args.stage_config`);
 2. ``stage_init_utils.build_engine_args_dict`` -> ``build_vllm_config`` -> ``(VllmConfig,
    executor class)``; the stage's worker (``ar``/``generation``) and scheduler classes come from
    its engine args;
@@ -16,7 +16,11 @@ The stage is built the way vLLM-Omni's ``StageRuntime`` builds each of its stage
    task pumps them, as vLLM's ``AsyncLLM`` does.
 
 GPUs come from Ray (never ``devices``); tensor parallel runs inside the replica with the ``mp``
-executor. ``vllm_omni`` is imported first in :meth:`VllmOmniEngine.start` (it patches vLLM).
+executor. ``vllm_omni`` is imported first (it patches vLLM): :func:`omni_serve.engines.vllm_omni.create`
+reads the declaration before the engine is made.
+
+What leaves a stage for its downstream stage is built by the stage's declared producer processors
+(:class:`omni_serve.models.vllm_omni.edges.Producer`): :meth:`VllmOmniEngine.producer`.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from omni_serve.engines.base import StageEngine
 from omni_serve.engines.scheduler import SchedulerSnapshot
 from omni_serve.engines.vllm_omni.args import EngineArgs, stage_config
 from omni_serve.engines.vllm_omni.mapping import vllm_sampling_params
+from omni_serve.models.vllm_omni import pipelines
+from omni_serve.models.vllm_omni.edges import Producer
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import EngineDeadError, EngineError, InvalidStageInput, StageRequest
 
@@ -130,11 +136,15 @@ def _fail_into(task: asyncio.Task[None], queue: Any) -> None:
 
 
 class VllmOmniEngine(StageEngine):
-    """One vLLM-Omni stage; a role subclass (thinker, talker, code2wav) writes ``stream`` and ``_setup``."""
+    """One vLLM-Omni pipeline stage; a kind (:mod:`.autoregressive`, :mod:`.generation`) writes ``stream``."""
 
     def __init__(self, stage_name: str, engine_args: dict[str, Any]):
         super().__init__(stage_name, engine_args)
         self.args = EngineArgs.model_validate(engine_args)
+        self.declared = pipelines.stage(self.args.pipeline, self.args.stage_id)  # its StagePipelineConfig
+        self.pipeline_hooks = pipelines.hooks(self.args.pipeline)
+        self.hooks = self.pipeline_hooks.stage(self.declared.model_stage)
+        self.is_entry = not self.declared.input_sources
         self._client: Any = None
         self._processor: Any = None
         self._vllm_config: Any = None
@@ -142,13 +152,33 @@ class VllmOmniEngine(StageEngine):
         self._pump: asyncio.Task[None] | None = None
         self._scheduler = SchedulerSnapshot()
         self._queues: dict[str, Any] = {}  # engine request id -> its output collector
-        self._generated = 0  # tokens (thinker) or codec steps (talker) the engine produced, since start
+        self._generated = 0  # tokens (or codec steps) the engine produced, since start
+        self._engine_output_type: str | None = None  # the merged config's (declared, or the graph's override)
+
+    def check_declaration(self) -> None:
+        """What the graph asks of this stage against what its pipeline declares (before anything starts):
+        raises ``EngineError`` naming the setting."""
+        where = f"stage {self.stage_name} (pipeline {self.args.pipeline} stage {self.args.stage_id})"
+        if self.stream_input:
+            upstream = [pipelines.stage(self.args.pipeline, i) for i in self.declared.input_sources]
+            if len(upstream) != 1 or not upstream[0].async_chunk_process_next_stage_input_func:
+                raise EngineError(f"{where}: stream_input: its upstream declares no async-chunk processor")
+        if self.args.chunks is not None and not self.declared.async_chunk_process_next_stage_input_func:
+            raise EngineError(f"{where}: engine_args.chunks: the stage declares no async-chunk processor")
+        if not self.is_entry and (self.args.media or self.args.entry != "chat"):
+            raise EngineError(f"{where}: engine_args.media / entry: only the entry stage takes a request's input")
+        if self.args.media and not self.declared.requires_multimodal_data:
+            raise EngineError(f"{where}: engine_args.media: the stage declares no multimodal input")
+        text_out = bool(self.declared.final_output and self.declared.final_output_type == "text")
+        if self.args.tool_call_parser is not None and not (self.is_entry and self.args.entry == "chat" and text_out):
+            raise EngineError(
+                f"{where}: engine_args.tool_call_parser: only a chat entry stage whose output is text parses tool calls"
+            )
 
     # -- lifecycle ---------------------------------------------------------
 
     async def start(self) -> None:
-        import vllm_omni  # noqa: F401  - first: patches vLLM in this process
-
+        self.check_declaration()
         await asyncio.to_thread(self._launch)
         from vllm_omni.outputs.output_processor import MultimodalOutputProcessor
 
@@ -160,17 +190,26 @@ class VllmOmniEngine(StageEngine):
         self._processor = MultimodalOutputProcessor(
             tokenizer=self._tokenizer,
             log_stats=False,
-            engine_core_output_type=self.args.engine.get("engine_output_type"),
+            engine_core_output_type=self._engine_output_type,
         )
         self._pump = asyncio.create_task(_pump_outputs(self._client, self._processor, self._queues, self._scheduler))
         await self._setup(model_config.hf_config)
 
     async def _setup(self, hf_config: Any) -> None:
-        """The role's own start, once the engine runs; ``hf_config`` is the whole omni config, whatever the stage."""
+        """The kind's own start, once the engine runs; ``hf_config`` is the whole checkpoint's config."""
+
+    def producer(self) -> Producer:
+        """What this stage hands its downstream stage, built by its declared processors."""
+        return Producer(
+            self.declared,
+            self._vllm_config.model_config.hf_config,
+            self.hooks,
+            self.args.chunks,
+            int(self._vllm_config.scheduler_config.max_num_seqs),
+        )
 
     def _launch(self) -> None:
         """Build this stage's VllmConfig, spawn its EngineCore and attach the client (blocking; in a thread)."""
-        from vllm_omni.config.yaml_util import create_config
         from vllm_omni.engine.stage_engine_core_client import StageEngineCoreClientBase
         from vllm_omni.engine.stage_engine_startup import launch_stage_replica
         from vllm_omni.engine.stage_init_utils import (
@@ -179,10 +218,11 @@ class VllmOmniEngine(StageEngine):
             extract_legacy_stage_metadata,
         )
 
-        from omni_serve.checkpoints.tiny_omni import resolve_model
+        from omni_serve.checkpoints import resolve
 
-        model = resolve_model(self.args.model)  # "tiny": the local tiny Qwen3-Omni, built on first use
-        cfg = create_config(stage_config(self.args, self.stream_input))
+        model = resolve(self.args.model)  # a registered tiny checkpoint ("tiny": Qwen3-Omni's), built on first use
+        cfg = stage_config(self.args, self.stream_input).to_omegaconf()
+        self._engine_output_type = cfg.engine_args.get("engine_output_type")
         metadata = extract_legacy_stage_metadata(cfg)
         engine_args = build_engine_args_dict(cfg, model)
         vllm_config, executor_class = build_vllm_config(cfg, model, engine_args_dict=engine_args)
@@ -284,7 +324,7 @@ class VllmOmniEngine(StageEngine):
             ids = self._processor.abort_requests(handles, internal=False)
             await self._client.abort_requests_async(ids)
 
-    # -- one engine request (the roles' building block) ------------------------
+    # -- one engine request (the kinds' building block) ------------------------
 
     async def _request(
         self,
@@ -346,13 +386,15 @@ class VllmOmniEngine(StageEngine):
 
     def _params(self, request: StageRequest, output_kind: str, sampling: Any = None, **overrides: Any) -> Any:
         """vLLM sampling params of one engine request: the call's sampling (or ``sampling``), ``overrides``, the
-        stage's constraints. Structured outputs and logprobs are checked as vLLM's input processor checks them
-        (which also picks the structured-output backend, missing otherwise: these requests skip that processor)."""
+        stage's constraints (declared by the pipeline, with the graph's ``sampling_constraints`` over them).
+        Structured outputs and logprobs are checked as vLLM's input processor checks them (which also picks the
+        structured-output backend, missing otherwise: these requests skip that processor)."""
         from vllm.sampling_params import RequestOutputKind
 
         sampling = sampling if sampling is not None else request.sampling
         sampling = sampling.model_copy(update=overrides) if overrides else sampling
-        params = vllm_sampling_params(sampling, self.args.sampling_constraints, RequestOutputKind[output_kind])
+        constraints = {**self.declared.sampling_constraints, **self.args.sampling_constraints}
+        params = vllm_sampling_params(sampling, constraints, RequestOutputKind[output_kind])
         if params.structured_outputs is not None or params.logprobs is not None:
             config = self._vllm_config
             params.verify(
@@ -361,7 +403,7 @@ class VllmOmniEngine(StageEngine):
         return params
 
     def _handoff_in(self, handoff: HandoffPayload | None) -> HandoffPayload:
-        """A downstream role's input: the upstream stage's handoff, which it cannot run without."""
+        """A downstream stage's input: its upstream stage's handoff, which it cannot run without."""
         if handoff is None:
             raise InvalidStageInput(f"stage {self.stage_name}: needs a handoff from its upstream stage")
         return handoff

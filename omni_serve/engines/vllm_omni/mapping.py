@@ -52,15 +52,6 @@ def multimodal_output(output: Any) -> dict[str, Any]:
     return {}
 
 
-def lookup(mm: Mapping[str, Any], dotted: str) -> Any:
-    """A multimodal output's value by dotted key (``codes.audio``), stored flat or nested."""
-    if dotted in mm:
-        return mm[dotted]
-    outer, _, inner = dotted.partition(".")
-    nested = mm.get(outer)
-    return nested.get(inner) if isinstance(nested, Mapping) else None
-
-
 def _tensor(value: Any) -> Any:
     """One CPU tensor from a tensor or a list of per-step tensors."""
     import torch

@@ -1,0 +1,298 @@
+"""``llm_ar`` stages: a prompt -> tokens, as text for the client and/or a handoff for the downstream stage.
+
+What the stage does follows its declaration (``StagePipelineConfig``), whatever its model:
+
+- **Its prompt.** An entry stage builds it from the request (:mod:`.prompts`: chat messages and media,
+  or text to speak); a downstream stage from its upstream stages' handoffs, by its declared input
+  processor (:func:`omni_serve.models.vllm_omni.edges.consumer_prompt`), or, reading its upstream's
+  async chunks (``stream_input``), through its EngineCore's connector (:mod:`.streamed`).
+- **Its text.** A stage whose declared final output is text streams text deltas (DELTA outputs:
+  vLLM-Omni concatenates the accumulated multimodal output once, at the end).
+- **Its handoff.** Whole at the finish, by the stage's producer-side processor; or in chunks as its
+  async-chunk processor cuts them, one engine step at a time: packed per engine output for a downstream
+  stage that reads them as a stream, or each chunk its own downstream call (``engine_args.chunks``).
+  With stop strings or tool calls a text stage hands over whole at the end: a stop string can take back
+  tokens already run, a call's tokens are known as such only once parsed, and the downstream stage must
+  get only the text the client sees (a reply cut before a call hands over the rows of its text only).
+- **Tool calls** (an entry stage with ``engine_args.tool_call_parser``): parsed from its output as it
+  decodes with vLLM's parser (:mod:`omni_serve.models.tool_calls`); structured outputs and logprobs are
+  the EngineCore's own (vLLM's sampling params).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from omni_serve.engines.logprobs import from_vllm as logprobs_from_vllm
+from omni_serve.engines.vllm_omni.engine import VllmOmniEngine
+from omni_serve.engines.vllm_omni.mapping import finish_reason, multimodal_output
+from omni_serve.engines.vllm_omni.prompts import EntryPrompts
+from omni_serve.engines.vllm_omni.streamed import StreamedInput
+from omni_serve.models.tool_calls import ToolCallStream, load_parser, parser_or_refuse
+from omni_serve.models.vllm_omni import pipelines
+from omni_serve.models.vllm_omni.edges import ChunkTransfer, NewRows, consumer_prompt, first_rows, lookup, run_of
+from omni_serve.models.vllm_omni.payload import merge_steps
+from omni_serve.payload import HandoffPayload
+from omni_serve.types import (
+    EngineError,
+    FinishReason,
+    InvalidStageInput,
+    StageOutput,
+    StageRequest,
+    ToolCallDelta,
+    Usage,
+)
+
+
+class AutoregressiveEngine(VllmOmniEngine):
+    def __init__(self, stage_name: str, engine_args: dict[str, Any]):
+        super().__init__(stage_name, engine_args)
+        self.prompts = EntryPrompts(stage_name, self.args.pipeline, self.pipeline_hooks, bool(self.args.media))
+        self.streamed: StreamedInput | None = None
+        self.emits_text = bool(self.declared.final_output and self.declared.final_output_type == "text")
+        self._speakers: list[str] = []  # the checkpoint's speakers, on a stage that speaks (no text of its own)
+        self._tool_parser: Any = None  # vLLM's parser class for engine_args.tool_call_parser
+
+    def check_declaration(self) -> None:
+        super().check_declaration()
+        if self.is_entry and self.args.entry == "speech" and self.pipeline_hooks.speech_prompt is None:
+            raise EngineError(
+                f"stage {self.stage_name}: engine_args.entry speech: pipeline {self.args.pipeline!r} builds its "
+                "prompt for text to speak per model, and omni_serve has no builder for it yet (docs/models.md)"
+            )
+
+    async def _setup(self, hf_config: Any) -> None:
+        if self.is_entry:
+            self.prompts.start(self._vllm_config, self._tokenizer)
+            self.audio_input_rate = self.prompts.audio_input_rate
+        if not self.emits_text:
+            self._speakers = pipelines.speakers(hf_config)
+        name = self.args.tool_call_parser
+        # vLLM is loaded in this process already: an unknown parser name fails the start (the graph file is wrong).
+        self._tool_parser = load_parser(name) if name else None
+        if self.stream_input:
+            (upstream,) = self.declared.input_sources
+            self.streamed = StreamedInput(
+                self.stage_name,
+                self.args.stage_id,
+                pipelines.stage(self.args.pipeline, upstream),
+                self.hooks,
+                self._vllm_config,
+            )
+
+    def shutdown(self) -> None:
+        self.prompts.shutdown()
+        if self.streamed is not None:
+            self.streamed.shutdown()
+        super().shutdown()
+
+    def voices(self) -> list[str]:
+        """The speaker names of a stage that speaks (lower case, as vLLM-Omni matches them)."""
+        return list(self._speakers)
+
+    def _voice(self, voice: str | None) -> str | None:
+        if voice is None or not self._speakers:
+            return None
+        if voice.lower() not in self._speakers:
+            raise InvalidStageInput(f"voice: unknown voice {voice!r}; valid voices: {self._speakers}")
+        return voice.lower()
+
+    def merge_handoffs(self, first: HandoffPayload, later: HandoffPayload) -> HandoffPayload:
+        return merge_steps(first, later)
+
+    # -- one call ------------------------------------------------------------------
+
+    async def stream(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]:
+        voice = self._voice(request.voice)
+        if self.is_entry and request.reply is not None and self.args.entry == "chat":
+            async for output in self._speak(request):
+                yield output
+            return
+        # DELTA: each output carries only its new tokens; vLLM-Omni concatenates the accumulated
+        # multimodal output once, at the end (CUMULATIVE would re-concatenate it every step).
+        extra = self.hooks.extra_steps
+        calls = self._tool_calls(request)
+        sampling = calls.constrained(request.sampling) if calls is not None else request.sampling
+        params = self._params(
+            request, "DELTA", sampling, **({"max_tokens": request.sampling.max_tokens + extra} if extra else {})
+        )
+        self._stop_at_eos(params)
+        prompt, mm_features, feed = await self._prompt(request, handoff, params, voice)
+        prompt_ids: list[int] = list(prompt["prompt_token_ids"])
+        if not prompt_ids:  # the EngineCore would die on it (assert num_new_tokens > 0)
+            raise EngineError(f"stage {self.stage_name}: its upstream's handoff has nothing for it to run on")
+        transfer = self._transfer(request, prompt_ids, params, whole=calls is not None)
+        rows = {key: NewRows(placeholders=True) for key in self.hooks.generated_rows_only}
+        collected: dict[str, list[Any]] = {key: [] for key in rows}
+        token_ids: list[int] = []
+        text: list[str] = []
+        # vLLM's return_prompt_text: the prompt as the model sees it (media placeholders expanded), once.
+        prompt_text = (
+            self._tokenizer.decode(prompt_ids, skip_special_tokens=False)
+            if request.return_prompt_text and self.is_entry and self._tokenizer is not None
+            else None
+        )
+        async for output in self._request(request, prompt, params, mm_features, feed.run if feed else None):
+            if output.finished and feed is not None:
+                feed.engine_finished = True  # so its EngineCore sends the request's end marker
+            completion = output.outputs[0]
+            new_ids = list(completion.token_ids)
+            token_ids.extend(new_ids)
+            piece, tool_calls = completion.text, list[ToolCallDelta]()
+            if calls is not None:  # the client gets the reply without its calls, the calls apart
+                piece, tool_calls = calls.push(completion.text, new_ids, output.finished)
+            text.append(piece)
+            mm = multimodal_output(output) if rows or transfer is not None or output.finished else {}
+            for key, seen in rows.items():
+                fresh = seen.new(lookup(mm, key))
+                if fresh is not None:
+                    collected[key].append(fresh)
+            out = StageOutput(stage=self.stage_name)
+            if self.emits_text:
+                out.text, out.token_ids, out.tool_calls = piece, new_ids, tool_calls
+                out.usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(token_ids))  # so far
+                if sampling.logprobs is not None and completion.logprobs is not None:
+                    out.logprobs = logprobs_from_vllm(new_ids, completion.logprobs, sampling.logprobs)
+            out.prompt_text, prompt_text = prompt_text, None
+            if transfer is not None:
+                chunks = transfer.push(mm, token_ids, output.finished)
+                if self.args.chunks is not None:  # each chunk its own downstream call
+                    last = chunks.pop() if output.finished and chunks else None
+                    for chunk in chunks:
+                        yield StageOutput(stage=self.stage_name, handoff=chunk)
+                    out.handoff = last
+                else:  # the downstream stage reads them as a stream: this output's steps in one item
+                    out.handoff = run_of(chunks)
+            if output.finished:
+                import torch
+
+                out.finished = True
+                reason = finish_reason(completion.finish_reason)
+                out.finish_reason = calls.finish_reason(reason) if calls is not None else reason
+                out.usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(token_ids))
+                stopped = completion.finish_reason == "stop"
+                spoken = calls.spoken if calls is not None else len(token_ids)
+                if spoken < len(token_ids):  # a tool call followed: the rows of the text before it, ended as a turn
+                    mm = first_rows(mm, len(prompt_ids) + spoken, len(prompt_ids))
+                    end = self.prompts.end_of_turn(request, "".join(text))
+                    token_ids, stopped = [*token_ids[:spoken], end], True
+                # Text-only requests, and a reply that is only a tool call: nobody would read it.
+                if request.wants_handoff and transfer is None and spoken:
+                    out.handoff = self.producer().whole(
+                        request.request_id,
+                        prompt_ids,
+                        token_ids,
+                        mm,
+                        text="".join(text),
+                        stopped=stopped,
+                        rows={key: torch.cat(parts) if parts else None for key, parts in collected.items()},
+                    )
+            if out.finished or out.text or out.token_ids or out.prompt_text or out.handoff is not None:
+                yield out
+
+    async def _prompt(
+        self, request: StageRequest, handoff: HandoffPayload | None, params: Any, voice: str | None
+    ) -> tuple[dict[str, Any], Any, Any]:
+        """(prompt, media features, streamed input feed) of one call."""
+        if self.is_entry:
+            if request.reply is not None:  # entry: speech (a TTS model's own prompt)
+                return self.prompts.speech(request), None, None
+            ids, mm_features = await self.prompts.chat(request, params)
+            return {"prompt_token_ids": ids}, mm_features, None
+        if self.streamed is not None:  # its EngineCore reads chunks only: a whole handoff is a stream of one
+            chunks = request.handoff_stream if request.handoff_stream is not None else _one(self._handoff_in(handoff))
+            prompt, feed = await self.streamed.prompt_and_feed(chunks, voice)
+            return prompt, None, feed
+        sources = request.handoffs if request.handoffs is not None else [self._handoff_in(handoff)]
+        try:
+            prompt = consumer_prompt(
+                self.declared,
+                sources,
+                upstream=[pipelines.stage(self.args.pipeline, i) for i in self.declared.input_sources],
+                request_id=request.request_id,
+                voice=voice,
+                hf_config=self._vllm_config.model_config.hf_config,
+                model_config=self._vllm_config.model_config,
+            )
+        except ValueError as err:
+            raise InvalidStageInput(f"stage {self.stage_name}: {err}") from None
+        return prompt, None, None
+
+    def _stop_at_eos(self, params: Any) -> None:
+        """An entry stage that writes text stops at its tokenizer's EOS and its generation config's EOS ids.
+
+        vLLM's input processor adds these to every request's sampling params
+        (``SamplingParams.update_from_generation_config``; vLLM-Omni runs its entry stage's requests through
+        it), and the EngineCore stops only at the EOS its params name. These requests are built from tokens
+        without that processor: without this a reply ran on past its end of turn to ``max_tokens``, even where
+        a structured-output constraint (a forced tool call) had ended it with the EOS (finish ``length``).
+        Downstream stages stop at their declared stop ids (``sampling_constraints``), as vLLM-Omni's do.
+        """
+        if not (self.is_entry and self.emits_text) or self._tokenizer is None:
+            return
+        model_config = self._vllm_config.model_config
+        params.update_from_generation_config(model_config.try_get_generation_config(), self._tokenizer.eos_token_id)
+
+    def _tool_calls(self, request: StageRequest) -> ToolCallStream | None:
+        """The request's tool-call parsing (None without tools, or with ``tool_choice: none``)."""
+        tools = request.tools
+        if tools is None or tools.choice == "none":
+            return None
+        parser = parser_or_refuse(self._tool_parser, self.stage_name, self.args.tool_call_parser)
+        return ToolCallStream(parser, self._tokenizer, tools)
+
+    def _transfer(
+        self, request: StageRequest, prompt_ids: list[int], params: Any, whole: bool = False
+    ) -> ChunkTransfer | None:
+        """The call's chunk transfer when its handoff goes downstream in chunks (None: whole, or none);
+        ``whole``: a text stage's reply goes whole (tool calls)."""
+        if not request.wants_handoff or not self.declared.async_chunk_process_next_stage_input_func:
+            return None
+        streams = request.stream_handoff and not (self.emits_text and (request.sampling.stop or whole))
+        if self.args.chunks is None and not streams:
+            return None
+        return self.producer().chunks(request.request_id, prompt_ids, list(params.stop_token_ids or ()))
+
+    async def _speak(self, request: StageRequest) -> AsyncIterator[StageOutput]:
+        """Teacher-force ``request.reply`` as the assistant turn (text to speak, on a chat entry stage).
+
+        The reply's tokens are appended to the prompt and the engine runs one prefill over all of them,
+        sampling a single token that is then replaced by the end-of-turn token: the multimodal output is
+        that of exactly this text, the same rows generation would have produced had it sampled these
+        tokens and stopped (the end-of-turn token's own row is never computed).
+        """
+        if request.media:
+            raise InvalidStageInput("input: text to speak takes no media", "input")
+        prompt_ids, _ = await self.prompts.chat(request, None)
+        reply, end = self.prompts.spoken(request)
+        params = self._params(request, "FINAL_ONLY", max_tokens=1, temperature=0.0, stop=[], stop_token_ids=[])
+        async for output in self._request(request, {"prompt_token_ids": prompt_ids + reply}, params):
+            if not output.finished:
+                continue
+            handoff = None
+            if request.wants_handoff:
+                mm = multimodal_output(output)
+                transfer = self._transfer(request, prompt_ids, params)
+                if transfer is not None:  # the whole reply's rows as its chunks
+                    chunks = transfer.push(mm, [*reply, *end], True)
+                    handoff = run_of(chunks) if self.args.chunks is None else (chunks[-1] if chunks else None)
+                    for chunk in chunks[:-1] if self.args.chunks is not None else ():
+                        yield StageOutput(stage=self.stage_name, handoff=chunk)
+                else:
+                    handoff = self.producer().whole(
+                        request.request_id, prompt_ids, [*reply, *end], mm, text=request.reply or "", stopped=True
+                    )
+            yield StageOutput(
+                stage=self.stage_name,
+                text=request.reply or "",
+                token_ids=reply,
+                finished=True,
+                finish_reason=FinishReason.STOP,
+                usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(reply) + len(end)),
+                handoff=handoff,
+            )
+
+
+async def _one(handoff: HandoffPayload) -> AsyncIterator[HandoffPayload]:
+    yield handoff

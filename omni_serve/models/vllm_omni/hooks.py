@@ -1,0 +1,81 @@
+"""What a vLLM-Omni pipeline's declaration does not say, and omni_serve must know: per-model hooks.
+
+Everything else about a ``vllm_omni`` stage comes from its ``StagePipelineConfig``
+(:mod:`omni_serve.models.vllm_omni.pipelines`). A pipeline without hooks gets :data:`DEFAULT`; a
+model module (e.g. :mod:`omni_serve.models.vllm_omni.qwen_omni`) registers hooks for the stages
+where the declaration is not enough, each field with the reason. docs/models.md lists every place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """How one stage's engine outputs map back onto the per-step outputs vLLM-Omni's runner hands its
+    async-chunk processor (``async_chunk_process_next_stage_input_func``), one call per engine step.
+
+    vLLM-Omni accumulates a stage's multimodal output per request: a value that gains rows as the
+    request runs (one per position computed: the prompt's with the prefill step, then one a decoding
+    step) comes as one tensor after the prefill, then a growing list of per-step tensors, then one
+    consolidated tensor at the finish. ``rows`` names those values (dotted paths, a prefix covers
+    what is under it); every other value is the same each step and is handed on as its first.
+    """
+
+    rows: tuple[str, ...] = ("codes.audio",)  # codec frames: what the TTS families' chunkers read
+
+
+@dataclass(frozen=True)
+class FrameGeometry:
+    """How many codec ids one frame holds and how many samples a frame decodes to (generation stages
+    that decode codec frames with left context: the replica cuts the context's samples)."""
+
+    code_groups: int
+    samples_per_frame: int
+
+
+@dataclass(frozen=True)
+class StageHooks:
+    """The per-model facts of one stage (its ``model_stage`` in one pipeline). Defaults: none needed."""
+
+    # The engine output rows a whole handoff's producer-side processor gets for these keys: only the
+    # rows of generated positions, not the placeholder rows the engine holds for prompt positions.
+    generated_rows_only: tuple[str, ...] = ()
+    # Decoding steps this stage runs beyond the request's max_tokens (the last token's data comes a step later).
+    extra_steps: int = 0
+    step_rows: StepRows = field(default_factory=StepRows)
+    # (payload, flat multimodal output, hf_config, tokens computed) -> None: corrects the payload the
+    # producer-side processor built, in place, where it assumes what the engine here does not do.
+    fix_payload: Callable[[Any, Mapping[str, Any], Any, int], None] | None = None
+    # A stage that reads its upstream's async chunks: its placeholder prompt from the first chunk
+    # (vLLM-Omni's prewarm sizes it per model), and the upstream's whole handoff as those chunks.
+    chunk_prompt: Callable[[Any], dict[str, Any]] | None = None
+    whole_as_chunks: Callable[[Any, Any], Any] | None = None
+    # A chunk's payload as the stage's model reads it from its connector: (payload, model dtype) -> payload.
+    chunk_payload: Callable[[dict[str, Any], Any], dict[str, Any]] | None = None
+    # Generation stages decoding codec frames: the frame geometry from the checkpoint's config, and
+    # whether to measure the samples a lone decode holds back (see engines.vllm_omni.generation).
+    frame_geometry: Callable[[Any], FrameGeometry | None] | None = None
+    measure_decode_lag: bool = False
+
+
+DEFAULT = StageHooks()
+
+
+@dataclass(frozen=True)
+class PipelineHooks:
+    """Per-model hooks of one pipeline: by ``model_stage``, and what an entry stage needs."""
+
+    stages: Mapping[str, StageHooks] = field(default_factory=dict)
+    # A TTS entry stage (its graph's ``entry: speech``): (request, tokenizer, hf_config) -> engine prompt.
+    # vLLM-Omni builds these prompts per model in its API server (entrypoints/openai/tts_adapters).
+    speech_prompt: Callable[[Any, Any, Any], dict[str, Any]] | None = None
+    # vLLM's tool parser for the model's tool-call syntax (`vllm serve --tool-call-parser`): vLLM-Omni's
+    # pipeline does not declare it; a generated graph's chat entry stage gets it (engine_args.tool_call_parser).
+    tool_call_parser: str | None = None
+
+    def stage(self, model_stage: str) -> StageHooks:
+        return self.stages.get(model_stage, DEFAULT)

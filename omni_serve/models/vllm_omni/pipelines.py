@@ -1,0 +1,156 @@
+"""vLLM-Omni's pipeline declarations, read from its registry, and what omni_serve makes of them.
+
+vLLM-Omni describes every model it serves as data: ``OMNI_PIPELINES`` maps a model type to a
+``PipelineConfig`` (or a resolver that picks one from the checkpoint's config), whose
+``StagePipelineConfig`` stages declare their execution type, inputs, final output, input processors
+and sampling constraints. A ``vllm_omni`` stage is built from its stage's declaration here; what the
+declaration does not say comes from per-model hooks (:func:`hooks`), listed in docs/models.md.
+
+Heavy: the registry imports vLLM and every pipeline module (a minute and 0.5 GiB on a loaded 2-core
+machine). Stage replicas and the graph generator import this module; graph validation in the ingress
+never does (it reads only the graph file).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from omni_serve.models.vllm_omni import qwen_omni
+from omni_serve.models.vllm_omni.hooks import PipelineHooks
+
+# Per-model hooks, by pipeline (model type). A pipeline not listed needs none.
+HOOKS: dict[str, PipelineHooks] = {
+    "qwen3_omni_moe": qwen_omni.QWEN3_OMNI,
+    "qwen2_5_omni": qwen_omni.QWEN2_5_OMNI,
+}
+
+# The execution types omni_serve's vllm_omni family runs, and the engine kind for each.
+KINDS = {"llm_ar": "autoregressive", "llm_generation": "generation"}
+# The final outputs an OpenAI route can return.
+SERVED_OUTPUTS = ("text", "audio")
+
+
+def hooks(pipeline: str) -> PipelineHooks:
+    return HOOKS.get(pipeline, PipelineHooks())
+
+
+def registry() -> dict[str, Any]:
+    """vLLM-Omni's ``OMNI_PIPELINES``: model type -> ``PipelineConfig`` or resolver."""
+    from vllm_omni.config.pipeline_registry import OMNI_PIPELINES
+
+    return OMNI_PIPELINES
+
+
+def pipeline(model_type: str) -> Any:
+    """The ``PipelineConfig`` registered for ``model_type``.
+
+    A resolver picks a variant from the checkpoint's HF config (Qwen3-Omni: thinker-only when the
+    checkpoint has no audio output); without a checkpoint, the pipeline its module declares for this
+    model type (the full one) is taken.
+    """
+    from vllm_omni.config.stage_config import PipelineConfig
+
+    entries = registry()
+    if model_type not in entries:
+        raise KeyError(f"no vLLM-Omni pipeline {model_type!r} (registered: {len(entries)}, e.g. {sorted(entries)[:5]})")
+    entry = entries[model_type]
+    if isinstance(entry, PipelineConfig):
+        return entry
+    declared = [v for v in vars(sys.modules[entry.__module__]).values() if isinstance(v, PipelineConfig)]
+    for candidate in declared:
+        if candidate.model_type == model_type:
+            return candidate
+    raise KeyError(f"the resolver of pipeline {model_type!r} declares no pipeline of that model type in its module")
+
+
+def stage(model_type: str, stage_id: int) -> Any:
+    """One ``StagePipelineConfig`` of a pipeline."""
+    found = pipeline(model_type).get_stage(stage_id)
+    if found is None:
+        ids = [s.stage_id for s in pipeline(model_type).stages]
+        raise KeyError(f"pipeline {model_type!r} has no stage {stage_id} (stages: {ids})")
+    return found
+
+
+def kind(stage: Any) -> str | None:
+    """The engine kind that runs a stage (``autoregressive``, ``generation``), None for those it does not."""
+    return KINDS.get(str(getattr(stage.execution_type, "value", stage.execution_type)))
+
+
+def refusal(declared: Any, session_mode: str = "turn") -> str | None:
+    """Why a pipeline (its ``PipelineConfig``) cannot be served as a graph of ``vllm_omni`` stages; None if it can."""
+    for s in declared.stages:
+        execution = str(getattr(s.execution_type, "value", s.execution_type))
+        if kind(s) is None:
+            return (
+                f"stage {s.stage_id} ({s.model_stage}) is a {execution} stage; the vllm_omni family runs llm_ar and "
+                "llm_generation stages (DiT stages: the vllm_omni_diffusion family, single-stage graphs only)"
+            )
+        if s.final_output and s.final_output_type not in SERVED_OUTPUTS:
+            return f"stage {s.stage_id} ({s.model_stage}) outputs {s.final_output_type!r}: no OpenAI-compatible route"
+    if session_mode != "turn":
+        return (
+            f"session_mode {session_mode!r}: full-duplex sessions run in vLLM-Omni's duplex orchestrator; "
+            "omni_serve serves turns"
+        )
+    entries = [s for s in declared.stages if not s.input_sources]
+    if len(entries) != 1:
+        return f"{len(entries)} entry stages: a graph has exactly one"
+    return None
+
+
+def entry_prompt(declared: Any) -> str:
+    """What the pipeline's entry stage builds its prompt from: ``speech`` (the text to speak) when the pipeline
+    answers audio and no text (a TTS model: vLLM-Omni serves these on its speech API), else ``chat``."""
+    finals = {s.final_output_type for s in declared.stages if s.final_output}
+    return "speech" if "audio" in finals and "text" not in finals else "chat"
+
+
+MEDIA = ("image", "audio", "video")
+
+
+def entry_media(declared: Any) -> list[str]:
+    """The media a pipeline's entry stage takes in a chat message: none unless it declares multimodal input;
+    then those its model class has a prompt placeholder for (``SupportsMultiModal.get_placeholder_str``: vLLM's
+    class for the architecture, else vLLM-Omni's), all three where no class says."""
+    from vllm import ModelRegistry
+    from vllm_omni.model_executor.models.registry import OmniModelRegistry
+
+    entry = next(s for s in declared.stages if not s.input_sources)
+    if not entry.requires_multimodal_data:
+        return []
+    arch = entry.model_arch or declared.model_arch
+    registry_log = logging.getLogger("vllm.model_executor.models.registry")
+    level, registry_log.level = registry_log.level, logging.CRITICAL  # a class that fails to import logs a traceback
+    try:
+        for registry in (ModelRegistry, OmniModelRegistry):
+            try:  # a class that fails to import here (a missing optional dependency) says nothing
+                model_class = registry._try_load_model_cls(arch) if arch else None
+            except Exception:
+                model_class = None
+            taken = [m for m in MEDIA if _placeholder(model_class, m)]
+            if taken:
+                return taken
+    finally:
+        registry_log.level = level
+    return list(MEDIA)
+
+
+def _placeholder(model_class: Any, modality: str) -> bool:
+    try:
+        return model_class.get_placeholder_str(modality, 0) is not None
+    except Exception:  # no such method, or vLLM's ValueError for a modality the model does not take
+        return False
+
+
+def speakers(hf_config: Any) -> list[str]:
+    """The speaker names a checkpoint's config lists (lower case), where vLLM-Omni's speech API reads them
+    (``load_supported_speakers``: ``talker_config.spk_id`` / ``speaker_id``)."""
+    config = getattr(hf_config, "talker_config", None)
+    for attr in ("spk_id", "speaker_id"):
+        names = config.get(attr) if isinstance(config, dict) else getattr(config, attr, None)
+        if isinstance(names, dict) and names:
+            return sorted(str(name).lower() for name in names)
+    return []

@@ -1,0 +1,56 @@
+"""The model families omni_serve serves end to end in CI: the graph each deploys and the request that runs every stage.
+
+A family added here (and marked "served end to end in CI" in docs/models.md, which tests/test_graphs_generator.py
+checks) is held to every graph property of :mod:`tests.graph_properties` by its integration module, which runs
+``graph_properties.PROPERTIES`` on its deployed graph (tests/test_graph_properties.py checks that each does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    graph: str  # the graph file its tests deploy (graphs/)
+    module: str  # the integration module that deploys it and runs graph_properties.PROPERTIES on it
+    route: str  # the route a request reaching every stage takes
+    # A request reaching every stage (``long``: one that runs for minutes unless cancelled, so a client
+    # that leaves does so mid-request).
+    body: Callable[[bool], dict[str, Any]]
+    pipeline: str | None = None  # its vLLM-Omni pipeline, for the vllm_omni families
+
+
+def omni_chat(model: str, talker: str = "talker") -> Callable[[bool], dict[str, Any]]:
+    """A chat request with spoken audio; long: the talker asked for 4000 greedy codec frames (a tiny random
+    talker never samples its codec EOS greedily)."""
+
+    def body(long: bool) -> dict[str, Any]:
+        frames = 4000 if long else 8
+        return {
+            "model": model,
+            "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "modalities": ["text", "audio"],
+            "max_tokens": 8,
+            "seed": 7,
+            "stage_sampling": {talker: {"temperature": 0.0, "max_tokens": frames}},
+        }
+
+    return body
+
+
+FAMILIES = (
+    Family("transformers", "tiny_omni.yaml", "test_cancellation", "/v1/chat/completions", omni_chat("tiny-qwen3-omni")),
+    Family(
+        "vllm_omni.qwen3_omni_moe",
+        "tiny_omni_vllm.yaml",
+        "test_vllm_omni_cpu",
+        "/v1/chat/completions",
+        omni_chat("tiny-qwen3-omni"),
+        pipeline="qwen3_omni_moe",
+    ),
+)
+BY_NAME = {family.name: family for family in FAMILIES}

@@ -1,0 +1,155 @@
+"""The graph properties every served family must hold, as checks a family's integration module runs on its graph.
+
+Each check takes the deployed graph (``tests.conftest.Graphs``, one replica a stage) and the family
+(:mod:`tests.families`), and asserts on what the cluster and the engines report, never on timing:
+
+- one Serve deployment per stage, each with its own replicas and autoscaling config, under the graph's policy;
+- handoffs by reference (the ingress never loads one while every downstream stage does) and freed on use
+  (every object the request made is gone once it ended);
+- a client that leaves cancels every stage: every engine drops the request (nothing running, waiting or
+  streaming) and the engines it was running in count it aborted;
+- readiness per stage: ``/health`` names every stage, each ready.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from omni_serve.cli.launch import load_graph_file
+from tests.conftest import wait_until
+from tests.families import Family
+from tests.object_store import objects_of_at_least
+
+FREED_WITHIN_S = 10
+SEEN_MIN_BYTES = 256  # a census of the objects a request makes (handoffs, stream items), without control noise
+
+
+def stage_names(family: Family) -> list[str]:
+    return [s["name"] for s in load_graph_file(family.graph)["applications"][0]["args"]["stages"]]
+
+
+def stage_stats(graph: Any, family: Family) -> dict[str, dict[str, Any]]:
+    return {name: graph.handle(name).stats.remote().result() for name in stage_names(family)}
+
+
+def one_deployment_per_stage(graph: Any, family: Family) -> None:
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    details = ray.get(controller.get_serve_instance_details.remote())["applications"]["omni"]
+    stages = stage_names(family)
+    assert set(details["deployments"]) == {"ingress", *stages}, family.name
+    replicas: set[str] = set()
+    for name in stages:
+        deployment = details["deployments"][name]
+        config = deployment["deployment_config"]
+        assert config.get("autoscaling_config") or config.get("num_replicas"), (family.name, name)
+        ids = {r["replica_id"] for r in deployment["replicas"] if r["state"] == "RUNNING"}
+        assert ids and not ids & replicas, (family.name, name)  # replicas of its own
+        replicas |= ids
+    policy = details["deployed_app_config"].get("autoscaling_policy") or {}
+    assert policy.get("policy_function") == "omni_serve.graph.autoscaling:StagePolicy", family.name
+
+
+def handoffs_by_reference_and_freed(graph: Any, family: Family) -> None:
+    stages = stage_names(family)
+    ingress_before = graph.handle("ingress").payload_loads.remote().result()
+    before = stage_stats(graph, family)
+    known = objects_of_at_least(graph.address, SEEN_MIN_BYTES)
+    seen: set[str] = set()
+    done = threading.Event()
+
+    def census() -> None:  # the objects the request makes, while it runs
+        while not done.is_set():
+            seen.update(set(objects_of_at_least(graph.address, SEEN_MIN_BYTES)) - set(known))
+            done.wait(0.02)
+
+    watcher = threading.Thread(target=census, daemon=True)
+    watcher.start()
+    try:
+        reply = httpx.post(f"{graph.base_url}{family.route}", json=family.body(False), timeout=300)
+    finally:
+        done.set()
+        watcher.join()
+    assert reply.status_code == 200, reply.text
+    after = stage_stats(graph, family)
+    assert graph.handle("ingress").payload_loads.remote().result() == ingress_before, family.name  # by reference
+    for name in stages[1:]:  # every downstream stage loaded its upstream's handoffs itself
+        grew = sum(after[name]["payload_loads"].values()) - sum(before[name]["payload_loads"].values())
+        assert grew >= 1, (family.name, name)
+    assert seen, f"{family.name}: the request made no object of {SEEN_MIN_BYTES}+ bytes to follow"
+
+    def left() -> int:
+        return len(seen & set(objects_of_at_least(graph.address, SEEN_MIN_BYTES)))
+
+    deadline = time.monotonic() + FREED_WITHIN_S
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left() == 0, f"{family.name}: {left()} of the request's {len(seen)} objects outlived it"
+
+
+def client_gone_cancels_every_stage(graph: Any, family: Family) -> None:
+    stages = stage_names(family)
+
+    def idle() -> bool:
+        return all(
+            s.get("running", 0) == 0 and s.get("waiting", 0) == 0 and s.get("stream_calls", 0) == 0
+            for s in stage_stats(graph, family).values()
+        )
+
+    wait_until(idle, 90, f"{family.name}: idle stages before the test")
+    before = stage_stats(graph, family)
+    sock = _open(graph.base_url, family.route, family.body(True))
+    try:
+        wait_until(
+            lambda: all(s["calls"] > before[n]["calls"] for n, s in stage_stats(graph, family).items()),
+            120,
+            f"{family.name}: the request to reach every stage",
+        )
+        running = {n for n, s in stage_stats(graph, family).items() if s.get("running", 0) or s.get("stream_calls", 0)}
+    finally:
+        sock.close()
+    wait_until(idle, 90, f"{family.name}: every stage to drop the request after the client left")
+    after = stage_stats(graph, family)
+    for name in stages:
+        assert after[name]["calls"] >= before[name]["calls"] + 1, (family.name, name)
+    # The stages it was running in aborted their engine requests (the long one: the talker at least).
+    aborted = {n for n in running if after[n].get("aborted", 0) > before[n].get("aborted", 0)}
+    assert aborted and aborted <= running, (family.name, running, aborted)
+
+
+def readiness_per_stage(graph: Any, family: Family) -> None:
+    health = httpx.get(f"{graph.base_url}/health", timeout=30)
+    assert health.status_code == 200, health.text
+    assert health.json()["stages"] == dict.fromkeys(stage_names(family), "ready"), family.name
+
+
+def _open(base_url: str, route: str, body: dict[str, Any]) -> socket.socket:
+    """Send the request on a raw socket, so the test decides when the client goes away."""
+    import json
+    from urllib.parse import urlparse
+
+    url = urlparse(base_url)
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((url.hostname, url.port), timeout=120)
+    head = (
+        f"POST {route} HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+PROPERTIES: tuple[Callable[[Any, Family], None], ...] = (
+    one_deployment_per_stage,
+    handoffs_by_reference_and_freed,
+    client_gone_cancels_every_stage,
+    readiness_per_stage,
+)

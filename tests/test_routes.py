@@ -1,6 +1,6 @@
-"""What a graph answers follows from its final outputs and its entry stage: a TTS graph ``/v1/audio/speech``, a
-speech-to-speech graph chat, realtime, transcriptions and speech, an image graph images; a route it cannot
-answer is a 400 naming why, and ``/v1/models`` lists the routes it answers.
+"""What a graph answers follows from its final outputs and its entry stage: a TTS graph ``/v1/audio/speech``,
+a speech-to-speech graph chat, realtime, transcriptions and speech, an image graph images and chat (an image
+part); a route it cannot answer is a 400 naming why, and ``/v1/models`` lists the routes it answers.
 
 The ingress runs in process here (its FastAPI app, the real routes, orchestrator and transport contract)
 in front of a small fake TTS engine, so no Ray cluster starts: the graph-level selection for every graph
@@ -66,9 +66,9 @@ def test_shipped_graphs_answer_by_their_outputs() -> None:
     for name in ("tiny_omni.yaml", "tiny_omni_vllm.yaml", "qwen3_omni.yaml", "qwen2_5_omni.yaml"):
         assert answered(shipped(name)) == speech_to_speech, name
     assert answered(shipped("single_stage_llm.yaml")) == {CHAT}
-    assert answered(shipped("tiny_image.yaml")) == {IMAGES}
+    assert answered(shipped("tiny_image.yaml")) == {CHAT, IMAGES}  # chat: the image as an image_url part
     assert shipped("tiny_image.yaml").routes()[EDITS] == "its entry stage takes no images"
-    assert answered(shipped("tiny_image_edit_vllm_omni.yaml")) == {IMAGES, EDITS}
+    assert answered(shipped("tiny_image_edit_vllm_omni.yaml")) == {CHAT, IMAGES, EDITS}
     assert answered(shipped("tiny_video.yaml")) == {VIDEOS}
     tts = load_graph(TTS_GRAPH)
     assert tts.entry_prompt == "speech" and answered(tts) == {SPEECH, VOICES}

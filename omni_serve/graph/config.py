@@ -333,7 +333,8 @@ class GraphConfig(BaseModel):
 
         What a graph answers follows from its final outputs and what its entry stage takes: a TTS graph
         (audio out, text to speak in) speech; a speech-to-speech graph chat, realtime, transcriptions and
-        speech; an image graph images (edits too where its entry stage takes images); a video graph videos.
+        speech; an image graph images and chat (the image as an image_url part; edits too where its entry stage
+        takes images); a video graph videos.
         """
         out, takes = self.modalities, set(self.input_modalities)
         chat = self.entry_prompt == "chat"
@@ -346,7 +347,8 @@ class GraphConfig(BaseModel):
         return {
             "/v1/chat/completions": (
                 need(chat, not_chat)
-                or need(bool(out & {Modality.TEXT, Modality.AUDIO}), "it produces no text or audio")
+                # chat carries text, audio and images (an image_url part, as vLLM-Omni's chat does); not videos
+                or need(bool(out & {Modality.TEXT, Modality.AUDIO, Modality.IMAGE}), "it makes no text, audio or image")
             ),
             "/v1/audio/speech": need(Modality.AUDIO in out, "it produces no audio"),
             "/v1/audio/voices": need(Modality.AUDIO in out, "it produces no audio"),

@@ -98,7 +98,7 @@ def test_a_gpu_stage_starts_under_vllm_omnis_device_lock(
     monkeypatch.setattr(init_utils, "release_device_locks", lambda fds: events.append(f"unlock {fds}"))
     monkeypatch.setattr(vllm.platforms, "current_platform", SimpleNamespace(is_cuda_alike=lambda: True), raising=False)
     launch_plumbing["make_client"] = lambda **kwargs: events.append("client made")
-    engine.create("talker", {**ARGS, "stage_id": 1, "model_stage": "talker"})._launch()
+    engine.create("talker", {**ARGS, "stage_id": 1})._launch()
     assert events == ["lock for stage 1", "engine core spawned", "handshake done", "unlock [7]", "client made"]
 
 

@@ -106,16 +106,15 @@ def test_vllm_omni_builds_the_gpu_stage_configs() -> None:
     them): bfloat16, the share as gpu_memory_utilization, no fixed KV cache size, the talker async-chunked."""
     require("vllm_omni", VLLM_OMNI_HOW)
     import vllm_omni  # noqa: F401  - first: patches vLLM
-    from vllm_omni.config.yaml_util import create_config
     from vllm_omni.engine.stage_init_utils import build_engine_args_dict, build_vllm_config
 
-    from omni_serve.checkpoints.tiny_omni import resolve_model
+    from omni_serve.checkpoints import resolve
     from omni_serve.engines.vllm_omni.args import EngineArgs, stage_config
 
     for name, stage in stages(gpu_config()).items():
         args = EngineArgs.model_validate(stage["engine_args"])
-        cfg = create_config(stage_config(args, stream_input=bool(stage.get("stream_input"))))
-        model = resolve_model(args.model)
+        cfg = stage_config(args, stream_input=bool(stage.get("stream_input"))).to_omegaconf()
+        model = resolve(args.model)
         engine_args = build_engine_args_dict(cfg, model)
         vllm_config, _ = build_vllm_config(cfg, model, engine_args_dict=engine_args)
         assert vllm_config.model_config.dtype == torch.bfloat16, name

@@ -28,9 +28,9 @@ from omni_serve.engines.scheduler import SchedulerSnapshot
 from omni_serve.models.tool_calls import (
     ToolCallStream,
     load_parser,
-    parser_or_refuse,
     template_fields,
     tool_call_parser_field,
+    tool_call_stream,
 )
 from omni_serve.pacing import engine_config, min_step_field
 from omni_serve.payload import HandoffPayload
@@ -291,11 +291,9 @@ class VLLMEngine(StageEngine):
 
     def _tool_calls(self, request: StageRequest) -> ToolCallStream | None:
         """The request's tool-call parsing (None without tools, or with ``tool_choice: none``)."""
-        tools = request.tools
-        if tools is None or tools.choice == "none":
-            return None
-        parser = parser_or_refuse(self._tool_parser, self.stage_name, self.args.tool_call_parser)
-        return ToolCallStream(parser, self._tokenizer, tools)
+        return tool_call_stream(
+            request.tools, self._tool_parser, self.stage_name, self.args.tool_call_parser, self._tokenizer
+        )
 
     async def stream(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]:
         from vllm.inputs.engine import tokens_input

@@ -237,3 +237,13 @@ def merge_deltas(first: list[ToolCallDelta], later: list[ToolCallDelta]) -> list
         else:
             merged.append(ToolCallDelta(piece.index, piece.id, piece.name, piece.arguments))
     return merged
+
+
+def tool_call_stream(
+    calling: ToolCalling | None, loaded: Any, stage: str, name: str | None, tokenizer: Any
+) -> ToolCallStream | None:
+    """A request's tool-call parsing on a stage: None without tools or with ``tool_choice: none``, else a
+    :class:`ToolCallStream` with the stage's parser (a 400 naming ``tools`` when the stage has none)."""
+    if calling is None or calling.choice == "none":
+        return None
+    return ToolCallStream(parser_or_refuse(loaded, stage, name), tokenizer, calling)

@@ -13,7 +13,7 @@ from omni_serve.engines.logprobs import LogprobRecorder
 from omni_serve.engines.transformers.sampling import end_ids, generation_config, seed, stopping
 from omni_serve.engines.transformers.worker import RNG_LOCK, Emit, HFEngine, logger
 from omni_serve.models import qwen3_omni
-from omni_serve.models.tool_calls import ParserLoader, ToolCallStream, merge_deltas, parser_or_refuse
+from omni_serve.models.tool_calls import ParserLoader, ToolCallStream, merge_deltas, tool_call_stream
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import (
     EngineError,
@@ -208,8 +208,7 @@ class ThinkerEngine(HFEngine):
                 loaded = await asyncio.wrap_future(self.tool_parser.future())
             except Exception as err:
                 loaded = err
-        parser = parser_or_refuse(loaded, self.stage_name, self.args.tool_call_parser)
-        return ToolCallStream(parser, self.tokenizer, tools)
+        return tool_call_stream(tools, loaded, self.stage_name, self.args.tool_call_parser, self.tokenizer)
 
     def merge_handoffs(self, first: HandoffPayload, later: HandoffPayload) -> HandoffPayload:
         return qwen3_omni.merge_thinker_chunks([first, later])

@@ -29,9 +29,9 @@ from omni_serve.engines.vllm_omni.engine import VllmOmniEngine
 from omni_serve.engines.vllm_omni.mapping import finish_reason, multimodal_output
 from omni_serve.engines.vllm_omni.prompts import EntryPrompts
 from omni_serve.engines.vllm_omni.streamed import StreamedInput
-from omni_serve.models.tool_calls import ToolCallStream, load_parser, parser_or_refuse
+from omni_serve.models.tool_calls import ToolCallStream, load_parser, tool_call_stream
 from omni_serve.models.vllm_omni import pipelines
-from omni_serve.models.vllm_omni.edges import ChunkTransfer, NewRows, consumer_prompt, first_rows, lookup, run_of
+from omni_serve.models.vllm_omni.edges import ChunkTransfer, NewRows, first_rows, lookup, run_of
 from omni_serve.models.vllm_omni.payload import merge_steps
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import (
@@ -204,20 +204,7 @@ class AutoregressiveEngine(VllmOmniEngine):
             chunks = request.handoff_stream if request.handoff_stream is not None else _one(self._handoff_in(handoff))
             prompt, feed = await self.streamed.prompt_and_feed(chunks, voice)
             return prompt, None, feed
-        sources = request.handoffs if request.handoffs is not None else [self._handoff_in(handoff)]
-        try:
-            prompt = consumer_prompt(
-                self.declared,
-                sources,
-                upstream=[pipelines.stage(self.args.pipeline, i) for i in self.declared.input_sources],
-                request_id=request.request_id,
-                voice=voice,
-                hf_config=self._vllm_config.model_config.hf_config,
-                model_config=self._vllm_config.model_config,
-            )
-        except ValueError as err:
-            raise InvalidStageInput(f"stage {self.stage_name}: {err}") from None
-        return prompt, None, None
+        return self._consumer_prompt(request, handoff, voice=voice), None, None
 
     def _stop_at_eos(self, params: Any) -> None:
         """An entry stage that writes text stops at its tokenizer's EOS and its generation config's EOS ids.
@@ -236,11 +223,9 @@ class AutoregressiveEngine(VllmOmniEngine):
 
     def _tool_calls(self, request: StageRequest) -> ToolCallStream | None:
         """The request's tool-call parsing (None without tools, or with ``tool_choice: none``)."""
-        tools = request.tools
-        if tools is None or tools.choice == "none":
-            return None
-        parser = parser_or_refuse(self._tool_parser, self.stage_name, self.args.tool_call_parser)
-        return ToolCallStream(parser, self._tokenizer, tools)
+        return tool_call_stream(
+            request.tools, self._tool_parser, self.stage_name, self.args.tool_call_parser, self._tokenizer
+        )
 
     def _transfer(
         self, request: StageRequest, prompt_ids: list[int], params: Any, whole: bool = False

@@ -37,7 +37,7 @@ from omni_serve.engines.scheduler import SchedulerSnapshot
 from omni_serve.engines.vllm_omni.args import EngineArgs, stage_config
 from omni_serve.engines.vllm_omni.mapping import vllm_sampling_params
 from omni_serve.models.vllm_omni import pipelines
-from omni_serve.models.vllm_omni.edges import Producer
+from omni_serve.models.vllm_omni.edges import Producer, consumer_prompt
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import EngineDeadError, EngineError, InvalidStageInput, StageRequest
 
@@ -407,3 +407,20 @@ class VllmOmniEngine(StageEngine):
         if handoff is None:
             raise InvalidStageInput(f"stage {self.stage_name}: needs a handoff from its upstream stage")
         return handoff
+
+    def _consumer_prompt(self, request: StageRequest, handoff: HandoffPayload | None, **options: Any) -> Any:
+        """A downstream stage's prompt from its upstream stages' handoffs (several where it declares a fan-in),
+        built by the pipeline's own input processor for this edge."""
+        sources = request.handoffs if request.handoffs is not None else [self._handoff_in(handoff)]
+        try:
+            return consumer_prompt(
+                self.declared,
+                sources,
+                upstream=[pipelines.stage(self.args.pipeline, i) for i in self.declared.input_sources],
+                request_id=request.request_id,
+                hf_config=self._vllm_config.model_config.hf_config,
+                model_config=self._vllm_config.model_config,
+                **options,
+            )
+        except ValueError as err:
+            raise InvalidStageInput(f"stage {self.stage_name}: {err}") from None

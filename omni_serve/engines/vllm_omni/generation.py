@@ -21,14 +21,11 @@ from omni_serve.engines.vllm_omni.engine import VllmOmniEngine
 from omni_serve.engines.vllm_omni.mapping import audio_samples, finish_reason, multimodal_output
 from omni_serve.engines.vllm_omni.prompts import EntryPrompts
 from omni_serve.models import qwen3_omni
-from omni_serve.models.vllm_omni import pipelines
-from omni_serve.models.vllm_omni.edges import consumer_prompt
 from omni_serve.models.vllm_omni.hooks import FrameGeometry
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import (
     EngineError,
     FinishReason,
-    InvalidStageInput,
     SamplingParams,
     StageOutput,
     StageRequest,
@@ -87,19 +84,7 @@ class GenerationEngine(VllmOmniEngine):
         if self.is_entry:
             prompt = self.prompts.speech(request)
         else:
-            sources = request.handoffs if request.handoffs is not None else [self._handoff_in(handoff)]
-            try:
-                prompt = consumer_prompt(
-                    self.declared,
-                    sources,
-                    upstream=[pipelines.stage(self.args.pipeline, i) for i in self.declared.input_sources],
-                    request_id=request.request_id,
-                    generation=True,
-                    hf_config=self._vllm_config.model_config.hf_config,
-                    model_config=self._vllm_config.model_config,
-                )
-            except ValueError as err:
-                raise InvalidStageInput(f"stage {self.stage_name}: {err}") from None
+            prompt = self._consumer_prompt(request, handoff, generation=True)
         ids = prompt["prompt_token_ids"]
         if not ids:
             raise EngineError(f"stage {self.stage_name}: its upstream's handoff has nothing to decode")

@@ -316,6 +316,9 @@ class StageRequest:
     # Text-to-speech: the assistant reply to speak. The thinker teacher-forces it (one forward
     # pass, no sampling) so the talker gets the hidden states of exactly this text.
     reply: str | None = None
+    # Text-to-speech on a TTS model: /v1/audio/speech's fields its prompt builder reads (vLLM-Omni's names:
+    # instructions, task_type, language, ref_audio, ref_text, x_vector_only_mode), those the client set.
+    speech: dict[str, Any] | None = None
     sent_at: float = 0.0  # wall-clock time the orchestrator dispatched this call (queue-wait metric)
     client_request_id: str | None = None  # the client's X-Request-ID: for logs only, never a key
     return_prompt_text: bool = False  # the entry stage adds the templated prompt to its first output

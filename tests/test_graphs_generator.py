@@ -235,6 +235,7 @@ def test_qwen3_tts_stages_are_built_from_its_declaration():
     from omni_serve.engines import vllm_omni as family
     from omni_serve.engines.vllm_omni.autoregressive import AutoregressiveEngine
     from omni_serve.engines.vllm_omni.generation import GenerationEngine
+    from omni_serve.models.vllm_omni import pipelines
     from omni_serve.types import EngineError
 
     config = graphs.generate("qwen3_tts", model="Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice")
@@ -262,12 +263,17 @@ def test_qwen3_tts_stages_are_built_from_its_declaration():
     assert engine_args["model_stage"] == "qwen3_tts" and engine_args["max_num_seqs"] == deploy["max_num_seqs"]
     made = [family.create(s["name"], s["engine_args"]) for s in stages]
     assert [type(e) for e in made] == [AutoregressiveEngine, GenerationEngine]
-    # Its entry takes text to speak in a prompt of the model's own: until omni_serve has a builder for it,
-    # the stage refuses to start, naming what is missing (before any EngineCore starts).
-    with pytest.raises(EngineError, match="entry speech: pipeline 'qwen3_tts' builds its prompt"):
-        made[0].check_declaration()
+    # Its entry takes text to speak in a prompt of the model's own, which its speech_prompt hook builds
+    # (vLLM-Omni's Qwen3-TTS speech adapter: tests/test_qwen3_tts_prompt.py): both stages start.
+    made[0].check_declaration()
     made[1].check_declaration()
-    assert "Not served yet" in graphs.header(config, "cmd", None, None)
+    assert "Not served yet" not in graphs.header(config, "cmd", None, None)
+    # A TTS pipeline with no builder yet refuses to start, naming what is missing (before any EngineCore starts).
+    other = _stages(graphs.generate("higgs_audio_v2"))
+    assert other[0]["engine_args"]["entry"] == "speech" and pipelines.hooks("higgs_audio_v2").speech_prompt is None
+    with pytest.raises(EngineError, match="entry speech: pipeline 'higgs_audio_v2' builds its prompt"):
+        family.create(other[0]["name"], other[0]["engine_args"]).check_declaration()
+    assert "Not served yet" in graphs.header(graphs.generate("higgs_audio_v2"), "cmd", None, None)
 
 
 ROW = re.compile(r"^\| `([^`]+)` \| ([^|]+) \| (.+) \|$")

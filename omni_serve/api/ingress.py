@@ -43,7 +43,7 @@ from omni_serve.api.openai.chat import ChatCompletionRequest, ChatReply, Samplin
 from omni_serve.api.openai.errors import APIError, bad_request, from_validation, http_exception_handler
 from omni_serve.api.openai.images import ImageEditRequest, ImageGenerationRequest, ImagesReply
 from omni_serve.api.openai.messages import MediaRules
-from omni_serve.api.openai.speech import SpeechReply, SpeechRequest
+from omni_serve.api.openai.speech import TTS_FIELDS, SpeechReply, SpeechRequest
 from omni_serve.api.openai.transcriptions import TranscriptionReply, TranscriptionRequest, transcription_messages
 from omni_serve.api.openai.videos import VideoCreateRequest, VideoJob, not_found, refuse_files
 from omni_serve.api.openai.voices import resolve_voice, voices_json
@@ -409,6 +409,11 @@ class Ingress:
     async def audio_speech(self, request: Request) -> Response:
         body = await self._parse(request, SpeechRequest)
         self._check_model(body.model, "/v1/audio/speech")
+        speech = body.speech_fields()
+        if self.graph.entry_prompt == "chat":  # a speech-to-speech model speaks its own voices, no TTS voice mode
+            for name in TTS_FIELDS:
+                if name in speech:
+                    raise bad_request(f"{name}: this graph's model speaks in its own voices (not a TTS model)", name)
         voice = await self._voice(body.voice, "voice")
         messages = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
         messages.append(ChatMessage(role="user", content=body.input))
@@ -419,6 +424,7 @@ class Ingress:
             messages=messages,
             voice=voice,
             reply=body.input,
+            speech=speech,
         )
         reply = SpeechReply(body.response_format, omni.stage_log)
         return await self.serving.respond(omni, "speech", reply, stream=True)

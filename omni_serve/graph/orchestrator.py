@@ -114,6 +114,7 @@ class OmniRequest:
     image: ImageParams | None = None
     video: VideoParams | None = None
     reply: str | None = None  # text-to-speech: the entry stage speaks this instead of generating
+    speech: dict[str, Any] | None = None  # text-to-speech: a TTS model's voice-mode fields (StageRequest.speech)
     client_request_id: str | None = None  # the client's X-Request-ID: a label for logs, never a key
     deadline: float | None = None  # time.monotonic() by which the whole walk must be done
     return_prompt_text: bool = False
@@ -210,6 +211,7 @@ class Orchestrator:
             image=request.image,
             video=request.video,
             reply=request.reply,
+            speech=request.speech,
             client_request_id=request.client_request_id,
             return_prompt_text=request.return_prompt_text,
             tools=request.tools,

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 from omni_serve.api.openai.chat import FINISH_REASON_HEADER
 from omni_serve.api.openai.errors import APIError
@@ -60,6 +60,37 @@ class SpeechRequest(BaseModel):
     stream_format: Literal["audio"] = Field("audio", description="Raw audio bytes as they are produced.")
     instructions: str | None = Field(None, max_length=4096, description="Sent to the model as a system message.")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Same seed, same audio (vLLM-Omni's field).")
+    # vLLM-Omni's voice-mode fields of a TTS model (Qwen3-TTS): the model's prompt builder validates them (a TTS
+    # graph's entry stage); a graph whose entry stage takes a conversation refuses them (the ingress).
+    task_type: Literal["CustomVoice", "VoiceDesign", "Base"] | None = Field(
+        None,
+        description="CustomVoice: a named speaker (voice); VoiceDesign: a voice described by instructions; "
+        "Base: a clone of ref_audio. None: Base with ref_audio or ref_text, else CustomVoice.",
+    )
+    language: str | None = Field(None, max_length=64, description="The text's language (the model's list), or Auto.")
+    ref_audio: str | None = Field(
+        None, description="Base: the reference audio to clone, a data: URL (base64); omni_serve fetches no URL for it."
+    )
+    ref_text: str | None = Field(None, max_length=4096, description="Base: the reference audio's transcript.")
+    x_vector_only_mode: bool | None = Field(
+        None, description="Base: clone the speaker embedding only (no ref_text, no in-context reference codes)."
+    )
+
+    @field_validator("ref_audio")
+    @classmethod
+    def _data_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith("data:"):
+            raise ValueError("a data: URL (base64): omni_serve fetches no URL or file for a reference audio")
+        return value
+
+    def speech_fields(self) -> dict[str, Any]:
+        """The fields a TTS model's prompt builder reads besides ``input`` and ``voice`` (those set)."""
+        names = ("instructions", *TTS_FIELDS)
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+
+# What only a TTS model's own prompt takes (a speech-to-speech graph speaks in its own voices).
+TTS_FIELDS = ("task_type", "language", "ref_audio", "ref_text", "x_vector_only_mode")
 
 
 @dataclass

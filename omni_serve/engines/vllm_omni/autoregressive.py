@@ -48,7 +48,9 @@ from omni_serve.types import (
 class AutoregressiveEngine(VllmOmniEngine):
     def __init__(self, stage_name: str, engine_args: dict[str, Any]):
         super().__init__(stage_name, engine_args)
-        self.prompts = EntryPrompts(stage_name, self.args.pipeline, self.pipeline_hooks, bool(self.args.media))
+        self.prompts = EntryPrompts(
+            stage_name, self.args.pipeline, self.pipeline_hooks, bool(self.args.media), self.declared
+        )
         self.streamed: StreamedInput | None = None
         self.emits_text = bool(self.declared.final_output and self.declared.final_output_type == "text")
         self._speakers: list[str] = []  # the checkpoint's speakers, on a stage that speaks (no text of its own)
@@ -197,7 +199,7 @@ class AutoregressiveEngine(VllmOmniEngine):
         """(prompt, media features, streamed input feed) of one call."""
         if self.is_entry:
             if request.reply is not None:  # entry: speech (a TTS model's own prompt)
-                return self.prompts.speech(request), None, None
+                return await self.prompts.speech(request, params), None, None
             ids, mm_features = await self.prompts.chat(request, params)
             return {"prompt_token_ids": ids}, mm_features, None
         if self.streamed is not None:  # its EngineCore reads chunks only: a whole handoff is a stream of one

@@ -36,7 +36,7 @@ from omni_serve.types import (
 class GenerationEngine(VllmOmniEngine):
     def __init__(self, stage_name: str, engine_args: dict[str, Any]):
         super().__init__(stage_name, engine_args)
-        self.prompts = EntryPrompts(stage_name, self.args.pipeline, self.pipeline_hooks, media=False)
+        self.prompts = EntryPrompts(stage_name, self.args.pipeline, self.pipeline_hooks, False, self.declared)
         self.emits_audio = bool(self.declared.final_output and self.declared.final_output_type == "audio")
         self._geometry: FrameGeometry | None = None
         self._decode_lag = 0  # samples a lone decode holds back at its end (measured in _setup())
@@ -81,15 +81,17 @@ class GenerationEngine(VllmOmniEngine):
         raise EngineError(f"stage {self.stage_name}: the warm-up decode returned no audio")
 
     async def stream(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]:
+        params = self._params(request, "FINAL_ONLY")
         if self.is_entry:
-            prompt = self.prompts.speech(request)
+            prompt = await self.prompts.speech(request, params)
         else:
             prompt = self._consumer_prompt(request, handoff, generation=True)
         ids = prompt["prompt_token_ids"]
         if not ids:
             raise EngineError(f"stage {self.stage_name}: its upstream's handoff has nothing to decode")
-        left = int((prompt.get("additional_information") or {}).get("meta", {}).get("left_context_size", 0))
-        async for output in self._request(request, prompt, self._params(request, "FINAL_ONLY")):
+        meta = (prompt.get("additional_information") or {}).get("meta", {})
+        left = 0 if self.hooks.decoder_cuts_left_context else int(meta.get("left_context_size", 0))
+        async for output in self._request(request, prompt, params):
             if not output.finished:
                 continue
             usage = Usage(prompt_tokens=len(ids))

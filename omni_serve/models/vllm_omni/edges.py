@@ -177,6 +177,7 @@ class Producer:
             self.hooks.step_rows,
             list(stop_token_ids),
             self.max_num_seqs,
+            self.hooks.stateless_chunk,
         )
 
 
@@ -203,7 +204,7 @@ class NewRows:
                 self._parts = self._parts_rows = 0
             fresh = []
             for part in value[self._parts :]:
-                part = part.reshape(-1, part.shape[-1])
+                part = _rows(part)
                 skip = max(self.rows - self._parts_rows, 0)
                 if skip < len(part):
                     fresh.append(part[skip:])
@@ -211,7 +212,7 @@ class NewRows:
                 self._parts_rows += len(part)
             rows = torch.cat(fresh) if fresh else None
         elif isinstance(value, torch.Tensor):
-            rows = value.reshape(-1, value.shape[-1])[self.rows :]
+            rows = _rows(value)[self.rows :]
             self._parts = self._parts_rows = 0  # a list that follows is walked from its start once
         else:
             rows = None
@@ -221,6 +222,11 @@ class NewRows:
         if self.placeholders:
             rows = rows[rows.any(dim=1)]
         return rows.detach().cpu() if len(rows) else None
+
+
+def _rows(value: Any) -> Any:
+    """A tensor as its rows: a row a position (a vector's rows are its elements, e.g. a per-position flag)."""
+    return value.reshape(-1) if value.dim() <= 1 else value.reshape(-1, value.shape[-1])
 
 
 def lookup(mm: Mapping[str, Any], dotted: str) -> Any:
@@ -264,6 +270,7 @@ class ChunkTransfer:
     step_rows: StepRows
     stop_token_ids: list[int] = field(default_factory=list)
     scheduler_max_num_seqs: int = 1
+    stateless_chunk: Callable[[Any, Any], Any] | None = None  # StageHooks.stateless_chunk
     # The transfer manager's own state, which the processors read and write.
     put_req_chunk: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     request_payload: dict[str, Any] = field(default_factory=dict)
@@ -314,6 +321,8 @@ class ChunkTransfer:
             )
             step = self._step(multimodal_output, {p: (r[a:b] if r is not None else r) for p, r in fresh.items()})
             payload = self.processor(self, step, request, last)
+            if payload is not None and self.stateless_chunk is not None:
+                payload = self.stateless_chunk(self, payload)
             if payload is None:  # nothing to send yet (the processor holds it), as upstream
                 continue
             chunk = self.put_req_chunk[self.request_id]

@@ -56,6 +56,11 @@ class StageHooks:
     whole_as_chunks: Callable[[Any, Any], Any] | None = None
     # A chunk's payload as the stage's model reads it from its connector: (payload, model dtype) -> payload.
     chunk_payload: Callable[[dict[str, Any], Any], dict[str, Any]] | None = None
+    # A producer whose async-chunk processor cuts chunks for a consumer that keeps decoder state per request
+    # (after the first chunk only the new frames; an empty chunk ends that state): (its ChunkTransfer, a chunk
+    # the processor made) -> the chunk as a stateless consumer call decodes it, or None where it carries
+    # nothing to decode. Here each chunk is its own downstream call, on whichever replica takes it.
+    stateless_chunk: Callable[[Any, Any], Any] | None = None
     # Generation stages decoding codec frames: the frame geometry from the checkpoint's config, and
     # whether to measure the samples a lone decode holds back (see engines.vllm_omni.generation).
     frame_geometry: Callable[[Any], FrameGeometry | None] | None = None

@@ -21,11 +21,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from omni_serve.models.vllm_omni.hooks import PipelineHooks, StageHooks
+from omni_serve.models.vllm_omni.hooks import PipelineHooks, StageHooks, StepRows
 from omni_serve.types import InvalidStageInput, StageRequest
 
 # The /v1/audio/speech fields (vLLM-Omni's names) the adapter reads besides ``input`` and ``voice``.
-FIELDS = ("task_type", "language", "instructions", "ref_audio", "ref_text", "x_vector_only_mode")
+FIELDS = ("task_type", "language", "instructions", "ref_audio", "ref_text", "x_vector_only_mode", "max_new_tokens")
 
 
 # The reference audios a replica keeps decoded (vLLM-Omni's speech server keeps 1024 / 512 MiB): the adapter marks
@@ -96,9 +96,50 @@ def _field_named(error: str) -> str | None:
     return next(iter(quoted + mentioned), None)
 
 
+def stateless_chunk(transfer: Any, payload: Any) -> Any:
+    """A codec chunk of vLLM-Omni's Qwen3-TTS async-chunk processor, made for a code2wav call that keeps no state.
+
+    vLLM-Omni's processor (``talker2code2wav_async_chunk``) ships only a chunk's new frames after the first: its
+    code2wav, in async-chunk mode, keeps the decoder's context per request (``_decoder_state_cache``, fed by one
+    connector), and a last, empty chunk frees it. Here each chunk is its own code2wav call on whichever replica
+    takes it, so the chunk carries its context: the ``codec_left_context_frames`` frames before it (the deploy
+    config's 72, the decoder's sliding window), counted in ``meta.left_context_size``, whose samples
+    Qwen3TTSCode2Wav cuts itself outside async-chunk mode (as it cuts a clone's reference codes: the first chunk,
+    which has no frames before it, keeps those). The empty end marker has nothing to decode: dropped.
+    """
+    import torch
+
+    codes = payload.codes.audio if payload.codes is not None else None
+    if codes is None or codes.numel() == 0:
+        return None
+    frames = transfer.code_prompt_token_ids[transfer.request_id]  # the talker's frames so far, [groups] each
+    if not frames or int(payload.meta.left_context_size or 0) > 0:
+        return payload
+    groups = frames[-1].numel()
+    new = codes.numel() // groups
+    # The processor cut the chunk as the last `new` frames, codebook-major: check it did, as this relies on that.
+    if not torch.equal(torch.stack(frames[-new:]).T.reshape(-1), codes.reshape(-1).to(torch.long)):
+        raise ValueError("qwen3_tts: a codec chunk is not the talker's last frames (talker2code2wav_async_chunk)")
+    wanted = int(transfer.extra.get("codec_left_context_frames", 25))
+    context = frames[max(len(frames) - new - wanted, 0) : len(frames) - new]
+    if context:
+        payload.codes.audio = torch.stack([*context, *frames[-new:]]).T.reshape(-1).contiguous()
+        payload.meta.left_context_size = len(context)
+    return payload
+
+
 QWEN3_TTS = PipelineHooks(
     # A clone's whole handoff leads with the reference's codes (talker2code2wav_full_payload) and says how many
     # frames (meta.left_context_size); Qwen3TTSCode2Wav.forward cuts their samples itself without async chunks.
-    stages={"code2wav": StageHooks(decoder_cuts_left_context=True)},
+    # Its chunks get their left context the same way (stateless_chunk).
+    stages={
+        # The talker's per-position outputs: its codec frame, and whether that frame is a real one (its async-chunk
+        # processor keeps a step's frame only where codec_frame_valid says so: the prompt's rows are not).
+        "qwen3_tts": StageHooks(
+            step_rows=StepRows(rows=("codes.audio", "meta.codec_frame_valid", "meta.codec_streaming")),
+            stateless_chunk=stateless_chunk,
+        ),
+        "code2wav": StageHooks(decoder_cuts_left_context=True),
+    },
     speech_prompt=SpeechPrompts,
 )

@@ -2,11 +2,13 @@
 same samples for the same request and seed, in every voice mode (tests/native_omni.py's ORACLE_REQUESTS).
 
 Native runs vLLM-Omni's own deploy config made for CPU (:func:`tests.native_omni.cpu_deploy_config`) in its
-whole mode (``--no-async-chunk``: the talker's whole output, then one code2wav decode), as the graph hands the
-talker's codes over whole. On CPU native is deterministic for a fixed seed across requests and restarts
-(docs/models.md), so equal bytes are the bar: the same talker prompt (vLLM-Omni's adapter builds both), the
-same sampling (seed and the code predictor's seed), the same codec frames, the same decode. The speech route
-returns audio only: the frames are compared through it, as 16-bit PCM (see the test for the one step allowed).
+whole mode (``--no-async-chunk``: the talker's whole output, then one code2wav decode); the graph hands the
+talker's codes to code2wav in async chunks, each decoded with its left context (a clone's reference codes
+first), which must give the whole decode's samples. On CPU native is deterministic for a fixed seed across
+requests and restarts (docs/models.md), so equal bytes are the bar: the same talker prompt (vLLM-Omni's adapter
+builds both), the same sampling (seed and the code predictor's seed), the same codec frames, the same decode.
+The speech route returns audio only: the frames are compared through it, as 16-bit PCM (see the test for the
+one step allowed).
 """
 
 from __future__ import annotations

@@ -389,7 +389,7 @@ def test_qwen3_tts_talker_to_code2wav_through_its_declared_processors():
     assert torch.equal(torch.cat(decoded), codes)  # every frame once, in order
 
     # A clone: the first chunk leads with the reference's codes as its left context (as the processor cuts it),
-    # the next ones with the talker's frames before them.
+    # the next ones with the reference's codes and the talker's frames before them (as the whole decode has them).
     ref = torch.randint(1, 2048, (6, GROUPS), generator=torch.Generator().manual_seed(4))
     chunker = producer("qwen3_tts", 0, hf_config=None, **extra["extra"]).chunks("c", (), stop_token_ids=[2150])
     grown = [{"codes": {"audio": list(codes[: i + 1].split(1)), "ref": ref}} for i in range(30)]
@@ -398,7 +398,8 @@ def test_qwen3_tts_talker_to_code2wav_through_its_declared_processors():
     ids = torch.tensor(first["prompt_token_ids"]).reshape(GROUPS, -1).transpose(0, 1)
     assert first["additional_information"]["meta"]["left_context_size"] == 6 and torch.equal(ids[:6], ref)
     ids = torch.tensor(second["prompt_token_ids"]).reshape(GROUPS, -1).transpose(0, 1)
-    assert second["additional_information"]["meta"]["left_context_size"] == 1 and torch.equal(ids, codes[:26])
+    assert second["additional_information"]["meta"]["left_context_size"] == 7
+    assert torch.equal(ids, torch.cat([ref, codes[:26]]))
 
 
 def test_qwen3_tts_chunks_take_only_valid_frames_as_the_engine_outputs_them():

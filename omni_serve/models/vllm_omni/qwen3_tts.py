@@ -103,9 +103,10 @@ def stateless_chunk(transfer: Any, payload: Any) -> Any:
     code2wav, in async-chunk mode, keeps the decoder's context per request (``_decoder_state_cache``, fed by one
     connector), and a last, empty chunk frees it. Here each chunk is its own code2wav call on whichever replica
     takes it, so the chunk carries its context: the ``codec_left_context_frames`` frames before it (the deploy
-    config's 72, the decoder's sliding window), counted in ``meta.left_context_size``, whose samples
-    Qwen3TTSCode2Wav cuts itself outside async-chunk mode (as it cuts a clone's reference codes: the first chunk,
-    which has no frames before it, keeps those). The empty end marker has nothing to decode: dropped.
+    config's 72, the decoder's sliding window), a clone's reference codes first (as the whole decode has them),
+    counted in ``meta.left_context_size``, whose samples Qwen3TTSCode2Wav cuts itself outside async-chunk mode.
+    The first chunk already leads with a clone's reference codes (the processor's). The empty end marker has
+    nothing to decode: dropped.
     """
     import torch
 
@@ -121,7 +122,9 @@ def stateless_chunk(transfer: Any, payload: Any) -> Any:
     if not torch.equal(torch.stack(frames[-new:]).T.reshape(-1), codes.reshape(-1).to(torch.long)):
         raise ValueError("qwen3_tts: a codec chunk is not the talker's last frames (talker2code2wav_async_chunk)")
     wanted = int(transfer.extra.get("codec_left_context_frames", 25))
-    context = frames[max(len(frames) - new - wanted, 0) : len(frames) - new]
+    ref = transfer.request_payload.get(transfer.request_id)  # a clone's reference codes, kept by the processor
+    before = [*(ref.reshape(-1, groups) if isinstance(ref, torch.Tensor) and ref.numel() else ()), *frames[:-new]]
+    context = before[len(before) - wanted :] if len(before) > wanted else before
     if context:
         payload.codes.audio = torch.stack([*context, *frames[-new:]]).T.reshape(-1).contiguous()
         payload.meta.left_context_size = len(context)

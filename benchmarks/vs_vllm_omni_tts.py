@@ -1,0 +1,135 @@
+"""omni_serve's Qwen3-TTS graph against native vLLM-Omni (``vllm-omni serve --omni``) on the same tiny checkpoint.
+
+    python benchmarks/vs_vllm_omni_tts.py                          # 3 rounds; c=1 and c=4, 4 requests a client
+    python benchmarks/vs_vllm_omni_tts.py --rounds 2 --concurrency 1
+
+Both servers in async-chunk mode on vLLM-Omni 0.30 stage engines with omni_serve's CPU platform: native runs
+vLLM-Omni's shipped qwen3_tts deploy config made for CPU (``tests/native_omni.cpu_deploy_config``, the oracle's);
+omni_serve ``graphs/tiny_qwen3_tts_vllm_omni.yaml`` with one fixed replica a stage behind Serve's HAProxy
+ingress (as ``make serve`` starts it). The load: ``/v1/audio/speech`` in the named-speaker mode, raw PCM
+streamed (``stream: true``, ``stream_format: "audio"``: both servers' fields), one seed a request; a seed gives
+both servers the same frames (tests/test_qwen3_tts_oracle.py), and each request's two replies are checked to be
+the same length. Per concurrency: e2e p50 (the whole body), TTFA p50 (the first audio byte) and req/s; rounds
+alternate which server goes first. It prints the median of each figure over the rounds and omni_serve / native.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vs_native  # noqa: E402  (the server plumbing the comparisons share)
+
+GRAPH = "tiny_qwen3_tts_vllm_omni.yaml"
+MODEL = "tiny-qwen3-tts"
+TEXT = "Hello from the tiny talker, reading a short line for the benchmark."
+METRICS = ("e2e_p50_ms", "ttfa_p50_ms", "request_throughput")
+
+
+async def one(client: Any, url: str, seed: int) -> tuple[float, float, int]:
+    """One speech request: (seconds to the first audio byte, seconds to the end, audio bytes)."""
+    body = {"model": MODEL, "input": TEXT, "voice": "vivian", "response_format": "pcm", "seed": seed}
+    started = time.perf_counter()
+    first, size = None, 0
+    async with client.stream("POST", url, json={**body, "stream": True, "stream_format": "audio"}) as reply:
+        if reply.status_code != 200:
+            raise RuntimeError(f"{url}: {reply.status_code} {(await reply.aread())[:300]!r}")
+        async for piece in reply.aiter_bytes():
+            if piece and first is None:
+                first = time.perf_counter() - started
+            size += len(piece)
+    return first or 0.0, time.perf_counter() - started, size
+
+
+async def load(port: int, concurrency: int, requests: int, seed: int) -> dict[str, Any]:
+    import httpx
+
+    url = f"http://127.0.0.1:{port}/v1/audio/speech"
+    seeds = iter(range(seed, seed + requests))
+    results: dict[int, tuple[float, float, int]] = {}
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        for s in seeds:
+            results[s] = await one(client, url, s)
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        started = time.perf_counter()
+        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+        wall = time.perf_counter() - started
+    return {
+        "e2e_p50_ms": 1000 * statistics.median(r[1] for r in results.values()),
+        "ttfa_p50_ms": 1000 * statistics.median(r[0] for r in results.values()),
+        "request_throughput": requests / wall,
+        "audio_s_per_request": statistics.mean(r[2] for r in results.values()) / 2 / 24000,
+        "sizes": {s: r[2] for s, r in sorted(results.items())},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--port", type=int, default=19260, help="native PORT, omni_serve PORT+1")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--requests-per-client", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="benchmarks/results_vs_vllm_omni_tts.json")
+    parser.add_argument("--logs", default=os.environ.get("TMPDIR", "/tmp"))
+    parser.add_argument("--serve-omni", type=int, help=argparse.SUPPRESS)  # the omni_serve child process
+    args = parser.parse_args()
+    if args.serve_omni:
+        vs_native.serve_omni(args.serve_omni, "haproxy", GRAPH, stats_stage=None)
+        return
+
+    from tests import native_omni
+
+    logs = Path(tempfile.mkdtemp(prefix="vs_vllm_omni_tts_", dir=args.logs))
+    ports = {"native": args.port, "omni": args.port + 1}
+    runs: dict[int, dict[str, list[dict[str, Any]]]] = {c: {"native": [], "omni": []} for c in args.concurrency}
+    omni_argv = [sys.executable, __file__, "--serve-omni", str(ports["omni"])]
+    with (
+        native_omni.serve("qwen3_tts", ports["native"], logs / "native.log", async_chunk=True),
+        vs_native.server(omni_argv, f"http://127.0.0.1:{ports['omni']}/health", logs / "omni.log"),
+    ):
+        for port in ports.values():  # warm-up, not counted
+            asyncio.run(load(port, max(args.concurrency), max(args.concurrency), args.seed))
+        for round_ in range(args.rounds):
+            for concurrency in args.concurrency:
+                order = list(ports) if round_ % 2 == 0 else list(reversed(ports))
+                pair = {}
+                for name in order:
+                    n = args.requests_per_client * concurrency
+                    pair[name] = asyncio.run(load(ports[name], concurrency, n, args.seed + 1000 * round_))
+                    figures = {k: v for k, v in pair[name].items() if k != "sizes"}
+                    print(f"round {round_ + 1} c={concurrency} {name}: {json.dumps(figures)}", flush=True)
+                    runs[concurrency][name].append(pair[name])
+                if pair["native"]["sizes"] != pair["omni"]["sizes"]:  # the same seed must give the same audio length
+                    raise SystemExit(f"replies differ in length: {pair['native']['sizes']} {pair['omni']['sizes']}")
+    summary: dict[str, Any] = {}
+    for concurrency, by_server in runs.items():
+        row: dict[str, Any] = {}
+        for key in (*METRICS, "audio_s_per_request"):
+            values = {name: statistics.median(r[key] for r in rs) for name, rs in by_server.items()}
+            row[key] = {**values, "ratio": values["omni"] / values["native"]}
+        summary[f"c={concurrency}"] = row
+    Path(args.out).write_text(json.dumps({"args": vars(args), "summary": summary, "runs": runs}, indent=1))
+    print("| figure (median of rounds) | native vLLM-Omni | omni_serve | omni / native |")
+    print("|---|---|---|---|")
+    for label, row in summary.items():
+        for key in (*METRICS, "audio_s_per_request"):
+            f = row[key]
+            print(f"| {label} {key} | {f['native']:.3f} | {f['omni']:.3f} | {f['ratio']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -183,7 +183,7 @@ def test_max_new_tokens_and_stage_sampling_reach_the_talker(graph: Any) -> None:
     ``stage_sampling`` sets its sampling (``min_tokens`` past its codec EOS); a stage it does not know is a 400.
 
     A frame's residual code groups come with the talker's next step, so a reply cut at N tokens holds N - 1 whole
-    frames (as native vLLM-Omni's: no step runs past the last token)."""
+    frames (no step runs past the last token; native vLLM-Omni's length-cut replies were not compared)."""
     capped = speech(
         graph, voice="vivian", max_new_tokens=3, response_format="pcm", stage_sampling={"qwen3_tts": {"min_tokens": 3}}
     )

@@ -19,6 +19,7 @@ from ray import serve
 from omni_serve.engines import create_engine
 from omni_serve.graph.coalesce import coalesced
 from omni_serve.graph.config import StageConfig
+from omni_serve.graph.cycles import collect_soon
 from omni_serve.graph.flow import Sent, output_bytes
 from omni_serve.graph.metrics import StageMetrics
 from omni_serve.graph.transport import receive, stream_items
@@ -122,6 +123,7 @@ class Stage:
                 outcome = _outcome(finished)
             else:  # client gone or orchestrator gave up: engine.generate frees the engine's slot
                 outcome = "cancelled"
+                collect_soon()  # what the cancellation left in cycles holds borrowed handoffs (graph.cycles)
                 logger.info(
                     "stage %s: call %s (X-Request-ID %s) cancelled",
                     self.name,

@@ -50,6 +50,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from omni_serve.graph.channel import ChannelReader, Channels, ask, tell
+from omni_serve.graph.cycles import collect_soon
 from omni_serve.graph.flow import Taken, Window, output_bytes
 from omni_serve.payload import HandoffPayload, detached, padded
 from omni_serve.types import ChatMessage, MediaPart, StageOutput, StageRequest
@@ -466,6 +467,7 @@ class RemoteStages(StageTransport):
                 # A call that never started re-raises its start error from cancel(); it was raised already.
                 with contextlib.suppress(Exception):
                     response.cancel()
+                collect_soon()  # Serve leaves a call cancelled while it routes it in a cycle (omni_serve.graph.cycles)
             items = response = None  # unconsumed stream items are released with the stream
 
 

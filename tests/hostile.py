@@ -168,7 +168,12 @@ def request_objects(gcs_address: str, min_bytes: int = CENSUS_MIN_BYTES) -> dict
             if holder in SERVE_ACTORS:
                 continue
             for ref in worker.object_refs:
-                if ref.object_size >= min_bytes:
+                # A record nothing in its process refers to (no local or task reference, not pinned, in
+                # no object) holds nothing: a borrower's bookkeeping left for its owner's next poll. CI saw
+                # one stay over 30 s in the channels actor (local=0 submitted=0, a chunk it had been
+                # passed as a write's argument) while the owner, the ingress, had freed the object.
+                holds = ref.local_ref_count or ref.submitted_task_ref_count or ref.pinned_in_memory
+                if ref.object_size >= min_bytes and (holds or ref.contained_in_owned):
                     how = (
                         f"local={ref.local_ref_count} submitted={ref.submitted_task_ref_count} "
                         f"pinned={ref.pinned_in_memory} task={ref.task_status} {ref.call_site[:60]}"

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 # Chunks one channel holds unread before a write waits for the consumer (thinker -> talker: one
@@ -234,7 +234,7 @@ class ChannelReader:
     channels: Any  # a ray ActorHandle of Channels, or a Channels in this process
     key: str
 
-    async def chunks(self) -> AsyncIterator[Any]:
+    async def chunks(self) -> AsyncGenerator[Any, None]:
         """The chunks in order (``ObjectRef`` for a remote channel), until the producer's end."""
         while True:
             items, ended = await ask(self.channels, "take", self.key)

@@ -9,6 +9,7 @@ caller: both sides of that are :mod:`omni_serve.graph.transport`'s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -137,6 +138,10 @@ class Stage:
                 await outputs.aclose()
             if stream is not None:
                 await stream.aclose()
+            chunks, request.handoff_stream = request.handoff_stream, None
+            if chunks is not None:  # its reader's last take holds chunk refs until the stream is closed
+                with contextlib.suppress(RuntimeError):  # still running in an engine's task: that task ends it
+                    await chunks.aclose()
             self.in_flight -= 1
             self.metrics.in_flight.set(self.in_flight)
             self.metrics.processing.observe(time.time() - started)

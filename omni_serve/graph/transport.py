@@ -129,10 +129,11 @@ async def _resolved(value: Any) -> HandoffPayload:
 
 async def _chunks(reader: ChannelReader) -> AsyncIterator[HandoffPayload]:
     """A streamed call's chunks, each copied into this process and its reference dropped at once."""
-    async for item in reader.chunks():
-        payload = await _resolved(item)
-        item = None  # the copy is all this replica keeps
-        yield payload
+    async with contextlib.aclosing(reader.chunks()) as items:  # closing this closes the reader's takes too
+        async for item in items:
+            payload = await _resolved(item)
+            item = None  # the copy is all this replica keeps
+            yield payload
 
 
 async def receive(request: StageRequest) -> Inputs:

@@ -8,7 +8,8 @@ item are object-store objects (a thinker's first chunk, a talker's codes): they 
 cycle collector frees them. Found by the hostile-chat test in CI: a client that leaves before the first byte
 left a stage's stream item behind (7 of 160 such leaves, with two busy loops beside the graph; the holders
 seen with ``gc.DEBUG_SAVEALL`` in the ingress; after this module, none of 90). A stage collects after a
-cancelled call too: CI once saw a talker keep a thinker chunk it had borrowed, which no probe reproduced.
+cancelled call too, as a precaution (0.2 ms): the talker-held chunk CI also saw was no cycle but an unclosed
+chunk reader, which ``Stage.generate`` now closes.
 
 Python runs a full collection only once the long-lived objects grew by a quarter, which an idle replica
 can take minutes or hours to reach. So after a cancelled call this process collects once, soon

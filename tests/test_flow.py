@@ -91,11 +91,46 @@ def test_a_window_is_forgotten_whichever_end_closes_it_and_a_waiting_stage_is_le
         channels.close_window("k")  # the caller's call ended: the stage stops waiting
         assert await asyncio.wait_for(waiting, 1) is None
         assert channels.open_windows() == 0
-        channels.took("k2", 8, 0)  # a late report makes the window again; its end closes it
+        channels.took("k2", 8, 0)
         channels.close_window("k2")
         assert channels.open_windows() == 0
 
     asyncio.run(go())
+
+
+def test_a_closed_window_stays_closed_to_the_calls_that_arrive_after_its_close() -> None:
+    """Ray runs an async actor's calls in no guaranteed order: a caller's last report, or a stage's wait,
+    may run after the close it was sent before. Neither may make the window again (nobody would close it)."""
+
+    async def go() -> None:
+        channels = Channels()
+        channels.close_window("k")  # the stage's call ended (it had waited)...
+        channels.took("k", 8, 4096)  # ...and the caller's last report runs after it
+        assert channels.open_windows() == 0
+        # A stage's wait that runs after its caller closed: it is let go at once, and leaves nothing.
+        assert await asyncio.wait_for(channels.wait_taken("k", 16, 0), 1) is None
+        assert channels.open_windows() == 0
+
+    asyncio.run(go())
+
+
+def test_closed_keys_are_forgotten_after_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the channels actor remembers of closed calls is bounded by the calls closed in CLOSED_KEYS_S."""
+    from omni_serve.graph import channel
+
+    now = [1000.0]
+    monkeypatch.setattr(channel.time, "monotonic", lambda: now[0])
+    channels = Channels()
+    for i in range(1000):
+        channels.close_window(f"old{i}")
+        channels.close(f"old{i}")
+    assert len(channels._closed_windows) == len(channels._closed_channels) == 1000
+    now[0] += channel.CLOSED_KEYS_S + 1
+    channels.close_window("new")
+    channels.close("new")
+    assert len(channels._closed_windows) == len(channels._closed_channels) == 1
+    channels.took("old1", 8, 0)  # forgotten: a report this late makes a window again
+    assert channels.open_windows() == 1
 
 
 class Windowed(LocalStage):

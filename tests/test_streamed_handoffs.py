@@ -232,6 +232,21 @@ def test_a_channel_bounds_what_waits_unread_and_drops_it_when_its_consumer_ends(
     asyncio.run(go())
 
 
+def test_a_close_that_runs_before_the_first_write_keeps_the_channel_closed() -> None:
+    """The walk tells the close without waiting; Ray may run it before a first write still on its way (a
+    client that left while the first chunk was written). That write must not open a channel nobody closes."""
+
+    async def go() -> None:
+        channels = Channels()
+        channels.close("k")
+        assert not await channels.write("k", ["chunk"], first=True, nbytes=5)
+        assert channels.open_channels() == 0
+        with pytest.raises(ProducerFailed, match="closed"):
+            await channels.take("k")
+
+    asyncio.run(go())
+
+
 def test_a_consumer_retried_before_its_first_output_reads_every_chunk_again() -> None:
     async def go() -> None:
         channels = Channels()

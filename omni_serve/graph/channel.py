@@ -30,12 +30,23 @@ it, and with it every channel of that replica's requests, whose calls fail then 
 The same actor is where a stage call's flow-control window meets its caller's (:mod:`omni_serve.graph.flow`):
 the ingress says what its walk took (:meth:`Channels.took`), a stage call that is a window ahead waits
 for it (:meth:`Channels.wait_taken`), and either end forgets it when its side of the call ends.
+
+**A closed key stays closed.** Most calls here are told, not asked (:func:`tell`: a close, a window's
+report), and Ray runs an async actor's calls in no guaranteed order, even one caller's ("Actor Task
+Execution Order" in Ray's docs: only a synchronous, single-threaded actor keeps a submitter's order).
+A report that overtook nothing could still run after its call's close and make the window again, or a
+channel's first write after its close (a client that left while the first chunk was written) open a
+channel nobody would close: a leak of the key and, for a channel, of its chunk. So each close is
+remembered for :data:`CLOSED_KEYS_S`, and a late write, report or wait on a remembered key finds it
+closed. The memory is bounded by the calls that close in that time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
+import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
@@ -48,6 +59,9 @@ from typing import Any
 MAX_BUFFERED_CHUNKS = 64
 # And bytes (the chunks' payloads, which the object store holds for the ingress): about 1000 of those rows.
 MAX_BUFFERED_CHUNK_BYTES = 8 << 20
+# How long a closed channel's or window's key stays closed to late calls (the module docstring). Late means
+# behind in one actor's queue, milliseconds; a minute of closes is about 100 bytes a call.
+CLOSED_KEYS_S = 60.0
 
 
 class ProducerFailed(RuntimeError):
@@ -89,6 +103,27 @@ class _Window:
         self._changed = asyncio.Event()
 
 
+class _ClosedKeys:
+    """Keys closed in the last :data:`CLOSED_KEYS_S` (oldest first, forgotten as they age)."""
+
+    def __init__(self) -> None:
+        self._at: dict[str, float] = {}
+
+    def add(self, key: str) -> None:
+        now = time.monotonic()
+        self._at.pop(key, None)
+        self._at[key] = now  # the newest, last: the scan below stops at it at the latest
+        expired = [old for old, _ in itertools.takewhile(lambda kv: kv[1] < now - CLOSED_KEYS_S, self._at.items())]
+        for old in expired:
+            del self._at[old]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._at
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+
 class Channels:
     """The channels of one ingress replica's streamed calls (a Ray actor: see the module docstring).
 
@@ -98,6 +133,8 @@ class Channels:
     def __init__(self) -> None:
         self._channels: dict[str, _Channel] = {}
         self._windows: dict[str, _Window] = {}
+        self._closed_channels = _ClosedKeys()  # a late call on one finds it closed (the module docstring)
+        self._closed_windows = _ClosedKeys()
 
     async def write(
         self,
@@ -115,7 +152,7 @@ class Channels:
         ``first`` opens the channel (the call's first chunk). Returns False when the consumer is gone
         (its call ended and closed the channel: the writer stops); waits while the channel is full.
         """
-        if first:
+        if first and key not in self._closed_channels:
             self._channels[key] = _Channel()
         channel = self._channels.get(key)
         if channel is None or channel.closed:
@@ -170,6 +207,7 @@ class Channels:
 
     def close(self, key: str) -> None:
         """The consumer call ended: drop what it did not take, and tell a waiting writer to stop."""
+        self._closed_channels.add(key)
         channel = self._channels.pop(key, None)
         if channel is not None:
             channel.closed = True
@@ -184,12 +222,16 @@ class Channels:
 
     def took(self, key: str, items: int, nbytes: int) -> None:
         """The caller's walk has taken ``items`` stream items and ``nbytes`` of the call ``key`` so far."""
+        if key in self._closed_windows:
+            return
         window = self._windows.setdefault(key, _Window())
         window.items, window.bytes = max(window.items, items), max(window.bytes, nbytes)
         window.notify()
 
     async def wait_taken(self, key: str, items: int, nbytes: int) -> tuple[int, int] | None:
         """Once the caller has taken at least ``items`` and ``nbytes``: what it has taken; None if the window closed."""
+        if key in self._closed_windows:
+            return None
         window = self._windows.setdefault(key, _Window())
         while not window.closed and (window.items < items or window.bytes < nbytes):
             await window._changed.wait()
@@ -198,9 +240,10 @@ class Channels:
     def close_window(self, key: str) -> None:
         """One end of the call is done with the window: drop it, and let a stage waiting on it go.
 
-        Each end closes once its side of the call ended, and only if it ever used the window; a
-        window the other end uses afterwards is made again and closed by that end.
+        Each end closes once its side of the call ended, and only if it ever used the window; the other
+        end's later reports and waits find it closed (a stage stops waiting: its caller is gone or done).
         """
+        self._closed_windows.add(key)
         window = self._windows.pop(key, None)
         if window is not None:
             window.closed = True
@@ -220,7 +263,8 @@ async def ask(channels: Any, method: str, *args: Any, **kwargs: Any) -> Any:
 
 
 def tell(channels: Any, method: str, *args: Any) -> None:
-    """Call ``method`` of ``channels`` without waiting (the actor runs one caller's calls in order)."""
+    """Call ``method`` of ``channels`` without waiting (in no guaranteed order with this caller's other calls:
+    a closed key stays closed, the module docstring)."""
     if isinstance(channels, Channels):
         getattr(channels, method)(*args)
     else:

@@ -247,7 +247,7 @@ class HandoffFeed:
         self._closed = True
 
     def _tell(self, method: str) -> None:
-        # Fire and forget: the actor runs this process's calls in order (a close after the first write).
+        # Fire and forget: a close that runs before a first write still on its way keeps the key closed to it.
         tell(self.reader.channels, method, self.reader.key)
 
 

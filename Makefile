@@ -58,11 +58,9 @@ test: install-test
 	$(call say,types (mypy omni_serve; its settings are in pyproject.toml))
 	$(PYTHON) -m mypy omni_serve
 	$(call say,tests: about 70 min in all on a 2-core machine (2026-11-27; the README, Tests))
-	$(PYTHON) -m pytest -q -m "not gpu and not multinode and not haproxy and not oracle" -p no:cacheprovider --durations=25
-	$(call say,multinode tests (their own multi-raylet clusters (one under Ray's autoscaler) in a process where Ray was never initialized))
-	$(PYTHON) -m pytest -q -m multinode -p no:cacheprovider
-	$(call say,the single-stage and tiny omni graphs behind Serve's HAProxy ingress (a cluster started with it; 2 s drain, not 30))
-	RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=2 $(PYTHON) -m pytest -q -m haproxy -p no:cacheprovider
+	$(PYTHON) -m pytest -q -m "not gpu and not multinode and not oracle" -p no:cacheprovider --durations=25
+	$(call say,multinode tests (their own multi-raylet clusters (one under Ray's autoscaler) in a process where Ray was never initialized; Serve's Python proxy))
+	RAY_SERVE_ENABLE_HA_PROXY=0 $(PYTHON) -m pytest -q -m multinode -p no:cacheprovider
 
 lint:
 	$(PYTHON) -m ruff check omni_serve tests benchmarks

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import pytest
 
 from omni_serve.cli.launch import deploy_graph_file, wait_healthy
+from omni_serve.cli.run import haproxy_environment
 
 # Ray 2.60's token authentication stays on, as for any new local cluster: every process that talks to a
 # test cluster (`serve run`, the replicas, the multinode clusters' raylets, `ray.util.state`) authenticates.
@@ -29,6 +30,14 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 HTTP_PORT = int(os.environ.get("OMNI_SERVE_TEST_PORT", "18765"))
 METRICS_PORT = HTTP_PORT + 1  # Prometheus endpoint of the session cluster's node
+
+# The session cluster runs Serve's HAProxy ingress, as the cluster `make serve` starts does (its environment,
+# omni_serve.cli.run.haproxy_environment), so every graph is tested behind what users run. Its stats and
+# Prometheus ports are the session's own (docs/testing.md, "Ports"), clear of a `make serve` a test starts beside
+# it. RAY_SERVE_ENABLE_HA_PROXY=0 outside (`make test` sets it for the multinode session): Serve's Python proxy.
+os.environ.setdefault("RAY_SERVE_HAPROXY_STATS_PORT", str(HTTP_PORT + 40))
+os.environ.setdefault("RAY_SERVE_HAPROXY_METRICS_PORT", str(HTTP_PORT + 41))
+haproxy_environment()
 
 T = TypeVar("T")
 Mutate = Callable[[dict[str, Any]], None]

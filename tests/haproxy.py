@@ -18,8 +18,8 @@ def served_by_ingress_replicas(send: Callable[[], object], times: int = 5, stats
 
     import httpx
 
-    if stats_port is None:  # the HAProxy session's cluster: this process started it
-        assert os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1", "run with RAY_SERVE_ENABLE_HA_PROXY=1 (make test)"
+    if stats_port is None:  # the session's cluster: this process started it (tests/conftest.py)
+        assert os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1", "the session cluster runs Serve's Python proxy"
         stats_port = HAPROXY_STATS_PORT
 
     def sessions() -> dict[str, dict[str, int]]:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
+import h11
 import httpx
 
 from tests.object_store import object_store_bytes
@@ -243,29 +244,42 @@ class RawClient:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)  # before connect: the window
         self.sock.settimeout(300)
         self.sock.connect((url.hostname, url.port))
-        head = (
-            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
-        )
-        self.sock.sendall(head.encode() + data)
+        # h11 (httpx's HTTP/1.1 parser) frames the exchange: a chunked body's chunks need not end on an event
+        # (behind HAProxy they split events), so events are parsed from the de-chunked body only.
+        self.http = h11.Connection(h11.CLIENT)
+        headers = [("Host", url.netloc), ("Content-Type", "application/json"), ("Content-Length", str(len(data)))]
+        request = h11.Request(method="POST", target="/v1/chat/completions", headers=[*headers, ("Connection", "close")])
+        for part in (request, h11.Data(data=data), h11.EndOfMessage()):
+            self.sock.sendall(self.http.send(part) or b"")
         self._pending = b""
+        self._ended = False
         self.status: int | None = None
 
+    def _receive(self) -> None:
+        """At least one more piece of the response: its status, body bytes or its end."""
+        while True:
+            event = self.http.next_event()
+            if event is h11.NEED_DATA:
+                self.http.receive_data(self.sock.recv(65536))  # b"": the connection closed (h11 says if early)
+            elif isinstance(event, h11.Response):
+                self.status = event.status_code
+                assert self.status == 200, event
+            elif isinstance(event, h11.Data):
+                self._pending += event.data
+                return
+            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                self._ended = True
+                return
+
     def events(self) -> Iterator[dict[str, Any]]:
-        """The reply's SSE events as they come (the status line checked first); ends with the body."""
+        """The reply's SSE events as they come (the status checked first); ends with the body."""
         while True:
             while b"\n\n" not in self._pending:
-                data = self.sock.recv(65536)
-                if not data:
+                if self._ended:
                     return
-                self._pending += data
-                if self.status is None and b"\r\n\r\n" in self._pending:
-                    head, self._pending = self._pending.split(b"\r\n\r\n", 1)
-                    self.status = int(head.split(b" ", 2)[1])
-                    assert self.status == 200, head + self._pending
+                self._receive()
             event, self._pending = self._pending.split(b"\n\n", 1)
             for line in event.split(b"\n"):
-                # Chunked transfer encoding puts size lines between events: only data lines are events.
                 if line.startswith(b"data: {"):
                     yield json.loads(line[6:])
 

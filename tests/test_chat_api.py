@@ -46,6 +46,15 @@ def test_models_and_health(tiny_omni) -> None:
     assert models["data"][0]["modalities"] == ["audio", "text"]
 
 
+def test_haproxy_sends_the_requests_to_the_ingress_replica(tiny_omni) -> None:
+    """The session cluster runs Serve's HAProxy ingress (as `make serve`'s): HAProxy hands each request to the
+    ingress replica's own HTTP server, never to the head node's proxy (HAProxy's backup server)."""
+    from tests.haproxy import served_by_ingress_replicas
+
+    body = {"model": "tiny-qwen3-omni", "messages": MESSAGES, "max_tokens": 2, "modalities": ["text"]}
+    served_by_ingress_replicas(lambda: httpx.post(f"{tiny_omni.base_url}/v1/chat/completions", json=body, timeout=120))
+
+
 def test_text_only_skips_talker_and_code2wav(tiny_omni, client: openai.OpenAI) -> None:
     before = {s: stage_calls(tiny_omni, s) for s in ("thinker", "talker", "code2wav")}
     reply = client.chat.completions.create(model="tiny-qwen3-omni", messages=MESSAGES, max_tokens=8, seed=1)

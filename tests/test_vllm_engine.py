@@ -331,6 +331,16 @@ class TestSingleStageGraph:
 
         return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
+    def test_haproxy_sends_the_requests_to_the_ingress_replica(self, client) -> None:
+        """The session cluster runs Serve's HAProxy ingress (as `make serve`'s): HAProxy hands each request to the
+        ingress replica's own HTTP server (Serve's direct ingress), which here runs the engine too."""
+        from tests.haproxy import served_by_ingress_replicas
+
+        hello = [{"role": "user", "content": "Hi"}]
+        served_by_ingress_replicas(
+            lambda: client.chat.completions.create(model="tiny-qwen3", messages=hello, max_tokens=2)
+        )
+
     def test_the_engine_runs_in_the_ingress(self, client, server) -> None:
         """engine_in_ingress: no stage deployment; the ingress replica's own engine served the call."""
         import httpx

@@ -162,6 +162,17 @@ def test_chat_text(graph, client: openai.OpenAI) -> None:
     assert reply.usage.prompt_tokens == 3 + len("Say hello.") + 5
 
 
+def test_health_and_haproxy_sends_the_requests_to_the_ingress_replica(graph) -> None:
+    """Every stage ready, and Serve's HAProxy ingress (the session cluster's, as `make serve`'s) hands each
+    request to the ingress replica's own HTTP server."""
+    from tests.haproxy import served_by_ingress_replicas
+
+    health = httpx.get(f"{graph.base_url}/health", timeout=30)
+    assert health.status_code == 200 and health.json() == {"status": "ok", "stages": dict.fromkeys(STAGES, "ready")}
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+    served_by_ingress_replicas(lambda: httpx.post(f"{graph.base_url}/v1/chat/completions", json=body, timeout=300))
+
+
 def test_text_only_skips_talker_and_code2wav(graph, client: openai.OpenAI) -> None:
     before = {s: stats(graph, s)["calls"] for s in STAGES}
     client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, modalities=["text"])

@@ -75,6 +75,21 @@ def real_haproxy_binary() -> str:
         return found
 
 
+def haproxy_environment() -> None:
+    """This process's environment for a local cluster it starts (unless ``RAY_ADDRESS`` names one to join):
+    Serve's HAProxy ingress unless the environment says ``RAY_SERVE_ENABLE_HA_PROXY=0``, its stats and admin
+    socket kept to this machine. Ray's processes read these when they start (the test session's cluster too)."""
+    if "RAY_ADDRESS" not in os.environ:
+        os.environ.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        # Serve's HAProxy ingress keeps a stopping ingress replica draining 30 s so that load balancers
+        # in front notice; a local cluster stops whole, so nobody is left to notice.
+        os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
+        if "RAY_ADDRESS" not in os.environ:  # our cluster: its HAProxy keeps stats and admin to this machine
+            os.environ["OMNI_SERVE_HAPROXY_BINARY"] = real_haproxy_binary()
+            os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"] = str(HAPROXY_LOOPBACK)
+
+
 def say(line: str) -> None:
     print(line, flush=True)
 
@@ -187,17 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         for app in config["applications"]:
             if "logging_config" in app:
                 app["logging_config"] = {**QUIET_APP_LOGGING, **app["logging_config"]}
-    if "RAY_ADDRESS" not in os.environ:
-        # A cluster this launcher starts: Serve's HAProxy ingress unless told otherwise. Ray's
-        # processes read the switch when they start; ray.serve (which reads it too) is not imported yet.
-        os.environ.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")
-    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
-        # Serve's HAProxy ingress keeps a stopping ingress replica draining 30 s so that load balancers
-        # in front notice; this launcher stops the whole local cluster, so nobody is left to notice.
-        os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
-        if "RAY_ADDRESS" not in os.environ:  # our cluster: its HAProxy keeps stats and admin to this machine
-            os.environ["OMNI_SERVE_HAPROXY_BINARY"] = real_haproxy_binary()
-            os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"] = str(HAPROXY_LOOPBACK)
+    haproxy_environment()
     schema = ServeDeploySchema.model_validate(config)
     host, port = schema.http_options.host, schema.http_options.port
     urls = {app.name: base_url(host, port, app.route_prefix) for app in schema.applications}

@@ -1,12 +1,12 @@
-"""A realtime client that never reads, behind Serve's HAProxy ingress: the server ends the session while
-the client has read nothing (before the outbox, the session waited on the client and hung).
+"""A realtime client that never reads, behind Serve's HAProxy ingress (the session cluster's, as `make serve`'s):
+the server ends the session while the client has read nothing (before the outbox, the session waited on the
+client and hung).
 
 What ends it here is not shown to be ``realtime.max_unsent_bytes``: with that bound switched off the
 test still passes, the replica's unsent bytes sampled at 0 throughout (12 retrievals at once; and 40
 paced within the byte budget with the client's receive buffer fixed at 256 KiB, 212 MB unread), and
 the session ends when uvicorn's keepalive pings go unanswered. The bound itself is tested in process
-(tests/test_realtime_limits.py); docs/realtime.md says so. Runs in the HAProxy session
-(``pytest -m haproxy``).
+(tests/test_realtime_limits.py); docs/realtime.md says so.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tests.conftest import wait_until
 from tests.test_realtime import realtime_url
 from tests.test_realtime_hostile import realtime_stats
 
-pytestmark = [pytest.mark.haproxy, pytest.mark.integration]
+pytestmark = [pytest.mark.integration]
 
 
 def test_a_client_that_never_reads_is_disconnected(tiny_omni: Any) -> None:

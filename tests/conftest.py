@@ -38,8 +38,9 @@ METRICS_PORT = HTTP_PORT + 1  # Prometheus endpoint of the session cluster's nod
 # it. RAY_SERVE_ENABLE_HA_PROXY=0 outside (`make test` sets it for the multinode session): Serve's Python proxy.
 os.environ.setdefault("RAY_SERVE_HAPROXY_STATS_PORT", str(HTTP_PORT + 40))
 os.environ.setdefault("RAY_SERVE_HAPROXY_METRICS_PORT", str(HTTP_PORT + 41))
-# Its files too (Serve's default is /tmp/haproxy-serve for every cluster on the machine): sessions side by side,
-# as `make test`'s two lanes run (tests/lanes.sh), must not rewrite each other's config or share an admin socket.
+# Its files too (Serve's default is /tmp/haproxy-serve for every cluster on the machine): the `make serve` that
+# tests/test_front_door.py starts beside it, or a second session on other ports, must not rewrite this cluster's
+# HAProxy config or share its admin socket.
 HAPROXY_FILES = {
     "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": "haproxy.cfg",
     "RAY_SERVE_HAPROXY_SOCKET_PATH": "admin.sock",

@@ -10,7 +10,6 @@ import contextlib
 import copy
 import os
 import secrets
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -38,18 +37,6 @@ METRICS_PORT = HTTP_PORT + 1  # Prometheus endpoint of the session cluster's nod
 # it. RAY_SERVE_ENABLE_HA_PROXY=0 outside (`make test` sets it for the multinode session): Serve's Python proxy.
 os.environ.setdefault("RAY_SERVE_HAPROXY_STATS_PORT", str(HTTP_PORT + 40))
 os.environ.setdefault("RAY_SERVE_HAPROXY_METRICS_PORT", str(HTTP_PORT + 41))
-# Its files too (Serve's default is /tmp/haproxy-serve for every cluster on the machine): the `make serve` that
-# tests/test_front_door.py starts beside it, or a second session on other ports, must not rewrite this cluster's
-# HAProxy config or share its admin socket.
-HAPROXY_FILES = {
-    "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": "haproxy.cfg",
-    "RAY_SERVE_HAPROXY_SOCKET_PATH": "admin.sock",
-    "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": "",
-    "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": "server-state",
-    "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": "metrics.sock",
-}
-for key, name in HAPROXY_FILES.items():
-    os.environ.setdefault(key, str(Path(tempfile.gettempdir()) / f"haproxy-serve-{HTTP_PORT}" / name))
 haproxy_environment()
 
 T = TypeVar("T")

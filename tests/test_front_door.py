@@ -20,7 +20,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import HAPROXY_FILES, HTTP_PORT, wait_until
+from tests.conftest import HTTP_PORT, wait_until
 from tests.haproxy import served_by_ingress_replicas
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,8 +71,6 @@ def test_make_serve_prints_one_ready_line_and_stops_on_sigterm(tmp_path: Path) -
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(SERVE_PORT + 3),
         "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(SERVE_PORT + 6),
     }
-    # and its own HAProxy files, not those of the session's cluster (tests/conftest.py)
-    env = {k: v for k, v in env.items() if k not in HAPROXY_FILES}
     cli = ["make", "serve", f"PYTHON={sys.executable}", f"STAMPS={stamps}", f"PORT={SERVE_PORT}", "ARGS=--no-dashboard"]
     # Its own process group, signalled as a whole below, as timeout(1) or systemd do.
     make = subprocess.Popen(

@@ -322,7 +322,7 @@ def _replica_counts(text: str) -> dict[str, int]:
     return {name: int(count) for name, count in (item.split("=") for item in text.split(",") if item)}
 
 
-def _paces(text: str) -> dict[str, float]:
+def parse_paces(text: str) -> dict[str, float]:
     return {name: float(value) for name, value in (item.split("=") for item in text.split(",") if item)}
 
 
@@ -379,7 +379,7 @@ def main() -> None:
     parser.add_argument("--reply-tokens", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument(
         "--pace",
-        type=_paces,
+        type=parse_paces,
         default=H100_PACE,
         help="the sweep's paced stages: min_step_s per stage, e.g. thinker=0.015,talker=0.012,code2wav=0.02",
     )

@@ -11,6 +11,12 @@ streamed (``stream: true``, ``stream_format: "audio"``: both servers' fields), o
 both servers the same frames (tests/test_qwen3_tts_oracle.py), and each request's two replies are checked to be
 the same length. Per concurrency: e2e p50 (the whole body), TTFA p50 (the first audio byte) and req/s; rounds
 alternate which server goes first. It prints the median of each figure over the rounds and omni_serve / native.
+
+``--pace qwen3_tts=0.012,code2wav=0.02`` (seconds per engine step, by the graph's stage names): both servers'
+stage engines wait out each step instead of computing it (omni_serve's CPU platform paces native's engines as it
+paces omni_serve's, through the stage's ``additional_config``), so the stages behave as if each owned an
+accelerator and the 2 shared cores are left to the serving path: what a GPU host would show of each server's
+own overhead. Unpaced, the engines' arithmetic competes with both servers' processes for the two cores.
 """
 
 from __future__ import annotations
@@ -26,10 +32,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_native  # noqa: E402  (the server plumbing the comparisons share)
+from bench import parse_paces  # noqa: E402
 
 GRAPH = "tiny_qwen3_tts_vllm_omni.yaml"
 MODEL = "tiny-qwen3-tts"
@@ -76,6 +85,32 @@ async def load(port: int, concurrency: int, requests: int, seed: int) -> dict[st
     }
 
 
+def graph_stages() -> list[dict[str, Any]]:
+    config = yaml.safe_load((ROOT / "graphs" / GRAPH).read_text())
+    return config["applications"][0]["args"]["stages"]
+
+
+def stage_ids(pace: dict[str, float]) -> dict[int, float]:
+    """``--pace`` by the graph's stage names -> by vLLM-Omni's stage ids (native's deploy config)."""
+    ids = {stage["name"]: stage["engine_args"]["stage_id"] for stage in graph_stages()}
+    unknown = set(pace) - set(ids)
+    if unknown:
+        raise SystemExit(f"--pace: no stage {sorted(unknown)} in {GRAPH} (its stages: {sorted(ids)})")
+    return {ids[name]: seconds for name, seconds in pace.items()}
+
+
+def paced(pace: dict[str, float]) -> Any:
+    """omni_serve's graph edit: one fixed replica a stage, each paced stage's ``engine_args.min_step_s``."""
+
+    def mutate(config: dict[str, Any]) -> None:
+        vs_native.fixed_replicas(config)
+        for stage in config["applications"][0]["args"]["stages"]:
+            if stage["name"] in pace:
+                stage["engine_args"]["min_step_s"] = pace[stage["name"]]
+
+    return mutate
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, default=19260, help="native PORT, omni_serve PORT+1")
@@ -85,10 +120,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results_vs_vllm_omni_tts.json")
     parser.add_argument("--logs", default=os.environ.get("TMPDIR", "/tmp"))
+    parser.add_argument(
+        "--pace", type=parse_paces, default={}, help="min_step_s per stage of both servers, e.g. qwen3_tts=0.012"
+    )
     parser.add_argument("--serve-omni", type=int, help=argparse.SUPPRESS)  # the omni_serve child process
     args = parser.parse_args()
     if args.serve_omni:
-        vs_native.serve_omni(args.serve_omni, "haproxy", GRAPH, stats_stage=None)
+        vs_native.serve_omni(args.serve_omni, "haproxy", GRAPH, mutate=paced(args.pace), stats_stage=None)
         return
 
     from tests import native_omni
@@ -96,9 +134,12 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="vs_vllm_omni_tts_", dir=args.logs))
     ports = {"native": args.port, "omni": args.port + 1}
     runs: dict[int, dict[str, list[dict[str, Any]]]] = {c: {"native": [], "omni": []} for c in args.concurrency}
-    omni_argv = [sys.executable, __file__, "--serve-omni", str(ports["omni"])]
+    pace = ",".join(f"{name}={seconds}" for name, seconds in args.pace.items())
+    omni_argv = [sys.executable, __file__, "--serve-omni", str(ports["omni"]), *(["--pace", pace] if pace else [])]
     with (
-        native_omni.serve("qwen3_tts", ports["native"], logs / "native.log", async_chunk=True),
+        native_omni.serve(
+            "qwen3_tts", ports["native"], logs / "native.log", async_chunk=True, min_step_s=stage_ids(args.pace)
+        ),
         vs_native.server(omni_argv, f"http://127.0.0.1:{ports['omni']}/health", logs / "omni.log"),
     ):
         for port in ports.values():  # warm-up, not counted

@@ -29,7 +29,7 @@ import json
 import os
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +120,9 @@ ORACLE_REQUESTS: dict[str, dict[str, dict[str, Any]]] = {
 }  # fmt: skip
 
 
-def cpu_deploy_config(family: Family, async_chunk: bool = True) -> dict[str, Any]:
+def cpu_deploy_config(
+    family: Family, async_chunk: bool = True, min_step_s: Mapping[int, float] | None = None
+) -> dict[str, Any]:
     """vLLM-Omni's deploy config of ``family``, made for a CPU host (``async_chunk`` only where vLLM-Omni's turns it
     on: Ming-flash-omni's declares no chunked handoff). Each change, and why:
 
@@ -132,9 +134,13 @@ def cpu_deploy_config(family: Family, async_chunk: bool = True) -> dict[str, Any
       (``kv_cache_memory_bytes``), ``enforce_eager`` (no torch.compile / graphs: a fast start), no async
       scheduling (vLLM's CPU platform turns it off), ``max_num_seqs`` at most 4 (2 cores); the dtypes stay
       vLLM-Omni's (Qwen3-TTS's talker only runs in bfloat16: ``tiny_qwen3_tts``);
-    - the family's own bounds (:attr:`Family.stage_overrides`, :attr:`Family.sampling_overrides`).
+    - the family's own bounds (:attr:`Family.stage_overrides`, :attr:`Family.sampling_overrides`);
+    - ``min_step_s`` (stage id -> seconds; benchmarks only): the stage's engine steps paced as omni_serve's
+      ``engine_args.min_step_s`` paces them, by omni_serve's CPU platform, which native runs too.
     """
     from vllm_omni.config.stage_config import _DEPLOY_DIR
+
+    from omni_serve.pacing import engine_config
 
     config = yaml.safe_load((_DEPLOY_DIR / family.deploy).read_text())
     config.pop("platforms", None)
@@ -152,6 +158,8 @@ def cpu_deploy_config(family: Family, async_chunk: bool = True) -> dict[str, Any
         )
         stage.update(copy.deepcopy(family.stage_overrides.get(sid, {})))
         stage.setdefault("default_sampling_params", {}).update(family.sampling_overrides.get(sid, {}))
+        if min_step_s and min_step_s.get(sid):
+            stage["additional_config"] = engine_config(min_step_s[sid], stage.get("additional_config"))
     return config
 
 
@@ -287,6 +295,7 @@ def serve(
     async_chunk: bool = True,
     ready_timeout_s: float = 900,
     env: dict[str, str] | None = None,
+    min_step_s: Mapping[int, float] | None = None,
 ) -> Iterator[NativeServer]:
     """Native vLLM-Omni serving family ``name``'s tiny checkpoint on 127.0.0.1:``port`` until the block ends."""
     from omni_serve.checkpoints import ensure
@@ -294,7 +303,7 @@ def serve(
     family = FAMILIES[name]
     model_path = ensure(family.checkpoint)
     deploy = log.with_suffix(".deploy.yaml")
-    config = cpu_deploy_config(family, async_chunk)
+    config = cpu_deploy_config(family, async_chunk, min_step_s)
     deploy.write_text(yaml.safe_dump(config, sort_keys=False))
     argv = vllm_cli.argv(
         "vllm-omni", "serve", str(model_path), "--omni", "--deploy-config", str(deploy),

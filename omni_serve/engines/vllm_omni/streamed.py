@@ -13,6 +13,7 @@ engine (:meth:`StreamedInput.shutdown`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -43,6 +44,9 @@ class StreamedInput:
         self.vllm_config = vllm_config
         self.connector = OmniChunkTransferAdapter.create_connector(vllm_config.model_config)
         self.markers = _EndMarkers(self.connector, stage_id)
+        # The feeds' puts run in threads of their own, so that shutdown can wait for one on its way: its thread
+        # creates the segment, and registers it with the connector, after the connector's close otherwise.
+        self.puts = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{stage_name}-chunks")
 
     async def prompt_and_feed(
         self, chunks: AsyncIterator[HandoffPayload], voice: str | None
@@ -66,6 +70,7 @@ class StreamedInput:
         # What this replica wrote and nobody read (a request cut short by the shutdown), and the end markers
         # still expected: unlinked with the engine, not left in /dev/shm.
         self.markers.close()
+        self.puts.shutdown(wait=True)  # a put on its way ends first (a later one is refused: its feed fails)
         self.connector.close()
 
     def _steps(self, chunk: HandoffPayload) -> list[HandoffPayload]:
@@ -107,6 +112,7 @@ class StreamedFeed:
         upstream, stage = str(streamed.upstream.stage_id), str(streamed.stage_id)
         keys: list[str] = []
         put: asyncio.Future[Any] | None = None
+        loop = asyncio.get_running_loop()
         try:
             async for step in self.steps:
                 payload = from_handoff(step)
@@ -116,7 +122,7 @@ class StreamedFeed:
                     payload["speaker"] = self.voice
                 key = f"{engine_request_id}_{upstream}_{len(keys)}"
                 keys.append(key)
-                put = asyncio.ensure_future(asyncio.to_thread(connector.put, upstream, stage, key, payload))
+                put = loop.run_in_executor(streamed.puts, connector.put, upstream, stage, key, payload)
                 ok, _, _ = await asyncio.shield(put)
                 if not ok:
                     raise EngineError(f"stage {streamed.stage_name}: writing the upstream's chunk {key} failed")

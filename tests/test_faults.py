@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import contextlib
 import io
 import json
+import os
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -272,6 +274,26 @@ def replica_names(deployment: str) -> list[str]:
 
     prefix = f"SERVE_REPLICA::omni#{deployment}#"
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))
+
+
+def replica_pid(deployment: str) -> int:
+    """The process id of the deployment's one replica."""
+    import ray
+
+    [replica] = replica_names(deployment)
+    return int(ray.get(ray.get_actor(replica, namespace="serve").__ray_call__.remote(lambda _self: os.getpid())))
+
+
+def vllm_processes(pid: int) -> list[str]:
+    """The command lines of the vLLM processes under a process: its EngineCore and any worker (vLLM titles them
+    ``VLLM::...``), not the helpers (multiprocessing's resource tracker)."""
+    import psutil
+
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # one that ended meanwhile
+            found.append(" ".join(child.cmdline()))
+    return [cmdline for cmdline in found if cmdline.startswith("VLLM::")]
 
 
 def ingress_log_lines(pattern: str) -> list[str]:

@@ -355,6 +355,14 @@ class TestSingleStageGraph:
         health = httpx.get(f"{server.base_url}/health", timeout=30).json()
         assert health == {"status": "ok", "stages": {"llm": "ready"}}
 
+    def test_the_cpu_graph_runs_its_worker_inside_the_engine_core(self, server) -> None:
+        """The graph's ``distributed_executor_backend: uni``, honoured on CPU (omni_serve.platforms.executor): one
+        vLLM process under the replica, where vLLM's CPU platform would start an EngineCore and a worker."""
+        from tests.test_faults import replica_pid, vllm_processes
+
+        processes = vllm_processes(replica_pid(STAGE_DEPLOYMENT))
+        assert len(processes) == 1 and "EngineCore" in processes[0], processes
+
     def test_non_streaming_and_max_tokens(self, client) -> None:
         reply = client.chat.completions.create(
             model="tiny-qwen3", messages=[{"role": "user", "content": "Hello"}], temperature=0, max_tokens=7

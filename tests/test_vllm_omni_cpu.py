@@ -507,9 +507,19 @@ def test_code2wav_output_does_not_depend_on_its_batch(graph, lag: int) -> None:
         assert np.abs(beside.audio - alone.audio).max() < 1e-5  # float rounding of a batched matmul only
 
 
+def test_each_stage_is_one_engine_process(graph) -> None:
+    """The graph's ``distributed_executor_backend: uni``, honoured on CPU (omni_serve.platforms.executor): each
+    stage replica has one vLLM process, its EngineCore with the worker inside, not an EngineCore and a worker."""
+    from tests.test_faults import replica_pid, vllm_processes
+
+    processes = {stage: vllm_processes(replica_pid(stage)) for stage in STAGES}
+    assert {stage: len(found) for stage, found in processes.items()} == dict.fromkeys(STAGES, 1), processes
+    assert all("EngineCore" in found[0] for found in processes.values()), processes
+
+
 def test_code2wav_engine_steps_are_paced_without_a_core_and_batched(graph) -> None:
     """min_step_s on a vLLM-Omni stage: each code2wav decode is one paced engine step, waited in its engine
-    processes (EngineCore and worker) without using a core; 8 chunks decoding together take about one step,
+    process without using a core; 8 chunks decoding together take about one step,
     not eight; a call cancelled mid-step leaves the engine at once."""
     import os
 

@@ -97,7 +97,9 @@ class EngineArgs(BaseModel):
     distributed_executor_backend: Literal["mp", "uni"] | None = Field(
         None,
         description="vLLM executor inside the replica. Use 'mp' for tensor_parallel_size > 1 and give the replica "
-        "a placement group with that many GPUs; 'ray' is refused: under Serve it loses the replica's placement group.",
+        "a placement group with that many GPUs; 'uni' runs the worker inside the EngineCore process (honoured on "
+        "CPU too, where vLLM would make it 'mp': omni_serve.platforms.executor); 'ray' is refused: under Serve it "
+        "loses the replica's placement group.",
     )
     max_num_seqs: int | None = Field(None, ge=1, description="Sequences the scheduler batches at once.")
     max_num_batched_tokens: int | None = Field(None, ge=1, description="Tokens per scheduler step.")
@@ -230,6 +232,9 @@ class VLLMEngine(StageEngine):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.executor import Executor
+
+        from omni_serve.platforms.executor import honour_uni
 
         model = self.args.model
         if model == TINY_MODEL:
@@ -249,9 +254,17 @@ class VLLMEngine(StageEngine):
                 f"engine_args.extra_engine_args: '{unknown[0]}' is not a field of vllm {vllm.__version__} "
                 "AsyncEngineArgs"
             )
+        # AsyncLLM.from_engine_args, with the graph's executor honoured on CPU (omni_serve.platforms.executor).
+        engine_args = AsyncEngineArgs(**kwargs)
+        vllm_config = engine_args.create_engine_config()
+        honour_uni(vllm_config, kwargs.get("distributed_executor_backend"))
         # Blocks this loop until the EngineCore process is up (the replica serves nothing before).
-        self._engine = AsyncLLM.from_engine_args(
-            AsyncEngineArgs(**kwargs), stat_loggers=[self._scheduler.stat_logger()]
+        self._engine = AsyncLLM(
+            vllm_config=vllm_config,
+            executor_class=Executor.get_class(vllm_config),
+            log_stats=not engine_args.disable_log_stats,
+            log_requests=engine_args.enable_log_requests,
+            stat_loggers=[self._scheduler.stat_logger()],
         )
         self._tokenizer = self._engine.get_tokenizer()
         # vLLM is loaded here anyway: an unknown parser name fails the start (the graph file is wrong).

@@ -11,7 +11,8 @@ takes the same approach as this one), so omni_serve registers :func:`cpu` in
 The package also holds the classes omni_serve has vLLM and vLLM-Omni build inside their engine
 processes for step pacing (engine arg ``min_step_s``): :mod:`.paced` (why there),
 :mod:`.paced_worker` (vLLM's CPU worker) and :mod:`.paced_diffusion`; and for waits that leave the
-cores to the other stages (:mod:`.quiet`: paced engines' ``mp`` executor, idle steps).
+cores to the other stages (:mod:`.quiet`: paced engines' ``mp`` executor, idle steps); and
+:mod:`.executor`, a graph's ``uni`` executor honoured where vLLM's CPU platform would make it ``mp``.
 """
 
 from __future__ import annotations

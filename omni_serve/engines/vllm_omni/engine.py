@@ -219,6 +219,7 @@ class VllmOmniEngine(StageEngine):
         )
 
         from omni_serve.checkpoints import resolve
+        from omni_serve.platforms.executor import honour_uni
 
         model = resolve(self.args.model)  # a registered tiny checkpoint ("tiny": Qwen3-Omni's), built on first use
         cfg = stage_config(self.args, self.stream_input).to_omegaconf()
@@ -226,6 +227,10 @@ class VllmOmniEngine(StageEngine):
         metadata = extract_legacy_stage_metadata(cfg)
         engine_args = build_engine_args_dict(cfg, model)
         vllm_config, executor_class = build_vllm_config(cfg, model, engine_args_dict=engine_args)
+        if honour_uni(vllm_config, self.args.engine.get("distributed_executor_backend")):
+            from vllm.v1.executor import Executor
+
+            executor_class = Executor.get_class(vllm_config)
         if self.args.min_step_s:
             self._check_pacing(vllm_config)
             from omni_serve.platforms.quiet import quiet_executor

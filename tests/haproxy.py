@@ -32,6 +32,12 @@ def served_by_ingress_replicas(send: Callable[[], object], times: int = 5, stats
                 by_kind[kind[row["bck"]]][f"{row['pxname']}/{row['svname']}"] = int(row["stot"] or 0)
         return by_kind
 
+    # Serve calls a graph healthy before HAProxy lists its ingress replicas (HAProxyManager rewrites the config
+    # and reloads HAProxy, which zeroes the counters; until then the backup proxy serves): CI saw a count start
+    # there (backup 3, no primary) and end after the reload (primary 4 of 5).
+    from tests.conftest import wait_until
+
+    wait_until(lambda: sessions()["primary"], 60, lambda: f"HAProxy to list an ingress replica: {sessions()}")
     before = sessions()
     for _ in range(times):
         send()

@@ -42,7 +42,9 @@ def launch_plumbing(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     monkeypatch.setattr(yaml_util, "create_config", lambda cfg: cfg)
     monkeypatch.setattr(init_utils, "extract_legacy_stage_metadata", lambda cfg: "metadata")
     monkeypatch.setattr(init_utils, "build_engine_args_dict", lambda cfg, model: {})
-    monkeypatch.setattr(init_utils, "build_vllm_config", lambda cfg, model, engine_args_dict: ("config", "executor"))
+    # The config as vLLM leaves it on a GPU, where it keeps the graph's uni executor for one device.
+    config = SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend="uni", world_size=1))
+    monkeypatch.setattr(init_utils, "build_vllm_config", lambda cfg, model, engine_args_dict: (config, "executor"))
     monkeypatch.setattr(startup, "launch_stage_replica", launch)
     monkeypatch.setattr(
         client_module.StageEngineCoreClientBase,

@@ -49,15 +49,12 @@ def realtime_stats(graph: Any) -> dict[str, Any]:
 
 def ingress_rss() -> int:
     """The ingress replica's resident memory (the test runs on the cluster's one node)."""
-    import os
 
     import psutil
-    import ray
 
-    from tests.test_faults import replica_names
+    from tests.test_faults import replica_pid
 
-    [replica] = replica_names("ingress")
-    pid = ray.get(ray.get_actor(replica, namespace="serve").__ray_call__.remote(lambda _self: os.getpid()))
+    pid = replica_pid("ingress")
     return int(psutil.Process(pid).memory_info().rss)
 
 

@@ -521,16 +521,13 @@ def test_code2wav_engine_steps_are_paced_without_a_core_and_batched(graph) -> No
     """min_step_s on a vLLM-Omni stage: each code2wav decode is one paced engine step, waited in its engine
     process without using a core; 8 chunks decoding together take about one step,
     not eight; a call cancelled mid-step leaves the engine at once."""
-    import os
 
     import psutil
-    import ray
     import torch
 
-    from tests.test_faults import replica_names
+    from tests.test_faults import replica_pid
 
-    [replica] = replica_names("code2wav")
-    pid = ray.get(ray.get_actor(replica, namespace="serve").__ray_call__.remote(lambda _self: os.getpid()))
+    pid = replica_pid("code2wav")
     engine_processes = psutil.Process(pid).children(recursive=True)
     assert any("EngineCore" in " ".join(p.cmdline()) for p in engine_processes)
 
@@ -606,16 +603,14 @@ def test_engine_core_death_answers_503_engine_dead_and_serve_replaces_the_replic
     """A thinker EngineCore killed mid-request: the client gets 503 ``engine_dead`` (not a 500), the replica
     fails its health checks from then on, and Serve replaces it with a new replica. Last in the module: the
     graph is left starting its new thinker, and the module's teardown deletes it."""
-    import os
     import signal
 
     import psutil
-    import ray
 
-    from tests.test_faults import replica_names
+    from tests.test_faults import replica_names, replica_pid
 
     [replica] = replica_names("thinker")
-    pid = ray.get(ray.get_actor(replica, namespace="serve").__ray_call__.remote(lambda _self: os.getpid()))
+    pid = replica_pid("thinker")
 
     def children() -> dict[int, str]:
         found = {}

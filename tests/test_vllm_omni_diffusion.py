@@ -367,13 +367,11 @@ def test_cpu_steps_paced_without_a_core_and_progress_reported(cpu_graph: Any) ->
     """min_step_s on vLLM-Omni's diffusion engine: each denoising step it schedules takes at least PACE, waited
     in the replica (its worker runs in process) without a core; the call reports its steps as they end."""
     import psutil
-    import ray
 
     from tests.test_engine_pacing import assert_paced, measured
-    from tests.test_faults import replica_names
+    from tests.test_faults import replica_pid
 
-    [replica] = replica_names("image")
-    pid = ray.get(ray.get_actor(replica, namespace="serve").__ray_call__.remote(lambda _self: os.getpid()))
+    pid = replica_pid("image")
     wait_until(lambda: _idle(cpu_graph), 120, "an idle image stage before the test")
     steps = 6
     call = StageRequest("paced", SamplingParams(), messages=[ChatMessage(role="user", content="a fox")],

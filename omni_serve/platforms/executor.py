@@ -7,7 +7,7 @@ executor gives the worker process it spawns. Under Serve that reason does not ho
 in the replica, the platform writes the ``LD_PRELOAD`` into the replica's environment while building it,
 and the EngineCore process is spawned afterwards with that environment and the replica's
 ``OMP_NUM_THREADS`` (Ray sets it to the replica's whole CPUs, at least 1). A ``uni`` EngineCore then runs
-its worker in its own process: one process per stage instead of two, each importing vLLM, and no
+the worker in its own process: one engine process per stage instead of two, each importing vLLM, and no
 shared-memory queue between them, whose reader spins on a core for a second after each step
 (:mod:`.quiet`). On a GPU vLLM already picks ``uni`` for one device, so this only gives CPU graphs what
 they ask for; a graph that sets nothing keeps vLLM's choice.

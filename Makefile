@@ -20,6 +20,9 @@ STAMPS ?= .make/$(ENV_ID)
 say = @echo "omni_serve: $(1)"
 # import-linter's `lint-imports`, run by this PYTHON (its module has no __main__; reads pyproject.toml)
 LINT_IMPORTS := $(PYTHON) -c 'from importlinter.cli import lint_imports_command; lint_imports_command()'
+# mypy's cache outside the checkout, so a fresh clone (CI's) checks only what changed: 49 s -> 2 s here. mypy
+# validates each entry by its source's hash, so one cache serves every clone; remove it to start afresh.
+MYPY_CACHE ?= $(HOME)/.cache/omni_serve/mypy
 
 .PHONY: install install-test serve test lint
 
@@ -56,7 +59,7 @@ test: install-test
 	$(call say,import layers and cycles (import-linter; the contracts are in pyproject.toml))
 	$(LINT_IMPORTS)
 	$(call say,types (mypy omni_serve; its settings are in pyproject.toml))
-	$(PYTHON) -m mypy omni_serve
+	$(PYTHON) -m mypy --cache-dir $(MYPY_CACHE) omni_serve
 	$(call say,tests: about 58 min in all on a 2-core machine (2026-11-27; the README, Tests))
 	$(PYTHON) -m pytest -q -m "not gpu and not multinode and not oracle" -p no:cacheprovider --durations=25
 	$(call say,multinode tests (their own multi-raylet clusters (one under Ray's autoscaler) in a process where Ray was never initialized; Serve's Python proxy))
@@ -65,4 +68,4 @@ test: install-test
 lint:
 	$(PYTHON) -m ruff check omni_serve tests benchmarks
 	$(LINT_IMPORTS)
-	$(PYTHON) -m mypy omni_serve
+	$(PYTHON) -m mypy --cache-dir $(MYPY_CACHE) omni_serve

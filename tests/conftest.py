@@ -30,6 +30,22 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 HTTP_PORT = int(os.environ.get("OMNI_SERVE_TEST_PORT", "18765"))
 METRICS_PORT = HTTP_PORT + 1  # Prometheus endpoint of the session cluster's node
+# How often every process of the session cluster reports its metrics to the node's agent (Ray's default: 10 s).
+# Each report wakes every process and the agent: at 1 s, an idle tiny graph's upkeep was 0.34 busy cores
+# (the dashboard agent 0.057, the GCS 0.031), at 10 s 0.21 (docs/testing.md). tests/test_metrics.py waits
+# for a report by this interval.
+METRICS_REPORT_INTERVAL_S = 5
+
+# Ray's log monitor forwards workers' output to drivers (the session's driver sets log_to_driver=False) and
+# re-lists the session's log files every 0.1 s while there are under 1,000: across a run, with every replica
+# and engine process a suite starts leaving its files, it took ~150 CPU-seconds. The tests read the log files
+# themselves; list them every 5 s.
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
+os.environ.setdefault("LOG_NAME_UPDATE_INTERVAL_S", "5")
+# Serve's controller runs its loop every 0.1 s (its default), 0.085 of a core with the tiny graph idle; every
+# 0.3 s, 0.043, and a deploy is no slower (40 s against 44 s, one each). The graphs' own periods (health
+# checks, autoscaling delays) are seconds, so the loop's finer grain changes no outcome a test checks.
+os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.3")
 
 # The session cluster runs Serve's HAProxy ingress, as the cluster `make serve` starts does (its environment,
 # omni_serve.cli.run.haproxy_environment), so every graph is tested behind what users run. Its stats and
@@ -153,7 +169,7 @@ def ray_cluster() -> Iterator[str]:
         namespace="serve",
         log_to_driver=False,
         _metrics_export_port=METRICS_PORT,
-        _system_config={"metrics_report_interval_ms": 1000},
+        _system_config={"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_S * 1000},
     )
     try:
         yield ray.get_runtime_context().gcs_address
@@ -246,18 +262,37 @@ def one_replica_per_stage(graphs: Graphs) -> Graphs:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The modules that run on the unmodified tiny graph first and back to back (alphabetical order otherwise).
+    """The tests on the unmodified tiny graph first and back to back, then the rest of their modules, then the
+    other modules (alphabetical order otherwise).
 
-    `Graphs.ensure` redeploys the tiny graph whenever a module with a graph of its own ran in between; in
-    alphabetical order that cost a 35-40 s redeploy about ten times per session. A module shares the tiny graph
-    when one of its tests asks for the `tiny_omni` fixture (its one-replica form `one_replica_per_stage` included).
+    `Graphs.ensure` redeploys the tiny graph whenever a graph of another kind ran in between; in alphabetical
+    order that cost a 35-40 s redeploy about ten times per session. A module shares the tiny graph when one of
+    its tests asks for the `tiny_omni` fixture (its one-replica form `one_replica_per_stage` included); its tests
+    that deploy a graph of their own (a variant) run after every test on the tiny graph, or each would cost the
+    next module a redeploy (two did: 38 and 39 s). A module whose tests are split so sets its module-scoped
+    fixtures up twice (a media server, a browser: seconds). Modules marked ``shares_graph(FILE)`` (another
+    unmodified graph, through `Graphs.ensure`) run next, those on the same file back to back.
     """
-    modules: dict[str, bool] = {}
+    shared = {item.nodeid.split("::")[0] for item in items if "tiny_omni" in getattr(item, "fixturenames", ())}
+    modules = {key: position for position, key in enumerate(dict.fromkeys(i.nodeid.split("::")[0] for i in items))}
+    graph_of = {}
     for item in items:
-        key = item.nodeid.split("::")[0]
-        modules[key] = modules.get(key, False) or "tiny_omni" in getattr(item, "fixturenames", ())
-    rank = {key: (not shared, position) for position, (key, shared) in enumerate(modules.items())}
-    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])
+        marker = item.get_closest_marker("shares_graph")
+        if marker:
+            graph_of[item.nodeid.split("::")[0]] = marker.args[0]
+    first = {}
+    for module in sorted(graph_of, key=modules.__getitem__):
+        first.setdefault(graph_of[module], modules[module])
+
+    def rank(item: pytest.Item) -> tuple[int, int, int]:
+        module = item.nodeid.split("::")[0]
+        if module in shared:
+            return 0, (0 if "tiny_omni" in getattr(item, "fixturenames", ()) else 1), modules[module]
+        if module in graph_of:
+            return 1, first[graph_of[module]], modules[module]
+        return 2, 0, modules[module]
+
+    items.sort(key=rank)  # stable: a module's tests keep their order within each rank
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import pytest
 import soundfile as sf
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import METRICS_PORT, wait_until
+from tests.conftest import METRICS_PORT, METRICS_REPORT_INTERVAL_S, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +44,7 @@ def total(metrics: dict[str, Any], name: str, **labels: str) -> float:
 
 
 def caught_up(condition: Callable[[dict[str, Any]], Any], timeout_s: float = 60) -> dict[str, Any]:
-    """Metrics reach the node's endpoint about a second after they are recorded: the first scrape they show in.
+    """Metrics reach the node's endpoint within a report interval of being recorded: the first scrape they show in.
 
     ``condition`` returns True when they did, else what it saw (shown if they never do).
     """
@@ -59,11 +59,11 @@ def caught_up(condition: Callable[[dict[str, Any]], Any], timeout_s: float = 60)
 
 
 def settled(timeout_s: float = 120) -> dict[str, Any]:
-    """A scrape once earlier work has been reported: two scrapes ~3 report intervals apart agree."""
+    """A scrape once earlier work has been reported: two scrapes more than a report interval apart agree."""
     previous: list[dict[str, Any]] = [scrape()]
 
     def agrees() -> dict[str, Any] | None:
-        time.sleep(3)
+        time.sleep(METRICS_REPORT_INTERVAL_S + 1)
         current, before = scrape(), previous[0]
         previous[0] = current
         same = all(total(current, name) == total(before, name) for name in before if name.startswith("ray_omni_"))

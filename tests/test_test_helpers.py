@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
@@ -67,3 +68,37 @@ def test_wait_until_returns_the_value_or_fails_naming_what() -> None:
     with pytest.raises(pytest.fail.Exception, match=r"waiting for nothing \(seen 3\)"):
         wait_until(lambda: False, 0.2, lambda: "nothing (seen 3)", interval_s=0.05)
     assert time.monotonic() - started < 2
+
+
+def test_the_tiny_graph_tests_first_then_their_modules_variants_then_modules_sharing_a_graph() -> None:
+    """The run order that saves redeploys (conftest.pytest_collection_modifyitems); fails if a test on a variant runs
+    between two on the tiny graph, or if two modules on one shared graph are split by another module."""
+    from types import SimpleNamespace
+
+    from tests.conftest import pytest_collection_modifyitems
+
+    def item(nodeid: str, *fixtures: str, shares: str | None = None) -> Any:
+        marker = SimpleNamespace(args=(shares,)) if shares else None
+        return SimpleNamespace(nodeid=nodeid, fixturenames=fixtures, get_closest_marker=lambda name: marker)
+
+    items = [
+        item("tests/test_a.py::unit"),
+        item("tests/test_b.py::on_tiny", "graphs", "tiny_omni"),
+        item("tests/test_b.py::on_a_variant", "graphs"),
+        item("tests/test_b.py::on_tiny_again", "tiny_omni"),
+        item("tests/test_c.py::llm", shares="single_stage_llm.yaml"),
+        item("tests/test_d.py::own_graph", "graphs"),
+        item("tests/test_e.py::on_tiny", "tiny_omni"),
+        item("tests/test_f.py::llm_too", shares="single_stage_llm.yaml"),
+    ]
+    pytest_collection_modifyitems(None, items)  # type: ignore[arg-type]
+    assert [i.nodeid.split("/")[1] for i in items] == [
+        "test_b.py::on_tiny",
+        "test_b.py::on_tiny_again",
+        "test_e.py::on_tiny",
+        "test_b.py::on_a_variant",
+        "test_c.py::llm",
+        "test_f.py::llm_too",
+        "test_a.py::unit",
+        "test_d.py::own_graph",
+    ]

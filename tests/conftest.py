@@ -42,10 +42,6 @@ METRICS_REPORT_INTERVAL_S = 5
 # themselves; list them every 5 s.
 os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 os.environ.setdefault("LOG_NAME_UPDATE_INTERVAL_S", "5")
-# Serve's controller runs its loop every 0.1 s (its default), 0.085 of a core with the tiny graph idle; every
-# 0.3 s, 0.043, and a deploy is no slower (40 s against 44 s, one each). The graphs' own periods (health
-# checks, autoscaling delays) are seconds, so the loop's finer grain changes no outcome a test checks.
-os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.3")
 
 # The session cluster runs Serve's HAProxy ingress, as the cluster `make serve` starts does (its environment,
 # omni_serve.cli.run.haproxy_environment), so every graph is tested behind what users run. Its stats and

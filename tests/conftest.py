@@ -31,9 +31,9 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 HTTP_PORT = int(os.environ.get("OMNI_SERVE_TEST_PORT", "18765"))
 METRICS_PORT = HTTP_PORT + 1  # Prometheus endpoint of the session cluster's node
 # How often every process of the session cluster reports its metrics to the node's agent (Ray's default: 10 s).
-# Each report wakes every process and the agent: at 1 s, an idle tiny graph's upkeep was 0.34 busy cores
-# (the dashboard agent 0.057, the GCS 0.031), at 10 s 0.21 (docs/testing.md). tests/test_metrics.py waits
-# for a report by this interval.
+# Each report wakes every process and the agent: with an idle tiny graph, at 1 s the dashboard agent took 0.057
+# of a core and the GCS 0.031, at 10 s 0.017 and 0.012 (docs/testing.md). tests/test_metrics.py waits for a
+# report by this interval.
 METRICS_REPORT_INTERVAL_S = 5
 
 # Ray's log monitor forwards workers' output to drivers (the session's driver sets log_to_driver=False) and
@@ -269,24 +269,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     fixtures up twice (a media server, a browser: seconds). Modules marked ``shares_graph(FILE)`` (another
     unmodified graph, through `Graphs.ensure`) run next, those on the same file back to back.
     """
-    shared = {item.nodeid.split("::")[0] for item in items if "tiny_omni" in getattr(item, "fixturenames", ())}
-    modules = {key: position for position, key in enumerate(dict.fromkeys(i.nodeid.split("::")[0] for i in items))}
-    graph_of = {}
-    for item in items:
-        marker = item.get_closest_marker("shares_graph")
-        if marker:
-            graph_of[item.nodeid.split("::")[0]] = marker.args[0]
-    first = {}
-    for module in sorted(graph_of, key=modules.__getitem__):
-        first.setdefault(graph_of[module], modules[module])
+
+    def module(item: pytest.Item) -> str:
+        return item.nodeid.split("::")[0]
+
+    def on_tiny(item: pytest.Item) -> bool:
+        return "tiny_omni" in getattr(item, "fixturenames", ())
+
+    position = {name: i for i, name in enumerate(dict.fromkeys(map(module, items)))}
+    shared = {module(item) for item in items if on_tiny(item)}
+    graph_of = {module(item): m.args[0] for item in items if (m := item.get_closest_marker("shares_graph"))}
+    first: dict[str, int] = {}  # graph file -> the position of the first module on it
+    for name in sorted(graph_of, key=position.__getitem__):
+        first.setdefault(graph_of[name], position[name])
 
     def rank(item: pytest.Item) -> tuple[int, int, int]:
-        module = item.nodeid.split("::")[0]
-        if module in shared:
-            return 0, (0 if "tiny_omni" in getattr(item, "fixturenames", ()) else 1), modules[module]
-        if module in graph_of:
-            return 1, first[graph_of[module]], modules[module]
-        return 2, 0, modules[module]
+        name = module(item)
+        if name in shared:
+            return 0, (0 if on_tiny(item) else 1), position[name]
+        if name in graph_of:
+            return 1, first[graph_of[name]], position[name]
+        return 2, 0, position[name]
 
     items.sort(key=rank)  # stable: a module's tests keep their order within each rank
 

@@ -25,7 +25,7 @@ from omni_serve.engines.vllm_omni import mapping as engine  # noqa: E402
 from omni_serve.models.vllm_omni import edges, pipelines, qwen_omni  # noqa: E402
 from omni_serve.models.vllm_omni.payload import from_handoff, merge_steps, split_steps  # noqa: E402
 from omni_serve.payload import HandoffPayload  # noqa: E402
-from omni_serve.types import SamplingParams  # noqa: E402
+from omni_serve.types import EngineError, SamplingParams  # noqa: E402
 
 IM_START, SYSTEM, USER, ASSISTANT = 151644, 8948, 872, 77091
 HIDDEN, ACCEPT_LAYER, GROUPS = 2048, 24, 16
@@ -349,6 +349,16 @@ def test_merged_outputs_keep_the_newest_multimodal_output():
     merged = asyncio.run(read(collector))
     assert merged.finished and merged.outputs[0].token_ids == [10, 11, 12]
     assert engine.multimodal_output(merged)["hidden_states"]["layers"][0].shape[0] == 4
+
+    # A request failed (its input feed did) while the engine still had a step of it on the way: the step
+    # is dropped, the error stays the request's outcome (this put raised in the engine's output pump,
+    # which then failed every request of the engine).
+    failed = output_collector()(RequestOutputKind.DELTA, "r")
+    failed.put(step([10], 2, finished=False))
+    failed.put(EngineError("input stream failed"))
+    failed.put(step([11], 3, finished=False))
+    with pytest.raises(EngineError, match="input stream failed"):
+        asyncio.run(read(failed))
 
 
 def test_qwen3_tts_talker_to_code2wav_through_its_declared_processors():

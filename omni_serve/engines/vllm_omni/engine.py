@@ -84,7 +84,9 @@ def output_collector() -> type:
         def put(self, output: Any) -> None:
             held = self.output
             super().put(output)
-            if held is not None and self.output is held and not isinstance(output, Exception):
+            # Only a merge (an output added to the held one); a held error stays the request's outcome and
+            # an output put after it is dropped by vLLM, as it must be.
+            if self.output is held and not isinstance(held, Exception | None) and not isinstance(output, Exception):
                 newest_multimodal(held, output)
 
     return Collector

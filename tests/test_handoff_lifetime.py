@@ -156,3 +156,57 @@ def test_ray_frees_a_put_reference_nested_in_a_streamed_item_too_early(relay: An
         assert results == [[_value(c, i) for i in range(HANDOFFS)] for c in range(CALLS)], (
             f"nested references lost ({sorted(lost)}): ray-project/ray#58080"
         )
+
+
+def _fails(_: int) -> None:
+    raise ValueError("the producer's object is an error")
+
+
+@pytest.mark.parametrize("failure", ["an-object-that-is-an-error", "not-a-payload", "the-channel-closed"])
+def test_a_failed_chunk_read_keeps_no_chunk_reference_in_its_traceback(ray_cluster: str, failure: str) -> None:
+    """A streamed call's read that fails keeps no chunk's reference in the failure's frames.
+
+    Whoever keeps the failure keeps those frames (the talker queues it for its decoding thread, in a
+    cycle with its reader), and a reference there holds the chunk in the object store until Python's
+    next full collection: CI's hostile-chat test saw a talker hold one after its client left. Fails
+    with the references the frames held (a chunk's in the reader's, the consumer's and the resolver's).
+    """
+    import traceback
+
+    import ray
+
+    from omni_serve.graph.channel import ChannelReader, Channels
+
+    payload = ray.put(HandoffPayload("test.filler", {"x": np.zeros(4096, np.uint8)}))
+    first, then = {
+        "an-object-that-is-an-error": (ray.remote(_fails).remote(0), None),
+        "not-a-payload": (ray.put(np.zeros(4096, np.uint8)), None),
+        "the-channel-closed": (payload, "close"),
+    }[failure]
+
+    async def read() -> BaseException:
+        channels = Channels()
+        await channels.write("k", [first], first=True)
+        request = StageRequest(request_id="k", sampling=SamplingParams(), handoff=ChannelReader(channels, "k"))
+        chunks = (await receive(request)).handoff
+        assert chunks is not None and not isinstance(chunks, HandoffPayload)
+        try:
+            async for _ in chunks:
+                assert then == "close"
+                channels.close("k")  # the consumer's next take fails
+        except Exception as err:
+            return err
+        raise AssertionError("the read did not fail")
+
+    err = asyncio.run(read())
+    def refers(value: Any) -> bool:
+        return isinstance(value, ray.ObjectRef) or (isinstance(value, list) and any(map(refers, value)))
+
+    held = [
+        f"{frame.f_code.co_name}: {name}"
+        for frame, _ in traceback.walk_tb(err.__traceback__)
+        if "/omni_serve/" in frame.f_code.co_filename  # this test's own frame holds them, of course
+        for name, value in frame.f_locals.items()
+        if refers(value)
+    ]
+    assert held == [], held

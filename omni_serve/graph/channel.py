@@ -279,11 +279,14 @@ class ChannelReader:
     key: str
 
     async def chunks(self) -> AsyncGenerator[Any, None]:
-        """The chunks in order (``ObjectRef`` for a remote channel), until the producer's end."""
+        """The chunks in order (``ObjectRef`` for a remote channel), until the producer's end.
+
+        Each leaves this frame as it is yielded: the consumer's copy is its only holder (a failed take's
+        traceback keeps this frame, and must keep no chunk).
+        """
         while True:
             items, ended = await ask(self.channels, "take", self.key)
-            for item in items:
-                yield item
-            items = []  # the consumer's copy is the only holder from here
+            while items:
+                yield items.pop(0)
             if ended:
                 return

@@ -9,7 +9,10 @@ cycle collector frees them. Found by the hostile-chat test in CI: a client that 
 left a stage's stream item behind (7 of 160 such leaves, with two busy loops beside the graph; the holders
 seen with ``gc.DEBUG_SAVEALL`` in the ingress; after this module, none of 90). A stage collects after a
 cancelled call too, as a precaution (0.2 ms): the talker-held chunk CI also saw was no cycle but an unclosed
-chunk reader, which ``Stage.generate`` now closes.
+chunk reader, which ``Stage.generate`` now closes. And after a failed call: a failure an engine keeps (the
+talker queues its input feed's for its decoding thread) is in a cycle with the frames it passed through.
+Those frames once held the chunk being read (CI, 2026-11-28: a talker held one after its client left);
+now they hold no reference (``omni_serve.graph.transport._chunks``), only copies that wait for a collection.
 
 Python runs a full collection only once the long-lived objects grew by a quarter, which an idle replica
 can take minutes or hours to reach. So after a cancelled call this process collects once, soon

@@ -142,6 +142,8 @@ class Stage:
             if chunks is not None:  # its reader's last take holds chunk refs until the stream is closed
                 with contextlib.suppress(RuntimeError):  # still running in an engine's task: that task ends it
                     await chunks.aclose()
+            if outcome == "error":
+                collect_soon()  # a failure kept by an engine (a fed talker's queued one) is in a cycle with its frames
             self.in_flight -= 1
             self.metrics.in_flight.set(self.in_flight)
             self.metrics.processing.observe(time.time() - started)

@@ -121,18 +121,29 @@ async def _resolved(value: Any) -> HandoffPayload:
     import ray
 
     if isinstance(value, ray.ObjectRef):
-        value = detached(await value)
+        try:
+            value = detached(await value)
+        except BaseException:
+            value = None  # a failure's traceback keeps this frame: it must not keep the reference
+            raise
     if not isinstance(value, HandoffPayload):
         raise TypeError(f"expected a HandoffPayload, got {type(value).__name__}")
     return value
 
 
 async def _chunks(reader: ChannelReader) -> AsyncIterator[HandoffPayload]:
-    """A streamed call's chunks, each copied into this process and its reference dropped at once."""
+    """A streamed call's chunks, each copied into this process and its reference dropped at once.
+
+    Dropped on a failure too: whoever keeps the failure (the talker queues it for its decoding thread)
+    keeps this frame in its traceback, and a reference there holds the chunk in the object store until
+    Python's next full collection (the hostile-chat test saw a talker hold one after its client left).
+    """
     async with contextlib.aclosing(reader.chunks()) as items:  # closing this closes the reader's takes too
         async for item in items:
-            payload = await _resolved(item)
-            item = None  # the copy is all this replica keeps
+            try:
+                payload = await _resolved(item)
+            finally:
+                item = None  # the copy is all this replica keeps
             yield payload
 
 

@@ -199,6 +199,7 @@ def test_a_failed_chunk_read_keeps_no_chunk_reference_in_its_traceback(ray_clust
         raise AssertionError("the read did not fail")
 
     err = asyncio.run(read())
+
     def refers(value: Any) -> bool:
         return isinstance(value, ray.ObjectRef) or (isinstance(value, list) and any(map(refers, value)))
 

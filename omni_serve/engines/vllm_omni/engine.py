@@ -78,15 +78,16 @@ def output_collector() -> type:
     thinker's layers and the talker's codes per request, so the newest one holds everything. No
     upstream issue found.
     """
+    from vllm.outputs import RequestOutput
     from vllm.v1.engine.output_processor import RequestOutputCollector
 
     class Collector(RequestOutputCollector):
         def put(self, output: Any) -> None:
             held = self.output
             super().put(output)
-            # Only a merge (an output added to the held one); a held error stays the request's outcome and
-            # an output put after it is dropped by vLLM, as it must be.
-            if self.output is held and not isinstance(held, Exception | None) and not isinstance(output, Exception):
+            # Only where vLLM merged (``add``): a held error stays the request's outcome, and vLLM drops
+            # an output put after it.
+            if isinstance(held, RequestOutput) and isinstance(output, RequestOutput) and self.output is held:
                 newest_multimodal(held, output)
 
     return Collector

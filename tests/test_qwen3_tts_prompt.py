@@ -138,7 +138,11 @@ def ours(tiny: SimpleNamespace) -> Any:
     """omni_serve's prompt builder, as the talker stage builds it (EntryPrompts.start)."""
     hook = pipelines.hooks("qwen3_tts").speech_prompt
     assert hook is not None
-    return hook(SimpleNamespace(model_config=tiny.model_config), tiny.tokenizer, tiny.declared)
+
+    async def rpc(method: str) -> Any:  # Qwen3-TTS's adapter asks its workers nothing
+        raise AssertionError(f"unexpected collective RPC {method}")
+
+    return hook(SimpleNamespace(model_config=tiny.model_config), tiny.declared, rpc)
 
 
 def native_prepared(native: Any, fields: dict[str, Any], seed: int) -> tuple[dict[str, Any], Any]:

@@ -66,10 +66,10 @@ class AutoregressiveEngine(VllmOmniEngine):
 
     async def _setup(self, hf_config: Any) -> None:
         if self.is_entry:
-            self.prompts.start(self._vllm_config, self._tokenizer)
+            self.prompts.start(self._vllm_config, self._tokenizer, self.collective_rpc)
             self.audio_input_rate = self.prompts.audio_input_rate
         if not self.emits_text:
-            self._speakers = pipelines.speakers(hf_config)
+            self._speakers = self.prompts.speakers() or pipelines.speakers(hf_config)
         name = self.args.tool_call_parser
         # vLLM is loaded in this process already: an unknown parser name fails the start (the graph file is wrong).
         self._tool_parser = load_parser(name) if name else None
@@ -209,16 +209,18 @@ class AutoregressiveEngine(VllmOmniEngine):
         return self._consumer_prompt(request, handoff, voice=voice), None, None
 
     def _stop_at_eos(self, params: Any) -> None:
-        """An entry stage that writes text stops at its tokenizer's EOS and its generation config's EOS ids.
+        """An entry stage stops at its tokenizer's EOS and its generation config's EOS ids.
 
         vLLM's input processor adds these to every request's sampling params
         (``SamplingParams.update_from_generation_config``; vLLM-Omni runs its entry stage's requests through
         it), and the EngineCore stops only at the EOS its params name. These requests are built from tokens
         without that processor: without this a reply ran on past its end of turn to ``max_tokens``, even where
-        a structured-output constraint (a forced tool call) had ended it with the EOS (finish ``length``).
-        Downstream stages stop at their declared stop ids (``sampling_constraints``), as vLLM-Omni's do.
+        a structured-output constraint (a forced tool call) had ended it with the EOS (finish ``length``), and
+        a TTS entry that ends its speech with the EOS (Voxtral's LM writes it on the ``[END_AUDIO]`` code) ran
+        on to ``max_tokens``. Downstream stages stop at their declared stop ids (``sampling_constraints``), as
+        vLLM-Omni's do.
         """
-        if not (self.is_entry and self.emits_text) or self._tokenizer is None:
+        if not self.is_entry or self._tokenizer is None:
             return
         model_config = self._vllm_config.model_config
         params.update_from_generation_config(model_config.try_get_generation_config(), self._tokenizer.eos_token_id)

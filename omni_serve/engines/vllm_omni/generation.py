@@ -53,7 +53,7 @@ class GenerationEngine(VllmOmniEngine):
 
     async def _setup(self, hf_config: Any) -> None:
         if self.is_entry:
-            self.prompts.start(self._vllm_config, self._tokenizer)
+            self.prompts.start(self._vllm_config, self._tokenizer, self.collective_rpc)
         if self.hooks.frame_geometry is not None:
             self._geometry = self.hooks.frame_geometry(hf_config)
         if self.hooks.measure_decode_lag and self._geometry is not None:

@@ -42,13 +42,18 @@ class EntryPrompts:
         self._media_thread: Any = None
         self._speech: SpeechPrompter | None = None
 
-    def start(self, vllm_config: Any, tokenizer: Any) -> None:
+    def start(self, vllm_config: Any, tokenizer: Any, rpc: Any) -> None:
+        """Once the engine runs: ``rpc`` is its collective RPC (a TTS adapter asks the workers about the model)."""
         self.tokenizer = tokenizer
         self.hf_config = vllm_config.model_config.hf_config
         if self.media and tokenizer is not None:
             self._start_media_input(vllm_config)
         if self.hooks.speech_prompt is not None:
-            self._speech = self.hooks.speech_prompt(vllm_config, tokenizer, self.declared)
+            self._speech = self.hooks.speech_prompt(vllm_config, self.declared, rpc)
+
+    def speakers(self) -> list[str]:
+        """The voices a TTS entry stage's prompt builder knows (lower case; none without one)."""
+        return self._speech.speakers() if self._speech is not None else []
 
     def shutdown(self) -> None:
         if self._media_thread is not None:

@@ -80,15 +80,18 @@ class SpeechPrompter(Protocol):
 
     async def prompt(self, request: Any, params: Any) -> dict[str, Any]: ...
 
+    def speakers(self) -> list[str]: ...
+
 
 @dataclass(frozen=True)
 class PipelineHooks:
     """Per-model hooks of one pipeline: by ``model_stage``, and what an entry stage needs."""
 
     stages: Mapping[str, StageHooks] = field(default_factory=dict)
-    # A TTS entry stage (its graph's ``entry: speech``): (vllm_config, tokenizer, the stage's declaration) ->
-    # its prompt builder, a :class:`SpeechPrompter`. vLLM-Omni builds these prompts per model in its API
-    # server (entrypoints/openai/tts_adapters), not from the pipeline's declaration.
+    # A TTS entry stage (its graph's ``entry: speech``): (vllm_config, the stage's declaration, the engine's
+    # collective RPC) -> its prompt builder, a :class:`SpeechPrompter`. vLLM-Omni builds these prompts per model
+    # in its API server (entrypoints/openai/tts_adapters), not from the pipeline's declaration; a pipeline
+    # opts in once its prompts are served and compared with native vLLM-Omni's.
     speech_prompt: Callable[[Any, Any, Any], SpeechPrompter] | None = None
     # vLLM's tool parser for the model's tool-call syntax (`vllm serve --tool-call-parser`): vLLM-Omni's
     # pipeline does not declare it; a generated graph's chat entry stage gets it (engine_args.tool_call_parser).

@@ -277,6 +277,7 @@ class ChunkTransfer:
     code_prompt_token_ids: dict[str, list[Any]] = field(default_factory=lambda: defaultdict(list))
     _rows: dict[str, NewRows] = field(default_factory=dict)
     _sent_rows: int = 0
+    _prefill_rows: int | None = None  # the prefill step's rows, from the first output with rows
 
     @property
     def connector(self) -> SimpleNamespace:
@@ -300,10 +301,14 @@ class ChunkTransfer:
         if len(counts) > 1:
             raise ValueError(f"multimodal rows grew unevenly this output: {sorted(counts)} rows")
         new = counts.pop() if counts else 0
-        # One processor call a step, as vLLM-Omni's runner makes them: the prompt's rows in one call (the
-        # prefill's), then one row a call. Synchronous scheduling: the step that computes row r samples
-        # token r + 1.
-        prompt = len(self.prompt_token_ids)
+        # One processor call a step, as vLLM-Omni's runner makes them: the prefill's rows in one call, then one
+        # row a call. Synchronous scheduling: each step samples one token, so the prefill's rows are the first
+        # output's rows less its decoding steps' (one a token after the first). A stage with a row for every
+        # position computed (Qwen3-TTS's talker) has the prompt's; one with a row a generated frame only
+        # (Voxtral's), one.
+        if self._prefill_rows is None and new:
+            self._prefill_rows = min(max(new - len(output_token_ids) + 1, 1), len(self.prompt_token_ids))
+        prompt = self._prefill_rows or 0
         in_prompt = min(max(prompt - self._sent_rows, 0), new)
         spans = ([(0, in_prompt)] if in_prompt else []) + [(i, i + 1) for i in range(in_prompt, new)]
         spans = spans or ([(0, 0)] if finished else [])  # (0, 0): the end, no row

@@ -42,20 +42,20 @@ def omni_chat(model: str, talker: str = "talker") -> Callable[[bool], dict[str, 
     return body
 
 
-def tts_speech(model: str) -> Callable[[bool], dict[str, Any]]:
-    """A speech request (the talker hands code2wav its codes in chunks as it decodes); long: the talker made to
-    run 900 frames (``min_tokens``: the tiny talker samples its codec EOS within a few frames otherwise) and
-    ``stream``, so the reply starts at the first audio; short: 8 frames at most, the status at the talker's end."""
+def tts_speech(model: str, voice: str, entry: str) -> Callable[[bool], dict[str, Any]]:
+    """A speech request (the entry stage hands the codec stage its codes in chunks as it decodes); long: the entry
+    stage made to run 900 frames (``min_tokens``: a tiny one samples its end within a few frames otherwise) and
+    ``stream``, so the reply starts at the first audio; short: 8 frames at most, the status at the entry's end."""
 
     def body(long: bool) -> dict[str, Any]:
         talker = {"min_tokens": 900, "max_tokens": 900} if long else {"max_tokens": 8}
         return {
             "model": model,
             "input": "Tell me a long story.",
-            "voice": "vivian",
+            "voice": voice,
             "response_format": "pcm",
             "stream": long,
-            "stage_sampling": {"qwen3_tts": talker},
+            "stage_sampling": {entry: talker},
         }
 
     return body
@@ -76,8 +76,16 @@ FAMILIES = (
         "tiny_qwen3_tts_vllm_omni.yaml",
         "test_qwen3_tts_cpu",
         "/v1/audio/speech",
-        tts_speech("tiny-qwen3-tts"),
+        tts_speech("tiny-qwen3-tts", "vivian", "qwen3_tts"),
         pipeline="qwen3_tts",
+    ),
+    Family(
+        "vllm_omni.voxtral_tts",
+        "tiny_voxtral_tts_vllm_omni.yaml",
+        "test_voxtral_tts_cpu",
+        "/v1/audio/speech",
+        tts_speech("tiny-voxtral-tts", "casual_male", "audio_generation"),
+        pipeline="voxtral_tts",
     ),
 )
 BY_NAME = {family.name: family for family in FAMILIES}

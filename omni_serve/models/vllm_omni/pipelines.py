@@ -17,7 +17,7 @@ import logging
 import sys
 from typing import Any
 
-from omni_serve.models.vllm_omni import qwen3_tts, qwen_omni
+from omni_serve.models.vllm_omni import qwen3_tts, qwen_omni, voxtral_tts
 from omni_serve.models.vllm_omni.hooks import PipelineHooks
 
 # Per-model hooks, by pipeline (model type). A pipeline not listed needs none.
@@ -25,6 +25,7 @@ HOOKS: dict[str, PipelineHooks] = {
     "qwen3_omni_moe": qwen_omni.QWEN3_OMNI,
     "qwen2_5_omni": qwen_omni.QWEN2_5_OMNI,
     "qwen3_tts": qwen3_tts.QWEN3_TTS,
+    "voxtral_tts": voxtral_tts.VOXTRAL_TTS,
 }
 
 # The execution types omni_serve's vllm_omni family runs, and the engine kind for each.

@@ -445,3 +445,36 @@ def test_qwen3_tts_chunks_take_only_valid_frames_as_the_engine_outputs_them():
         decoded.append(ids[left:])
     assert [len(d) for d in decoded] == [1, 25, 4]  # the deploy's first chunk, then 25, then the rest at the end
     assert torch.equal(torch.cat(decoded), codes)
+
+
+@pytest.mark.parametrize("first_read", [1, 4], ids=["prefill-alone", "prefill-read-with-3-steps"])
+def test_voxtral_chunks_carry_every_frame_once_with_their_context(first_read: int):
+    """Voxtral's LM has a row a generated frame (``[1, 1, 37]`` a step) and none for its prompt, unlike Qwen3-TTS's
+    talker: the prefill's call gets one frame, whether the engine's first output holds the prefill alone or
+    more steps read late. Its processor (``generator2tokenizer_async_chunk``) heads each chunk with its context
+    and new frame counts; the audio tokenizer's prompt, decoded the same way, gives every frame once, in the
+    deploy config's chunks (5 at the beginning, then 25; 25 frames of context). Fails with all of a late first
+    read's frames handed to one processor call ('expected sequence of length 37 ... (got 148)')."""
+    import yaml
+
+    from omni_serve.cli.graphs import deploy_dir
+
+    prompt, frames, width = 30, 24, 37
+    codes = torch.randint(2, 8192, (frames, width), generator=torch.Generator().manual_seed(6))
+    extra = yaml.safe_load((deploy_dir() / "voxtral_tts.yaml").read_text())["connectors"]["connector_of_shared_memory"]
+    chunker = producer("voxtral_tts", 0, hf_config=None, **extra["extra"]).chunks("x", [0] * prompt)
+    parts = [codes[i].reshape(1, 1, width) for i in range(frames)]
+    steps = [chunker.push({"codes": {"audio": parts[:first_read]}}, [5] * first_read, False)]
+    for n in range(first_read + 1, frames):
+        steps.append(chunker.push({"codes": {"audio": parts[:n]}}, [5] * n, False))
+    steps.append(chunker.push({"codes": {"audio": torch.cat(parts)}}, [5] * frames, True))
+    sizes, decoded = [], []
+    for chunk in (through_object_store(c) for step in steps for c in step):
+        ids = consumer("voxtral_tts", 1, chunk)["prompt_token_ids"]
+        context, new = ids[0], ids[1]
+        window = torch.tensor(ids[2:]).reshape(context + new, width)
+        assert context == min(25, sum(sizes)) and torch.equal(window[:context], codes[sum(sizes) - context : sum(sizes)])
+        sizes.append(new)
+        decoded.append(window[context:])
+    assert sizes == [5, 5, 5, 5, 4]
+    assert torch.equal(torch.cat(decoded), codes)

@@ -1,19 +1,20 @@
-"""omni_serve's Qwen3-TTS graph against native vLLM-Omni (``vllm-omni serve --omni``) on the same tiny checkpoint.
+"""omni_serve's TTS graphs against native vLLM-Omni (``vllm-omni serve --omni``) on the same tiny checkpoint.
 
-    python benchmarks/vs_vllm_omni_tts.py                          # 3 rounds; c=1 and c=4, 4 requests a client
-    python benchmarks/vs_vllm_omni_tts.py --rounds 2 --concurrency 1
+    python benchmarks/vs_vllm_omni_tts.py           # Qwen3-TTS; 3 rounds; c=1 and c=4, 4 requests a client
+    python benchmarks/vs_vllm_omni_tts.py --family voxtral_tts --rounds 2 --concurrency 1
 
 Both servers in async-chunk mode on vLLM-Omni 0.30 stage engines with omni_serve's CPU platform: native runs
-vLLM-Omni's shipped qwen3_tts deploy config made for CPU (``tests/native_omni.cpu_deploy_config``, the oracle's);
-omni_serve ``graphs/tiny_qwen3_tts_vllm_omni.yaml`` with one fixed replica a stage behind Serve's HAProxy
-ingress (as ``make serve`` starts it). The load: ``/v1/audio/speech`` in the named-speaker mode, raw PCM
+vLLM-Omni's shipped deploy config of the family made for CPU (``tests/native_omni.cpu_deploy_config``, the
+oracle's); omni_serve the family's tiny graph (:data:`FAMILIES`) with one fixed replica a stage behind Serve's
+HAProxy ingress (as ``make serve`` starts it). The load: ``/v1/audio/speech`` with a preset voice, raw PCM
 streamed (``stream: true``, ``stream_format: "audio"``: both servers' fields), one seed a request; a seed gives
-both servers the same frames (tests/test_qwen3_tts_oracle.py), and each request's two replies are checked to be
-the same length. Per concurrency: e2e p50 (the whole body), TTFA p50 (the first audio byte) and req/s; rounds
+both servers the same frames (tests/test_qwen3_tts_oracle.py; Voxtral's tiny checkpoint gives the same frames
+whatever the seed: tests/test_voxtral_tts_cpu.py), and each request's two replies are checked to be the same
+length. Per concurrency: e2e p50 (the whole body), TTFA p50 (the first audio byte) and req/s; rounds
 alternate which server goes first. It prints the median of each figure over the rounds and omni_serve / native.
 
-``--pace qwen3_tts=0.06,code2wav=0.04`` (seconds per engine step, by the graph's stage names): each engine step of
-both servers lasts at least that long, the rest waited without a core (omni_serve's CPU platform paces native's
+``--pace qwen3_tts=0.06,code2wav=0.04`` (seconds per engine step, by the family graph's stage names): each engine
+step of both servers lasts at least that long, the rest waited without a core (omni_serve's CPU platform paces native's
 engines as it paces omni_serve's, through the stage's ``additional_config``). Above the tiny models' own CPU step,
 the wait, not the arithmetic, sets each stage's time, as if each owned an accelerator, and the 2 shared cores are
 left to the serving path: what a GPU host would show of each server's own overhead. Unpaced, the engines'
@@ -41,15 +42,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_native  # noqa: E402  (the server plumbing the comparisons share)
 from bench import parse_paces  # noqa: E402
 
-GRAPH = "tiny_qwen3_tts_vllm_omni.yaml"
-MODEL = "tiny-qwen3-tts"
+# Per family (tests/native_omni.py's name): its tiny graph, and the voice asked. Voxtral's casual_male: its reply
+# ends on its own (24 frames); neutral_female's runs to max_tokens, which omni_serve reports as a cut-off stream.
+FAMILIES = {
+    "qwen3_tts": {"graph": "tiny_qwen3_tts_vllm_omni.yaml", "model": "tiny-qwen3-tts", "voice": "vivian"},
+    "voxtral_tts": {"graph": "tiny_voxtral_tts_vllm_omni.yaml", "model": "tiny-voxtral-tts", "voice": "casual_male"},
+}
 TEXT = "Hello from the tiny talker, reading a short line for the benchmark."
 METRICS = ("e2e_p50_ms", "ttfa_p50_ms", "request_throughput")
 
 
-async def one(client: Any, url: str, seed: int) -> tuple[float, float, int]:
+async def one(client: Any, url: str, family: dict[str, str], seed: int) -> tuple[float, float, int]:
     """One speech request: (seconds to the first audio byte, seconds to the end, audio bytes)."""
-    body = {"model": MODEL, "input": TEXT, "voice": "vivian", "response_format": "pcm", "seed": seed}
+    body = {"model": family["model"], "input": TEXT, "voice": family["voice"], "response_format": "pcm", "seed": seed}
     started = time.perf_counter()
     first, size = None, 0
     async with client.stream("POST", url, json={**body, "stream": True, "stream_format": "audio"}) as reply:
@@ -62,7 +67,7 @@ async def one(client: Any, url: str, seed: int) -> tuple[float, float, int]:
     return first or 0.0, time.perf_counter() - started, size
 
 
-async def load(port: int, concurrency: int, requests: int, seed: int) -> dict[str, Any]:
+async def load(port: int, family: dict[str, str], concurrency: int, requests: int, seed: int) -> dict[str, Any]:
     import httpx
 
     url = f"http://127.0.0.1:{port}/v1/audio/speech"
@@ -71,7 +76,7 @@ async def load(port: int, concurrency: int, requests: int, seed: int) -> dict[st
 
     async def client_loop(client: httpx.AsyncClient) -> None:
         for s in seeds:
-            results[s] = await one(client, url, s)
+            results[s] = await one(client, url, family, s)
 
     async with httpx.AsyncClient(timeout=600) as client:
         started = time.perf_counter()
@@ -86,17 +91,17 @@ async def load(port: int, concurrency: int, requests: int, seed: int) -> dict[st
     }
 
 
-def graph_stages() -> list[dict[str, Any]]:
-    config = yaml.safe_load((ROOT / "graphs" / GRAPH).read_text())
+def graph_stages(graph: str) -> list[dict[str, Any]]:
+    config = yaml.safe_load((ROOT / "graphs" / graph).read_text())
     return config["applications"][0]["args"]["stages"]
 
 
-def stage_ids(pace: dict[str, float]) -> dict[int, float]:
+def stage_ids(graph: str, pace: dict[str, float]) -> dict[int, float]:
     """``--pace`` by the graph's stage names -> by vLLM-Omni's stage ids (native's deploy config)."""
-    ids = {stage["name"]: stage["engine_args"]["stage_id"] for stage in graph_stages()}
+    ids = {stage["name"]: stage["engine_args"]["stage_id"] for stage in graph_stages(graph)}
     unknown = set(pace) - set(ids)
     if unknown:
-        raise SystemExit(f"--pace: no stage {sorted(unknown)} in {GRAPH} (its stages: {sorted(ids)})")
+        raise SystemExit(f"--pace: no stage {sorted(unknown)} in {graph} (its stages: {sorted(ids)})")
     return {ids[name]: seconds for name, seconds in pace.items()}
 
 
@@ -114,12 +119,13 @@ def paced(pace: dict[str, float]) -> Any:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen3_tts")
     parser.add_argument("--port", type=int, default=19260, help="native PORT, omni_serve PORT+1")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="benchmarks/results_vs_vllm_omni_tts.json")
+    parser.add_argument("--out", help="default: benchmarks/results_vs_vllm_omni_tts.json, or _FAMILY.json for another")
     parser.add_argument("--logs", default=os.environ.get("TMPDIR", "/tmp"))
     parser.add_argument(
         "--pace",
@@ -129,9 +135,12 @@ def main() -> None:
     )
     parser.add_argument("--serve-omni", type=int, help=argparse.SUPPRESS)  # the omni_serve child process
     args = parser.parse_args()
+    family = FAMILIES[args.family]
     if args.serve_omni:
-        vs_native.serve_omni(args.serve_omni, "haproxy", GRAPH, mutate=paced(args.pace), stats_stage=None)
+        vs_native.serve_omni(args.serve_omni, "haproxy", family["graph"], mutate=paced(args.pace), stats_stage=None)
         return
+    suffix = "" if args.family == "qwen3_tts" else f"_{args.family}"
+    args.out = args.out or f"benchmarks/results_vs_vllm_omni_tts{suffix}.json"
 
     from tests import native_omni
 
@@ -139,22 +148,27 @@ def main() -> None:
     ports = {"native": args.port, "omni": args.port + 1}
     runs: dict[int, dict[str, list[dict[str, Any]]]] = {c: {"native": [], "omni": []} for c in args.concurrency}
     pace = ",".join(f"{name}={seconds}" for name, seconds in args.pace.items())
-    omni_argv = [sys.executable, __file__, "--serve-omni", str(ports["omni"]), *(["--pace", pace] if pace else [])]
+    omni_argv = [sys.executable, __file__, "--family", args.family, "--serve-omni", str(ports["omni"])]
+    omni_argv += ["--pace", pace] if pace else []
     with (
         native_omni.serve(
-            "qwen3_tts", ports["native"], logs / "native.log", async_chunk=True, min_step_s=stage_ids(args.pace)
+            args.family,
+            ports["native"],
+            logs / "native.log",
+            async_chunk=True,
+            min_step_s=stage_ids(family["graph"], args.pace),
         ),
         vs_native.server(omni_argv, f"http://127.0.0.1:{ports['omni']}/health", logs / "omni.log"),
     ):
         for port in ports.values():  # warm-up, not counted
-            asyncio.run(load(port, max(args.concurrency), max(args.concurrency), args.seed))
+            asyncio.run(load(port, family, max(args.concurrency), max(args.concurrency), args.seed))
         for round_ in range(args.rounds):
             for concurrency in args.concurrency:
                 order = list(ports) if round_ % 2 == 0 else list(reversed(ports))
                 pair = {}
                 for name in order:
                     n = args.requests_per_client * concurrency
-                    pair[name] = asyncio.run(load(ports[name], concurrency, n, args.seed + 1000 * round_))
+                    pair[name] = asyncio.run(load(ports[name], family, concurrency, n, args.seed + 1000 * round_))
                     figures = {k: v for k, v in pair[name].items() if k != "sizes"}
                     print(f"round {round_ + 1} c={concurrency} {name}: {json.dumps(figures)}", flush=True)
                     runs[concurrency][name].append(pair[name])

@@ -473,7 +473,8 @@ def test_voxtral_chunks_carry_every_frame_once_with_their_context(first_read: in
         ids = consumer("voxtral_tts", 1, chunk)["prompt_token_ids"]
         context, new = ids[0], ids[1]
         window = torch.tensor(ids[2:]).reshape(context + new, width)
-        assert context == min(25, sum(sizes)) and torch.equal(window[:context], codes[sum(sizes) - context : sum(sizes)])
+        done = sum(sizes)
+        assert context == min(25, done) and torch.equal(window[:context], codes[done - context : done])
         sizes.append(new)
         decoded.append(window[context:])
     assert sizes == [5, 5, 5, 5, 4]

@@ -201,9 +201,9 @@ class VllmOmniEngine(StageEngine):
     async def _setup(self, hf_config: Any) -> None:
         """The kind's own start, once the engine runs; ``hf_config`` is the whole checkpoint's config."""
 
-    async def collective_rpc(self, method: str) -> Any:
+    async def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``method`` run on each of the stage's workers: what each returned (vLLM's collective RPC)."""
-        return await self._client.collective_rpc_async(method)
+        return await self._client.collective_rpc_async(method, args=args, kwargs=kwargs)
 
     def producer(self) -> Producer:
         """What this stage hands its downstream stage, built by its declared processors."""

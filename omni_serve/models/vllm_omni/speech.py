@@ -34,8 +34,8 @@ FIELDS = ("task_type", "language", "instructions", "ref_audio", "ref_text", "x_v
 REF_AUDIO_CACHE_ENTRIES = 64
 REF_AUDIO_CACHE_BYTES = 64 * 1024 * 1024
 
-# (method name) -> what each of the stage's workers returned: the engine's collective RPC.
-Rpc = Callable[[str], Awaitable[Any]]
+# (method name, its arguments) -> what each of the stage's workers returned: the engine's collective RPC.
+Rpc = Callable[..., Awaitable[Any]]
 
 
 class AdapterPrompts:
@@ -57,10 +57,7 @@ class AdapterPrompts:
         if adapter_class is None:
             raise ValueError(f"vLLM-Omni has no TTS adapter for stage {declared.model_stage!r}")
 
-        async def collective_rpc(method: str, *args: Any, **kwargs: Any) -> Any:
-            return await rpc(method)
-
-        engine_client = SimpleNamespace(model_config=model_config, collective_rpc=collective_rpc)
+        engine_client = SimpleNamespace(model_config=model_config, collective_rpc=rpc)
         server = OmniOpenAIServingSpeech.__new__(OmniOpenAIServingSpeech)
         server.engine_client = engine_client
         server.model_config = model_config

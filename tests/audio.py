@@ -98,3 +98,14 @@ def whole_reply_audio(reply: dict[str, Any], rate: int = 24000) -> np.ndarray:
         lag = frames * SAMPLES_PER_FRAME - samples.size  # what the vocoder holds back: under one frame
         assert 0 < lag < SAMPLES_PER_FRAME, f"{samples.size} samples for {frames} codec frames"
     return samples
+
+
+def speech_frames(data: bytes, fmt: str, rate: int, samples_per_frame: int) -> np.ndarray:
+    """A TTS reply decoded: whole codec frames (``samples_per_frame`` samples each) of finite, non-silent audio
+    at ``rate``."""
+    decoded, got_rate = decode(fmt, data, rate)
+    assert got_rate == rate and decoded.ndim == 1
+    frames, rest = divmod(decoded.size, samples_per_frame)
+    assert rest == 0 and frames >= 1, f"{decoded.size} samples are not whole frames"
+    assert np.isfinite(decoded).all() and np.abs(decoded).max() > 1e-3, "silent audio"
+    return decoded

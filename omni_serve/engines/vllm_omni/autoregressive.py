@@ -54,6 +54,7 @@ class AutoregressiveEngine(VllmOmniEngine):
         self.streamed: StreamedInput | None = None
         self.emits_text = bool(self.declared.final_output and self.declared.final_output_type == "text")
         self._speakers: list[str] = []  # the checkpoint's speakers, on a stage that speaks (no text of its own)
+        self._generation_config: dict[str, Any] = {}  # an entry stage's, read once (vLLM's input processor's)
         self._tool_parser: Any = None  # vLLM's parser class for engine_args.tool_call_parser
 
     def check_declaration(self) -> None:
@@ -68,6 +69,7 @@ class AutoregressiveEngine(VllmOmniEngine):
         if self.is_entry:
             self.prompts.start(self._vllm_config, self._tokenizer, self.collective_rpc)
             self.audio_input_rate = self.prompts.audio_input_rate
+            self._generation_config = self._vllm_config.model_config.try_get_generation_config()
         if not self.emits_text:
             self._speakers = self.prompts.speakers() or pipelines.speakers(hf_config)
         name = self.args.tool_call_parser
@@ -222,8 +224,7 @@ class AutoregressiveEngine(VllmOmniEngine):
         """
         if not self.is_entry or self._tokenizer is None:
             return
-        model_config = self._vllm_config.model_config
-        params.update_from_generation_config(model_config.try_get_generation_config(), self._tokenizer.eos_token_id)
+        params.update_from_generation_config(self._generation_config, self._tokenizer.eos_token_id)
 
     def _tool_calls(self, request: StageRequest) -> ToolCallStream | None:
         """The request's tool-call parsing (None without tools, or with ``tool_choice: none``)."""

@@ -172,7 +172,10 @@ def _in_own_process_group(start: Callable[[], T]) -> T:
     try:
         return start()
     finally:
-        os.setpgid(0, group)
+        try:
+            os.setpgid(0, group)
+        except OSError:  # the group is gone (its other members exited, e.g. `(cmd &)`): we stay in our own
+            pass
 
 
 def main(argv: list[str] | None = None) -> int:

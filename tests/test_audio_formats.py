@@ -53,6 +53,20 @@ def test_chunked_encoding_is_one_valid_file(fmt: str) -> None:
     assert rate == SAMPLE_RATE and abs(len(samples) - len(signal)) <= SAMPLE_RATE // 10
 
 
+def test_a_file_at_another_rate_is_the_same_signal_resampled_in_chunks() -> None:
+    """44.1 kHz samples (Ming-flash-omni's AudioVAE) as the Realtime API's 24 kHz PCM, fed in chunks: one
+    continuous signal of the same length in time and the same tone (its last samples come at ``finish``)."""
+    signal = tone(44100, 1.0)
+    encoder = AudioEncoder("pcm", 44100, rate=24000)
+    data = b"".join(encoder.encode(signal[i : i + 882]) for i in range(0, len(signal), 882)) + encoder.finish()
+    samples, rate = decode("pcm", data, raw_rate=24000)
+    assert rate == 24000 and abs(len(samples) - 24000) <= 64, len(samples)
+    spectrum = np.abs(np.fft.rfft(samples[1000:-1000]))
+    assert abs(np.argmax(spectrum) * 24000 / (len(samples) - 2000) - 440) < 2  # the same tone, not 44.1/24 of it
+    steady = samples[1000:-1000]  # no clicks at the chunk edges: a sine's neighbouring samples stay close
+    assert np.abs(np.diff(steady)).max() < 2 * np.pi * 440 / 24000 * 0.5 * 1.05
+
+
 # ---- over HTTP with the official client -----------------------------------------------------------
 
 

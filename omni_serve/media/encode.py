@@ -69,7 +69,9 @@ class AudioEncoder:
     returns everything from ``finish`` (headers then carry exact sizes).
     """
 
-    def __init__(self, fmt: AudioFormat, sample_rate: int, *, whole: bool = False):
+    def __init__(self, fmt: AudioFormat, sample_rate: int, *, whole: bool = False, rate: int | None = None):
+        """``sample_rate``: the samples' rate; ``rate``: the file's, when it must be another (the Realtime API's
+        PCM is 24 kHz whatever the model speaks at), else ``sample_rate`` or the codec's nearest above it."""
         import av
 
         muxer, codec_name = _CODECS[fmt]
@@ -80,9 +82,8 @@ class AudioEncoder:
         # Codecs with a fixed set of rates (Opus: 8/12/16/24/48 kHz) get the input resampled
         # to the nearest one above; 24 kHz, the Qwen3-Omni rate, is native to every codec here.
         rates = sorted(codec.audio_rates or [])
-        rate = (
-            sample_rate if not rates or sample_rate in rates else next((r for r in rates if r > sample_rate), rates[-1])
-        )
+        rate = rate or sample_rate
+        rate = rate if not rates or rate in rates else next((r for r in rates if r > rate), rates[-1])
         # PyAV types add_stream by codec name as any kind of stream; an audio codec makes an audio stream.
         self._stream = cast("av.AudioStream", self._container.add_stream(codec_name, rate=rate, layout="mono"))
         offered = [f.name for f in codec.audio_formats or []]

@@ -38,7 +38,7 @@ from omni_serve.api.realtime.session_graph import SessionGraph
 from omni_serve.api.realtime.settings import Settings
 from omni_serve.api.realtime.tools import tool_calling
 from omni_serve.graph.orchestrator import OmniRequest
-from omni_serve.media.encode import b64, encode_audio
+from omni_serve.media.encode import AudioEncoder, b64
 from omni_serve.types import Modality, SamplingParams, ToolCallDelta, ToolCalling, Usage
 
 
@@ -154,6 +154,9 @@ class Responses:
         audio = part.type == "output_audio"
         status, details = "completed", None
         outputs = graph.outputs(request, "realtime")
+        # The session's audio is 24 kHz PCM whatever rate the graph speaks at: one encoder a response, so a
+        # resampled reply is one continuous signal (its last samples come out of the resampler at the end).
+        encoder: AudioEncoder | None = None
         try:
             if response.tools is None:
                 self._add_output(response, item)
@@ -167,21 +170,16 @@ class Responses:
                     kind = "response.output_audio_transcript.delta" if audio else "response.output_text.delta"
                     session.send(kind, **where, delta=output.text)
                 if output.audio is not None and audio:
-                    if output.sample_rate != ev.PCM_RATE:
-                        raise APIError(
-                            500, f"the graph's audio is {output.sample_rate} Hz, not 24000", type="server_error"
-                        )
-                    pcm = encode_audio(output.audio, ev.PCM_RATE, "pcm")
-                    session.spoke = True
-                    session.send("response.output_audio.delta", **where, delta=b64(pcm))
-                    if response.in_conversation:  # kept for conversation.item.retrieve / .truncate
-                        part.audio += pcm
-                        session.fit()
+                    assert output.sample_rate, "an audio output carries its sample rate"
+                    encoder = encoder or AudioEncoder("pcm", output.sample_rate, rate=ev.PCM_RATE)
+                    self._say(response, part, where, encoder.encode(output.audio))
                 if output.stage == graph.text_stage:
                     for piece in output.tool_calls:
                         self._call_piece(response, piece)
                     if output.usage:
                         response.usage = output.usage
+            if encoder is not None:
+                self._say(response, part, self._where(response, item), encoder.finish())
             if request.stage_log is not None and request.stage_log.cut_short():
                 # A stage stopped at its max_tokens (the thinker's reply, or the talker's speech, cut short).
                 status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
@@ -205,6 +203,16 @@ class Responses:
             self._finish(response, status, details)
         finally:
             self.active = None
+
+    def _say(self, response: Response, part: Part, where: dict[str, Any], pcm: bytes) -> None:
+        """One ``response.output_audio.delta`` (none for no bytes: a resampler may hold a chunk's last samples)."""
+        if not pcm:
+            return
+        self.session.spoke = True
+        self.session.send("response.output_audio.delta", **where, delta=b64(pcm))
+        if response.in_conversation:  # kept for conversation.item.retrieve / .truncate
+            part.audio += pcm
+            self.session.fit()
 
     def _add_output(self, response: Response, item: ConversationItem) -> None:
         """An output item of the response (and the conversation's, unless the response is out of it)."""

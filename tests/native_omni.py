@@ -117,6 +117,16 @@ ORACLE_REQUESTS: dict[str, dict[str, dict[str, Any]]] = {
         "preset_neutral_female": {"input": "Hello from the tiny talker.", "voice": "neutral_female"},
         "clone": {"input": "Hello from the tiny talker.", "ref_audio": "tone:440"},
     },
+    # Chat (the pipeline answers text and audio). The thinker samples (temperature 0.4) from the request's seed;
+    # the talker's CFM draws its noise from the process's global torch generator (vLLM-Omni's talker_module), so
+    # only the text is a function of the request: the audio's samples and length are not, on either server.
+    "ming_flash_omni": {
+        "text_seed_7": {"messages": [{"role": "user", "content": "Say hello."}], "modalities": ["text"], "seed": 7},
+        "text_seed_11": {"messages": [{"role": "user", "content": "Say hello."}], "modalities": ["text"], "seed": 11},
+        "audio_seed_7": {
+            "messages": [{"role": "user", "content": "Say hello."}], "modalities": ["text", "audio"], "seed": 7,
+        },
+    },
 }  # fmt: skip
 
 
@@ -259,6 +269,9 @@ def record(server: NativeServer, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {}
     for name, fields in ORACLE_REQUESTS[server.family.pipeline].items():
+        if "messages" in fields:
+            summary[name] = _record_chat(server, fields)
+            continue
         body = {**fields, "response_format": "pcm"}
         if isinstance(body.get("ref_audio"), str) and body["ref_audio"].startswith("tone:"):
             body["ref_audio"] = reference_audio(body["ref_audio"], server.family.sample_rate)
@@ -275,6 +288,33 @@ def record(server: NativeServer, out: Path) -> dict[str, Any]:
         summary[name] = entry
     (out / "oracle.json").write_text(json.dumps({"about": about(server), "replies": summary}, indent=2) + "\n")
     return summary
+
+
+def _record_chat(server: NativeServer, fields: dict[str, Any]) -> dict[str, Any]:
+    """One chat reply: its text, finish reason and token count, and its audio's length in the codec's frames."""
+    import numpy as np
+
+    reply = server.chat(**fields)
+    entry: dict[str, Any] = {"request": fields, "status": reply.status}
+    if reply.status != 200:
+        entry["error"] = reply.content[:500].decode(errors="replace")
+        return entry
+    body = reply.json()
+    (choice,) = body["choices"]
+    entry.update(
+        text=choice["message"]["content"],
+        finish_reason=choice["finish_reason"],
+        completion_tokens=body["usage"]["completion_tokens"],
+    )
+    if choice["message"].get("audio"):
+        import soundfile as sf
+
+        samples, rate = sf.read(io.BytesIO(base64.b64decode(choice["message"]["audio"]["data"])), dtype="float32")
+        entry.update(
+            rate=rate, samples=int(samples.size), frames=samples.size / server.family.samples_per_frame,
+            rms=float(np.sqrt(np.mean(samples.astype(np.float64) ** 2))),
+        )  # fmt: skip
+    return entry
 
 
 def about(server: NativeServer) -> dict[str, Any]:

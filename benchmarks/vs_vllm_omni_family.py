@@ -1,16 +1,26 @@
-"""omni_serve's TTS graphs against native vLLM-Omni (``vllm-omni serve --omni``) on the same tiny checkpoint.
+"""omni_serve's graph of a vLLM-Omni family against native vLLM-Omni (``vllm-omni serve --omni``), same checkpoint.
 
-    python benchmarks/vs_vllm_omni_tts.py           # Qwen3-TTS; 3 rounds; c=1 and c=4, 4 requests a client
-    python benchmarks/vs_vllm_omni_tts.py --family voxtral_tts --rounds 2 --concurrency 1
+    python benchmarks/vs_vllm_omni_family.py           # Qwen3-TTS; 3 rounds; c=1 and c=4, 4 requests a client
+    python benchmarks/vs_vllm_omni_family.py --family voxtral_tts --rounds 2 --concurrency 1
+    python benchmarks/vs_vllm_omni_family.py --family ming_flash_omni
 
-Both servers in async-chunk mode on vLLM-Omni 0.30 stage engines with omni_serve's CPU platform: native runs
-vLLM-Omni's shipped deploy config of the family made for CPU (``tests/native_omni.cpu_deploy_config``, the
-oracle's); omni_serve the family's tiny graph (:data:`FAMILIES`) with one fixed replica a stage behind Serve's
-HAProxy ingress (as ``make serve`` starts it). The load: ``/v1/audio/speech`` with a preset voice, raw PCM
-streamed (``stream: true``, ``stream_format: "audio"``: both servers' fields), one seed a request; a seed gives
-both servers the same frames (tests/test_qwen3_tts_oracle.py; Voxtral's tiny checkpoint gives the same frames
-whatever the seed: tests/test_voxtral_tts_cpu.py), and each request's two replies are checked to be the same
-length. Per concurrency: e2e p50 (the whole body), TTFA p50 (the first audio byte) and req/s; rounds
+(Qwen3-Omni, with its async-chunk modes and GPU mode, has its own: ``vs_vllm_omni.py``.) Both servers on vLLM-Omni
+0.30 stage engines with omni_serve's CPU platform, in the mode vLLM-Omni's deploy config turns on (async chunks for
+the TTS families, none for Ming-flash-omni): native runs vLLM-Omni's shipped deploy config of the family made for
+CPU (``tests/native_omni.cpu_deploy_config``, the oracle's); omni_serve the family's tiny graph (:data:`FAMILIES`)
+with one fixed replica a stage behind Serve's HAProxy ingress (as ``make serve`` starts it). The load, one seed a
+request, streamed, by the route the family's users call:
+
+- a TTS family: ``/v1/audio/speech`` with a preset voice, raw PCM (``stream: true``, ``stream_format: "audio"``:
+  both servers' fields); a seed gives both servers the same frames (tests/test_qwen3_tts_oracle.py; Voxtral's
+  tiny checkpoint gives the same frames whatever the seed: tests/test_voxtral_tts_cpu.py): each request's two
+  replies are checked to be the same length;
+- a speech-to-speech family (Ming-flash-omni): ``/v1/chat/completions`` with text and audio out, the thinker's
+  16 tokens; a seed gives both servers the same text (tests/test_ming_flash_omni_cpu.py), checked per request;
+  the talker's audio is not a function of the request on either server (its noise comes from the process's
+  generator), so its length varies from reply to reply on both (reported as ``audio_s_per_request``).
+
+Per concurrency: e2e p50 (the whole body), TTFA p50 (the first audio byte or audio delta) and req/s; rounds
 alternate which server goes first. It prints the median of each figure over the rounds and omni_serve / native.
 
 ``--pace qwen3_tts=0.06,code2wav=0.04`` (seconds per engine step, by the family graph's stage names): each engine
@@ -25,6 +35,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import io
 import json
 import os
 import statistics
@@ -32,7 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -42,21 +54,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vs_native  # noqa: E402  (the server plumbing the comparisons share)
 from bench import parse_paces  # noqa: E402
 
-# Per family (tests/native_omni.py's name): its tiny graph, and the voice asked. Voxtral's casual_male: its reply
-# ends on its own (24 frames); neutral_female's runs to max_tokens, which omni_serve reports as a cut-off stream.
+# Per family (tests/native_omni.py's name): its tiny graph, its route, and the voice asked. Voxtral's casual_male:
+# its reply ends on its own (24 frames); neutral_female's runs to max_tokens, which omni_serve reports as a cut-off
+# stream.
 FAMILIES = {
     "qwen3_tts": {"graph": "tiny_qwen3_tts_vllm_omni.yaml", "model": "tiny-qwen3-tts", "voice": "vivian"},
     "voxtral_tts": {"graph": "tiny_voxtral_tts_vllm_omni.yaml", "model": "tiny-voxtral-tts", "voice": "casual_male"},
+    "ming_flash_omni": {"graph": "tiny_ming_flash_omni_vllm_omni.yaml", "model": "tiny-ming-flash-omni", "chat": "1"},
 }
 TEXT = "Hello from the tiny talker, reading a short line for the benchmark."
 METRICS = ("e2e_p50_ms", "ttfa_p50_ms", "request_throughput")
 
 
-async def one(client: Any, url: str, family: dict[str, str], seed: int) -> tuple[float, float, int]:
-    """One speech request: (seconds to the first audio byte, seconds to the end, audio bytes)."""
+class Reply(NamedTuple):
+    ttfa_s: float
+    e2e_s: float
+    audio_s: float
+    same: Any  # what a seed makes the same on both servers: the audio's length (TTS) or the text (chat)
+
+
+async def speech(client: Any, base: str, family: dict[str, str], seed: int) -> Reply:
+    """One speech request, raw 24 kHz PCM streamed."""
     body = {"model": family["model"], "input": TEXT, "voice": family["voice"], "response_format": "pcm", "seed": seed}
     started = time.perf_counter()
     first, size = None, 0
+    url = f"{base}/v1/audio/speech"
     async with client.stream("POST", url, json={**body, "stream": True, "stream_format": "audio"}) as reply:
         if reply.status_code != 200:
             raise RuntimeError(f"{url}: {reply.status_code} {(await reply.aread())[:300]!r}")
@@ -64,30 +86,57 @@ async def one(client: Any, url: str, family: dict[str, str], seed: int) -> tuple
             if piece and first is None:
                 first = time.perf_counter() - started
             size += len(piece)
-    return first or 0.0, time.perf_counter() - started, size
+    return Reply(first or 0.0, time.perf_counter() - started, size / 2 / 24000, size)
+
+
+async def chat(client: Any, base: str, family: dict[str, str], seed: int) -> Reply:
+    """One chat request with text and audio out, streamed (each audio delta a WAV file)."""
+    import soundfile as sf
+
+    body = {
+        "model": family["model"], "messages": [{"role": "user", "content": TEXT}], "modalities": ["text", "audio"],
+        "max_tokens": 16, "seed": seed, "stream": True,
+    }  # fmt: skip
+    started = time.perf_counter()
+    first, text, audio_s = None, [], 0.0
+    url = f"{base}/v1/chat/completions"
+    async with client.stream("POST", url, json=body) as reply:
+        if reply.status_code != 200:
+            raise RuntimeError(f"{url}: {reply.status_code} {(await reply.aread())[:300]!r}")
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in json.loads(line[len("data: ") :]).get("choices", []):
+                delta = choice.get("delta") or {}
+                text.append(delta.get("content") or "")
+                if (delta.get("audio") or {}).get("data"):
+                    first = first if first is not None else time.perf_counter() - started
+                    audio_s += sf.info(io.BytesIO(base64.b64decode(delta["audio"]["data"]))).duration
+    return Reply(first or 0.0, time.perf_counter() - started, audio_s, "".join(text))
 
 
 async def load(port: int, family: dict[str, str], concurrency: int, requests: int, seed: int) -> dict[str, Any]:
     import httpx
 
-    url = f"http://127.0.0.1:{port}/v1/audio/speech"
+    one = chat if family.get("chat") else speech
+    base = f"http://127.0.0.1:{port}"
     seeds = iter(range(seed, seed + requests))
-    results: dict[int, tuple[float, float, int]] = {}
+    results: dict[int, Reply] = {}
 
     async def client_loop(client: httpx.AsyncClient) -> None:
         for s in seeds:
-            results[s] = await one(client, url, family, s)
+            results[s] = await one(client, base, family, s)
 
     async with httpx.AsyncClient(timeout=600) as client:
         started = time.perf_counter()
         await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
         wall = time.perf_counter() - started
     return {
-        "e2e_p50_ms": 1000 * statistics.median(r[1] for r in results.values()),
-        "ttfa_p50_ms": 1000 * statistics.median(r[0] for r in results.values()),
+        "e2e_p50_ms": 1000 * statistics.median(r.e2e_s for r in results.values()),
+        "ttfa_p50_ms": 1000 * statistics.median(r.ttfa_s for r in results.values()),
         "request_throughput": requests / wall,
-        "audio_s_per_request": statistics.mean(r[2] for r in results.values()) / 2 / 24000,
-        "sizes": {s: r[2] for s, r in sorted(results.items())},
+        "audio_s_per_request": statistics.mean(r.audio_s for r in results.values()),
+        "same": {s: r.same for s, r in sorted(results.items())},
     }
 
 
@@ -125,7 +174,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", help="default: benchmarks/results_vs_vllm_omni_tts.json, or _FAMILY.json for another")
+    parser.add_argument("--out", help="default: benchmarks/results_vs_vllm_omni_FAMILY.json")
     parser.add_argument("--logs", default=os.environ.get("TMPDIR", "/tmp"))
     parser.add_argument(
         "--pace",
@@ -139,12 +188,11 @@ def main() -> None:
     if args.serve_omni:
         vs_native.serve_omni(args.serve_omni, "haproxy", family["graph"], mutate=paced(args.pace), stats_stage=None)
         return
-    suffix = "" if args.family == "qwen3_tts" else f"_{args.family}"
-    args.out = args.out or f"benchmarks/results_vs_vllm_omni_tts{suffix}.json"
+    args.out = args.out or f"benchmarks/results_vs_vllm_omni_{args.family}.json"
 
     from tests import native_omni
 
-    logs = Path(tempfile.mkdtemp(prefix="vs_vllm_omni_tts_", dir=args.logs))
+    logs = Path(tempfile.mkdtemp(prefix="vs_vllm_omni_family_", dir=args.logs))
     ports = {"native": args.port, "omni": args.port + 1}
     runs: dict[int, dict[str, list[dict[str, Any]]]] = {c: {"native": [], "omni": []} for c in args.concurrency}
     pace = ",".join(f"{name}={seconds}" for name, seconds in args.pace.items())
@@ -169,11 +217,11 @@ def main() -> None:
                 for name in order:
                     n = args.requests_per_client * concurrency
                     pair[name] = asyncio.run(load(ports[name], family, concurrency, n, args.seed + 1000 * round_))
-                    figures = {k: v for k, v in pair[name].items() if k != "sizes"}
+                    figures = {k: v for k, v in pair[name].items() if k != "same"}
                     print(f"round {round_ + 1} c={concurrency} {name}: {json.dumps(figures)}", flush=True)
                     runs[concurrency][name].append(pair[name])
-                if pair["native"]["sizes"] != pair["omni"]["sizes"]:  # the same seed must give the same audio length
-                    raise SystemExit(f"replies differ in length: {pair['native']['sizes']} {pair['omni']['sizes']}")
+                if pair["native"]["same"] != pair["omni"]["same"]:  # what a seed fixes must be the same on both
+                    raise SystemExit(f"replies differ: {pair['native']['same']} {pair['omni']['same']}")
     summary: dict[str, Any] = {}
     for concurrency, by_server in runs.items():
         row: dict[str, Any] = {}

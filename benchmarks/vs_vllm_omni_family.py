@@ -9,19 +9,21 @@
 the TTS families, none for Ming-flash-omni): native runs vLLM-Omni's shipped deploy config of the family made for
 CPU (``tests/native_omni.cpu_deploy_config``, the oracle's); omni_serve the family's tiny graph (:data:`FAMILIES`)
 with one fixed replica a stage behind Serve's HAProxy ingress (as ``make serve`` starts it). The load, one seed a
-request, streamed, by the route the family's users call:
+request, by the route the family's users call:
 
 - a TTS family: ``/v1/audio/speech`` with a preset voice, raw PCM (``stream: true``, ``stream_format: "audio"``:
   both servers' fields); a seed gives both servers the same frames (tests/test_qwen3_tts_oracle.py; Voxtral's
   tiny checkpoint gives the same frames whatever the seed: tests/test_voxtral_tts_cpu.py): each request's two
   replies are checked to be the same length;
 - a speech-to-speech family (Ming-flash-omni): ``/v1/chat/completions`` with text and audio out, the thinker's
-  16 tokens; a seed gives both servers the same text (tests/test_ming_flash_omni_cpu.py), checked per request;
-  the talker's audio is not a function of the request on either server (its noise comes from the process's
-  generator), so its length varies from reply to reply on both (reported as ``audio_s_per_request``).
+  16 tokens, whole (not streamed: streamed, native vLLM-Omni 0.30's talker speaks only the thinker's last text
+  delta, 1.9 s of audio where the whole reply speaks 15.6 s, while omni_serve's speaks the whole text; whole,
+  both speak the whole text); a seed gives both servers the same text (tests/test_ming_flash_omni_cpu.py),
+  checked per request; the talker's audio is not a function of the request on either server (its noise comes
+  from the process's generator), so its length varies from reply to reply on both (``audio_s_per_request``).
 
-Per concurrency: e2e p50 (the whole body), TTFA p50 (the first audio byte or audio delta) and req/s; rounds
-alternate which server goes first. It prints the median of each figure over the rounds and omni_serve / native.
+Per concurrency: e2e p50 (the whole body), TTFA p50 (the first audio byte; a whole chat reply's: e2e) and req/s;
+rounds alternate which server goes first. It prints the median of each figure over the rounds and omni_serve / native.
 
 ``--pace qwen3_tts=0.06,code2wav=0.04`` (seconds per engine step, by the family graph's stage names): each engine
 step of both servers lasts at least that long, the rest waited without a core (omni_serve's CPU platform paces native's
@@ -90,29 +92,21 @@ async def speech(client: Any, base: str, family: dict[str, str], seed: int) -> R
 
 
 async def chat(client: Any, base: str, family: dict[str, str], seed: int) -> Reply:
-    """One chat request with text and audio out, streamed (each audio delta a WAV file)."""
+    """One chat request with text and audio out, whole: the first audio comes with the whole body."""
     import soundfile as sf
 
     body = {
         "model": family["model"], "messages": [{"role": "user", "content": TEXT}], "modalities": ["text", "audio"],
-        "max_tokens": 16, "seed": seed, "stream": True,
+        "max_tokens": 16, "seed": seed,
     }  # fmt: skip
     started = time.perf_counter()
-    first, text, audio_s = None, [], 0.0
-    url = f"{base}/v1/chat/completions"
-    async with client.stream("POST", url, json=body) as reply:
-        if reply.status_code != 200:
-            raise RuntimeError(f"{url}: {reply.status_code} {(await reply.aread())[:300]!r}")
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            for choice in json.loads(line[len("data: ") :]).get("choices", []):
-                delta = choice.get("delta") or {}
-                text.append(delta.get("content") or "")
-                if (delta.get("audio") or {}).get("data"):
-                    first = first if first is not None else time.perf_counter() - started
-                    audio_s += sf.info(io.BytesIO(base64.b64decode(delta["audio"]["data"]))).duration
-    return Reply(first or 0.0, time.perf_counter() - started, audio_s, "".join(text))
+    reply = await client.post(f"{base}/v1/chat/completions", json=body)
+    e2e = time.perf_counter() - started
+    if reply.status_code != 200:
+        raise RuntimeError(f"{base}: {reply.status_code} {reply.text[:300]!r}")
+    (choice,) = reply.json()["choices"]
+    audio = sf.info(io.BytesIO(base64.b64decode(choice["message"]["audio"]["data"])))
+    return Reply(e2e, e2e, audio.duration, choice["message"]["content"])
 
 
 async def load(port: int, family: dict[str, str], concurrency: int, requests: int, seed: int) -> dict[str, Any]:

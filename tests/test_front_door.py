@@ -132,3 +132,31 @@ def test_plain_serve_run_logs_the_ready_line_too(tiny_omni) -> None:
         f"the ready line in {logs}/replica_omni_ingress_*.log",
         interval_s=0.5,
     )
+
+
+def test_a_launcher_whose_first_process_group_is_gone_stays_in_its_own(tmp_path: Path) -> None:
+    """`(python -m omni_serve.cli.run ... &)` from a script: the launcher moves to a group of its own while Ray
+    starts, then back; by then the group it came from may have no member left (the shell and the subshell
+    exited), and moving back fails (EPERM). The launcher goes on in its own group (was: a traceback after Ray
+    had started)."""
+    out = tmp_path / "out"
+    code = (
+        "import os, time, psutil\n"
+        "from omni_serve.cli.run import _in_own_process_group\n"
+        "first = os.getpgrp()\n"
+        "def others():\n"
+        "    for p in psutil.process_iter():\n"
+        "        try:\n"
+        "            yield p.pid != os.getpid() and os.getpgid(p.pid) == first\n"
+        "        except (psutil.Error, OSError):\n"
+        "            pass\n"
+        "def start():\n"
+        "    while any(others()): time.sleep(0.05)  # the shell and the subshell have exited\n"
+        "    return True\n"
+        "print(_in_own_process_group(start) and os.getpgrp() == os.getpid())\n"
+    )
+    script = tmp_path / "launcher.py"
+    script.write_text(code)
+    subprocess.run(["sh", "-c", f"({sys.executable} {script} > {out} 2>&1 &)"], start_new_session=True, check=True)
+    wait_until(lambda: out.exists() and out.read_text().strip(), 60, "the launcher's answer")
+    assert out.read_text().strip() == "True", out.read_text()

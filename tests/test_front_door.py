@@ -151,7 +151,10 @@ def test_a_launcher_whose_first_process_group_is_gone_stays_in_its_own(tmp_path:
         "        except (psutil.Error, OSError):\n"
         "            pass\n"
         "def start():\n"
-        "    while any(others()): time.sleep(0.05)  # the shell and the subshell have exited\n"
+        "    deadline = time.monotonic() + 30  # never outlive the test\n"
+        "    while any(others()):  # until the shell and the subshell have exited\n"
+        "        if time.monotonic() > deadline: return False\n"
+        "        time.sleep(0.05)\n"
         "    return True\n"
         "print(_in_own_process_group(start) and os.getpgrp() == os.getpid())\n"
     )

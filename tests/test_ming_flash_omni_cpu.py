@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -50,12 +49,8 @@ ORACLE = json.loads((Path(__file__).parent / "oracle" / "ming_flash_omni.json").
 
 @pytest.fixture(scope="module")
 def graph(graphs) -> Iterator[Any]:
-    started = time.perf_counter()
-    graphs.deploy(GRAPH)
-    graphs.wait_healthy(timeout_s=3000)
-    print(f"\n{GRAPH} healthy in {time.perf_counter() - started:.1f} s")
-    yield graphs
-    graphs.delete()  # two EngineCores: free them for the next module
+    with graphs.own(GRAPH) as deployed:
+        yield deployed
 
 
 def chat(graph: Any, **fields: Any) -> dict[str, Any]:

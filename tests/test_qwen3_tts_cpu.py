@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import io
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,12 +58,8 @@ MODES: dict[str, dict[str, Any]] = {
 
 @pytest.fixture(scope="module")
 def graph(graphs) -> Iterator[Any]:
-    started = time.perf_counter()
-    graphs.deploy(GRAPH)
-    graphs.wait_healthy(timeout_s=3000)
-    print(f"\n{GRAPH} healthy in {time.perf_counter() - started:.1f} s")
-    yield graphs
-    graphs.delete()  # two EngineCores: free them for the next module
+    with graphs.own(GRAPH) as deployed:
+        yield deployed
 
 
 def speech(graph: Any, **fields: Any) -> httpx.Response:

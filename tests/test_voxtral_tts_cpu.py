@@ -17,7 +17,6 @@ independent decoder (:mod:`tests.audio`).
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,12 +45,8 @@ PRESETS = [name for name in ORACLE if name.startswith("preset_")]
 
 @pytest.fixture(scope="module")
 def graph(graphs) -> Iterator[Any]:
-    started = time.perf_counter()
-    graphs.deploy(GRAPH)
-    graphs.wait_healthy(timeout_s=3000)
-    print(f"\n{GRAPH} healthy in {time.perf_counter() - started:.1f} s")
-    yield graphs
-    graphs.delete()  # two EngineCores: free them for the next module
+    with graphs.own(GRAPH) as deployed:
+        yield deployed
 
 
 def speech(graph: Any, **fields: Any) -> httpx.Response:

@@ -182,21 +182,23 @@ class Graphs:
     def __init__(self, address: str):
         self.address = address
         self.base_url = f"http://127.0.0.1:{HTTP_PORT}"
-        self.current: str | None = None
+        self.current: tuple[str, Mutate | None] | None = None  # the graph file and variant deployed last
 
-    def deploy(self, graph: str | Path, mutate: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    def deploy(self, graph: str | Path, mutate: Mutate | None = None) -> dict[str, Any]:
         # Serve rolls a changed app out in the background while the old one keeps answering:
         # delete what runs first, so "healthy" can only mean the graph deployed here.
         self.delete_all()
         config = deploy_graph_file(graph, self.address, HTTP_PORT, mutate)
-        self.current = None if mutate else str(graph)
+        self.current = (str(graph), mutate)
         return config
 
-    def ensure(self, graph: str | Path) -> None:
-        """Deploy the unmodified graph unless it is what runs now (saves a redeploy per test module)."""
-        if self.current != str(graph):
-            self.deploy(graph)
-        self.wait_healthy()
+    def ensure(self, graph: str | Path, variant: Mutate | None = None) -> None:
+        """Deploy the graph (or that variant of it: the same `graph_variant` object) unless it is what runs now
+        (saves a redeploy per test module sharing it), then wait until Serve reports it RUNNING (a replica a
+        module before killed is replaced) and it answers /health."""
+        if self.current != (str(graph), variant):
+            self.deploy(graph, variant)
+        wait_healthy(self.base_url, 300, replaced=True)
 
     def wait_healthy(self, timeout_s: float = 300) -> None:
         wait_healthy(self.base_url, timeout_s)
@@ -279,8 +281,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     its tests asks for the `tiny_omni` fixture (its one-replica form `one_replica_per_stage` included); its tests
     that deploy a graph of their own (a variant) run after every test on the tiny graph, or each would cost the
     next module a redeploy (two did: 38 and 39 s). A module whose tests are split so sets its module-scoped
-    fixtures up twice (a media server, a browser: seconds). Modules marked ``shares_graph(FILE)`` (another
-    unmodified graph, through `Graphs.ensure`) run next, those on the same file back to back.
+    fixtures up twice (a media server, a browser: seconds). Modules marked ``shares_graph(KEY)`` (another
+    graph, or one variant of a graph, through `Graphs.ensure`) run next, those with the same key back to back.
     """
 
     def module(item: pytest.Item) -> str:

@@ -17,7 +17,7 @@ import json
 import os
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -221,15 +221,21 @@ BODY = {
 CLIENT_TIMEOUT_S = 150  # above the graph's request_timeout_s (120): a hang shows as a client timeout
 
 
-TWO_TALKERS = graph_variant(fixed_replicas={"*": 1, "talker": 2})
+# One replica per stage but two talkers, every handoff padded to 1 MiB: one deploy for this module and
+# tests/test_handoff_store.py (its object-store checks need the padding; here it loads the store as production's
+# MiB handoffs would). Serve replaces the replica killed here before that module's tests start (Graphs.ensure).
+HANDOFF_PADDING = 1 << 20
+TWO_PADDED_TALKERS = graph_variant(
+    fixed_replicas={"*": 1, "talker": 2}, stages={"*": {"handoff_padding_bytes": HANDOFF_PADDING}}
+)
+SHARED_GRAPH = pytest.mark.shares_graph("tiny_omni.yaml with TWO_PADDED_TALKERS (tests/test_faults.py)")
+pytestmark = SHARED_GRAPH
 
 
 @pytest.fixture(scope="module")
-def graph(graphs) -> Iterator[Any]:
-    graphs.deploy("tiny_omni.yaml", TWO_TALKERS)
-    graphs.wait_healthy()
-    yield graphs
-    graphs.current = None  # replicas were killed and the variant differs: the next module redeploys
+def graph(graphs) -> Any:
+    graphs.ensure("tiny_omni.yaml", TWO_PADDED_TALKERS)
+    return graphs
 
 
 def samples(b64: str) -> int:

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import httpx
 import pytest
 
-from tests.conftest import graph_variant, wait_until
+from tests.conftest import wait_until
 from tests.object_store import (
     StoreWatch,
     new_object_bytes,
@@ -31,11 +30,11 @@ from tests.object_store import (
     wait_at_most,
 )
 from tests.test_faults import BODY as FAULTS_BODY
-from tests.test_faults import CLIENT_TIMEOUT_S, samples
+from tests.test_faults import CLIENT_TIMEOUT_S, SHARED_GRAPH, TWO_PADDED_TALKERS, samples
+from tests.test_faults import HANDOFF_PADDING as PADDING
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, SHARED_GRAPH]
 
-PADDING = 1 << 20
 TALKER_FRAMES = 30  # greedy: the tiny talker never samples codec EOS, so always chunks of 4 + 25 + 1 frames
 HANDOFFS_PER_REQUEST = 1 + 3  # the thinker's, one per codec chunk
 # Besides its handoffs' padding, an in-flight request holds a few small objects: its payloads'
@@ -45,17 +44,10 @@ FREED_WITHIN_S = 10
 BODY = {**FAULTS_BODY, "stage_sampling": {"talker": {"temperature": 0.0, "max_tokens": TALKER_FRAMES}}}
 
 
-PADDED_TWO_TALKERS = graph_variant(
-    fixed_replicas={"*": 1, "talker": 2}, stages={"*": {"handoff_padding_bytes": PADDING}}
-)
-
-
 @pytest.fixture(scope="module")
-def graph(graphs: Any) -> Iterator[Any]:
-    graphs.deploy("tiny_omni.yaml", PADDED_TWO_TALKERS)
-    graphs.wait_healthy()
-    yield graphs
-    graphs.current = None  # a variant (and replicas get killed): the next module redeploys
+def graph(graphs: Any) -> Any:
+    graphs.ensure("tiny_omni.yaml", TWO_PADDED_TALKERS)  # tests/test_faults.py's deploy
+    return graphs
 
 
 class Idle(NamedTuple):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,11 +54,10 @@ QUEUEING_THINKER = graph_variant(
 
 
 @pytest.fixture(scope="module")
-def graph(graphs: Any) -> Iterator[Any]:
+def graph(graphs: Any) -> Any:
     graphs.deploy("tiny_omni.yaml", QUEUEING_THINKER)
     graphs.wait_healthy()
-    yield graphs
-    graphs.current = None  # a variant, now scaled: the next module redeploys
+    return graphs
 
 
 def replicas(stage: str) -> dict[str, int]:

@@ -14,7 +14,7 @@ import base64
 import contextlib
 import io
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -562,15 +562,14 @@ WHOLE = graph_variant(fixed_replicas=1, stages={"talker": {"stream_input": False
 
 
 @pytest.fixture(scope="module")
-def served(graphs: Any) -> Iterator[dict[str, tuple[str, bytes]]]:
+def served(graphs: Any) -> dict[str, tuple[str, bytes]]:
     """The same seeded request through the tiny graph with whole, then streamed handoffs."""
     replies = {}
     for name, variant in (("whole", WHOLE), ("streamed", STREAMED)):
         graphs.deploy("tiny_omni.yaml", variant)
         graphs.wait_healthy()
         replies[name] = reply(graphs.base_url)
-    yield replies
-    graphs.current = None  # a variant: the next module redeploys
+    return replies
 
 
 @pytest.mark.integration

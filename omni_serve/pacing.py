@@ -40,10 +40,11 @@ from pydantic import Field
 ENGINE_CONFIG_KEY = "omni_serve_min_step_s"
 
 
-def min_step_field() -> Any:
-    """The ``min_step_s`` field of every engine family's ``EngineArgs``."""
+def min_step_field(default: float | None = 0.0) -> Any:
+    """The ``min_step_s`` field of every engine family's ``EngineArgs`` (and of a stage's run-time settings,
+    where None keeps the engine's)."""
     return Field(
-        0.0,
+        default,
         ge=0.0,
         le=10.0,
         description="Minimum seconds per engine step (a decoding step of the batch; code2wav: a chunk decode; "

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from omni_serve.cli.launch import deploy_graph_file, wait_healthy
+from omni_serve.cli.launch import deploy_config, graph_file_config, wait_healthy
 from omni_serve.cli.run import haproxy_environment
 
 # Ray 2.60's token authentication stays on, as for any new local cluster: every process that talks to a
@@ -104,8 +104,10 @@ def graph_variant(
 ) -> Mutate:
     """The ``mutate`` callback for :meth:`Graphs.deploy` that turns a graph file into a variant, declaratively.
 
-    - ``fixed_replicas``: no autoscaling (the application's policy and every ``autoscaling_config``
-      dropped); ``num_replicas`` for every deployment, or by deployment name (``*``: the rest).
+    - ``fixed_replicas``: replica counts that do not change, for every deployment or by deployment name
+      (``*``: the rest): an autoscaling deployment's ``min_replicas``, ``initial_replicas`` and
+      ``max_replicas`` all set to it, the others' ``num_replicas``. The autoscaling policy stays: it is
+      part of the code version, so a variant that changed it could not be deployed over the graph in place.
     - ``deployments``: Serve options deep-merged into each named deployment (``*``: all).
     - ``engine_args``: deep-merged into each named stage's ``engine_args`` (``*``: all stages).
     - ``stages``: deep-merged into each named stage's own settings (e.g. ``handoff_padding_bytes``).
@@ -120,15 +122,16 @@ def graph_variant(
         (app,) = config["applications"]
         if fixed_replicas is not None:
             counts = {ALL: fixed_replicas} if isinstance(fixed_replicas, int) else fixed_replicas
-            app.pop("autoscaling_policy", None)
-            for deployment in app["deployments"]:
-                deployment.pop("autoscaling_config", None)
             for deployment, count in zip(
                 app["deployments"], _by_name(app["deployments"], counts, "deployment").values(), strict=True
             ):
                 if not count:
                     raise KeyError(f"fixed_replicas names no count for deployment {deployment['name']!r} (nor '*')")
-                deployment["num_replicas"] = count[-1]
+                if "autoscaling_config" in deployment:
+                    bounds = ("min_replicas", "initial_replicas", "max_replicas")
+                    deployment["autoscaling_config"].update(dict.fromkeys(bounds, count[-1]))
+                else:
+                    deployment["num_replicas"] = count[-1]
         for deployment, merges in zip(
             app["deployments"], _by_name(app["deployments"], deployments or {}, "deployment").values(), strict=True
         ):
@@ -146,7 +149,7 @@ def graph_variant(
         _merge(app["args"], args or {})
         if policy_kwargs:
             if "autoscaling_policy" not in app:
-                raise KeyError("policy_kwargs: the graph has no autoscaling_policy (or fixed_replicas dropped it)")
+                raise KeyError("policy_kwargs: the graph has no autoscaling_policy")
             _merge(app["autoscaling_policy"].setdefault("policy_kwargs", {}), policy_kwargs)
 
     return mutate
@@ -176,6 +179,18 @@ def ray_cluster() -> Iterator[str]:
             ray.shutdown()
 
 
+# What of an application's config is its code version: Serve restarts every replica of it when one of these
+# changes (ray.serve._private.deploy_utils.get_app_code_version) and applies anything else in place.
+CODE_VERSION = ("import_path", "runtime_env", "args", "autoscaling_policy")
+
+
+def _matches(ours: Any, theirs: Any) -> bool:
+    """``theirs`` (Serve's view of a deployment's config) carries every value ``ours`` sets."""
+    if isinstance(ours, Mapping):
+        return isinstance(theirs, Mapping) and all(_matches(v, theirs.get(k)) for k, v in ours.items())
+    return ours == theirs
+
+
 class Graphs:
     """Deploys graph files exactly as a user does: `serve run --non-blocking FILE` against the session cluster."""
 
@@ -183,14 +198,58 @@ class Graphs:
         self.address = address
         self.base_url = f"http://127.0.0.1:{HTTP_PORT}"
         self.current: tuple[str, Mutate | None] | None = None  # the graph file and variant deployed last
+        self.deployed: dict[str, Any] | None = None  # its Serve config
 
-    def deploy(self, graph: str | Path, mutate: Mutate | None = None) -> dict[str, Any]:
-        # Serve rolls a changed app out in the background while the old one keeps answering:
-        # delete what runs first, so "healthy" can only mean the graph deployed here.
-        self.delete_all()
-        config = deploy_graph_file(graph, self.address, HTTP_PORT, mutate)
-        self.current = (str(graph), mutate)
+    def deploy(self, graph: str | Path, mutate: Mutate | None = None, *, fresh: bool = False) -> dict[str, Any]:
+        """Deploy the graph (or a variant of it). A change Serve applies to running replicas (options, replica
+        counts, a deployment's user_config: omni_serve.graph.settings) is deployed over what runs, in seconds;
+        a graph whose code version differs (other args, another graph file), or any graph when ``fresh`` (a
+        test that watches it start), replaces what runs, deleted first so that no old replica answers for it."""
+        config = graph_file_config(graph, HTTP_PORT, mutate)
+        if fresh or not self._in_place(config):
+            self.delete_all()
+        deploy_config(config, self.address)
+        self.current, self.deployed = (str(graph), mutate), config
         return config
+
+    def _in_place(self, config: dict[str, Any]) -> bool:
+        if self.deployed is None:
+            return False
+        before = {app["name"]: app for app in self.deployed["applications"]}
+        after = {app["name"]: app for app in config["applications"]}
+        return before.keys() == after.keys() and all(
+            before[name].get(key) == app.get(key) for name, app in after.items() for key in CODE_VERSION
+        )
+
+    def _applied(self) -> bool:
+        """Serve's controller runs the deployed config: every deployment HEALTHY with its options and user_config
+        (its view changes only once the controller has taken the config, unlike a status read just after)."""
+        from ray.serve.context import _get_global_client  # Serve's own details, as its REST API serves them
+
+        assert self.deployed is not None
+        details = _get_global_client().get_serve_details()["applications"]
+        for app in self.deployed["applications"]:
+            served = details.get(app["name"])
+            if served is None or served["status"] != "RUNNING":
+                return False
+            for ours in app.get("deployments", []):
+                theirs = served["deployments"].get(ours["name"])
+                if theirs is None or theirs["status"] != "HEALTHY":
+                    return False
+                config = theirs["deployment_config"]
+                if config.get("user_config") != ours.get("user_config") or not _matches(ours, config):
+                    return False
+        return True
+
+    @staticmethod
+    def replicas(app: str = "omni") -> dict[str, set[str]]:
+        """Deployment -> the ids of its running replicas (a replica restarted gets a new one)."""
+        from ray.serve.context import _get_global_client
+
+        deployments = _get_global_client().get_serve_details()["applications"][app]["deployments"]
+        return {
+            name: {r["replica_id"] for r in d["replicas"] if r["state"] == "RUNNING"} for name, d in deployments.items()
+        }
 
     def ensure(self, graph: str | Path, variant: Mutate | None = None) -> None:
         """Deploy the graph (or that variant of it: the same `graph_variant` object) unless it is what runs now
@@ -198,10 +257,12 @@ class Graphs:
         module before killed is replaced) and it answers /health."""
         if self.current != (str(graph), variant):
             self.deploy(graph, variant)
-        wait_healthy(self.base_url, 300, replaced=True)
+        self.wait_healthy()
 
     def wait_healthy(self, timeout_s: float = 300) -> None:
-        wait_healthy(self.base_url, timeout_s)
+        """What was deployed last runs (:meth:`_applied`) and answers /health; fails at once if it failed to deploy."""
+        wait_healthy(self.base_url, timeout_s, replaced=True)
+        wait_until(self._applied, timeout_s, "Serve to run the deployed config")
 
     @contextlib.contextmanager
     def own(self, graph: str | Path, timeout_s: float = 3000) -> Iterator[Graphs]:
@@ -225,13 +286,13 @@ class Graphs:
     def delete(self, app: str = "omni") -> None:
         from ray import serve
 
-        self.current = None
+        self.current = self.deployed = None
         serve.delete(app)
 
     def delete_all(self) -> None:
         from ray import serve
 
-        self.current = None
+        self.current = self.deployed = None
         for app in list(serve.status().applications):
             serve.delete(app)
 
@@ -273,16 +334,20 @@ def one_replica_per_stage(graphs: Graphs) -> Graphs:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests on the unmodified tiny graph first and back to back, then the rest of their modules, then the
-    other modules (alphabetical order otherwise).
+    """The tests on the unmodified tiny graph first and back to back, then the rest of their modules, then the tests
+    on variants of it, then the other modules (alphabetical order otherwise).
 
     `Graphs.ensure` redeploys the tiny graph whenever a graph of another kind ran in between; in alphabetical
     order that cost a 35-40 s redeploy about ten times per session. A module shares the tiny graph when one of
-    its tests asks for the `tiny_omni` fixture (its one-replica form `one_replica_per_stage` included); its tests
-    that deploy a graph of their own (a variant) run after every test on the tiny graph, or each would cost the
-    next module a redeploy (two did: 38 and 39 s). A module whose tests are split so sets its module-scoped
-    fixtures up twice (a media server, a browser: seconds). Modules marked ``shares_graph(KEY)`` (another
-    graph, or one variant of a graph, through `Graphs.ensure`) run next, those with the same key back to back.
+    its tests asks for the `tiny_omni` fixture (its one-replica form `one_replica_per_stage` included). Tests
+    marked ``tiny_variant(rank)`` deploy a variant of it: rank 0 variants Serve applies to the running replicas
+    (options, replica counts, user_config: `Graphs.deploy` deploys them over the graph in seconds), 1 tests
+    that start so and end on other args (a restart), 2 tests that need a deploy of their own (other args, or
+    one they watch start); they run after every test on the plain graph, by rank, so that no restart stands
+    between two in-place variants. A module whose tests are
+    split so sets its module-scoped fixtures up twice (a media server, a browser: seconds). Modules marked
+    ``shares_graph(KEY)`` (another graph, or one variant of a graph, through `Graphs.ensure`) run back to back
+    with the others of that key.
     """
 
     def module(item: pytest.Item) -> str:
@@ -298,12 +363,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for name in sorted(graph_of, key=position.__getitem__):
         first.setdefault(graph_of[name], position[name])
 
-    def rank(item: pytest.Item) -> tuple[int, int, int]:
+    def rank(item: pytest.Item) -> tuple[int, ...]:
         name = module(item)
+        group = first[graph_of[name]] if name in graph_of else position[name]
+        if variant := item.get_closest_marker("tiny_variant"):
+            return 0, 2 + variant.args[0], group, position[name]
         if name in shared:
             return 0, (0 if on_tiny(item) else 1), position[name]
         if name in graph_of:
-            return 1, first[graph_of[name]], position[name]
+            return 1, group, position[name]
         return 2, 0, position[name]
 
     items.sort(key=rank)  # stable: a module's tests keep their order within each rank

@@ -1,4 +1,9 @@
-"""API keys: from the graph's `api_key` arg or OMNI_SERVE_API_KEY; /health stays open; 401 as an OpenAI error.
+"""API keys: from the graph (its `api_key` arg, or the ingress's `user_config`, changed in place) or
+OMNI_SERVE_API_KEY; /health stays open; 401 as an OpenAI error.
+
+The key and the realtime limits are set here as run-time settings (omni_serve.graph.settings): deployed
+over the running tiny graph, they reach its replicas without restarting one, and removing them restores
+the args' (no key). The `api_key` arg itself is tested on the image graph (tests/test_playground.py).
 
 Also the rest of the front door on the same keyed graph (one deploy): every route and the websocket
 need the key, a foreign ``Host`` is refused on a loopback server (DNS rebinding), a POST must say its
@@ -18,7 +23,7 @@ import pytest
 
 from tests.conftest import HTTP_PORT, graph_variant, wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.tiny_variant(0)]
 
 KEY = "sk-test-9f8e7d"
 ENV_KEY = "sk-from-env-1234"
@@ -27,9 +32,8 @@ CHAT = {"model": "tiny-qwen3-omni", "messages": [{"role": "user", "content": "Hi
 
 ORIGIN = "https://app.example"
 SESSION_S = 3  # realtime.max_session_minutes, in seconds: the session limit is seen to end a session
-WITH_ARG_KEY = graph_variant(
-    args={"api_key": KEY, "realtime": {"allowed_origins": [ORIGIN], "max_session_minutes": SESSION_S / 60}}
-)
+REALTIME = {"allowed_origins": [ORIGIN], "max_session_minutes": SESSION_S / 60}
+WITH_KEY = graph_variant(deployments={"ingress": {"user_config": {"api_key": KEY, "realtime": REALTIME}}})
 # The key only in the ingress replica's environment (the stages keep running unchanged).
 WITH_ENV_KEY = graph_variant(
     deployments={"ingress": {"ray_actor_options": {"runtime_env": {"env_vars": {"OMNI_SERVE_API_KEY": ENV_KEY}}}}}
@@ -37,10 +41,22 @@ WITH_ENV_KEY = graph_variant(
 
 
 @pytest.fixture(scope="module")
-def keyed(graphs) -> Any:
-    graphs.deploy("tiny_omni.yaml", WITH_ARG_KEY)
+def unkeyed_replicas(graphs) -> dict[str, set[str]]:
+    """The replicas of the tiny graph as it runs before the key is set."""
+    graphs.ensure("tiny_omni.yaml")
+    return graphs.replicas()
+
+
+@pytest.fixture(scope="module")
+def keyed(graphs, unkeyed_replicas) -> Any:
+    graphs.deploy("tiny_omni.yaml", WITH_KEY)
     graphs.wait_healthy()
     return graphs
+
+
+def test_the_key_is_set_without_restarting_a_replica(keyed, unkeyed_replicas) -> None:
+    assert keyed.replicas() == unkeyed_replicas
+    assert_401(httpx.get(f"{keyed.base_url}/v1/models", timeout=30))
 
 
 def assert_401(reply: httpx.Response) -> None:
@@ -244,6 +260,14 @@ def test_realtime_sessions_need_the_key_and_an_allowed_origin(keyed) -> None:
         assert SESSION_S - 1 <= lasted <= SESSION_S + 5, lasted
 
     asyncio.run(checks())
+
+
+def test_a_key_removed_from_the_user_config_is_no_longer_needed(keyed, unkeyed_replicas) -> None:
+    """The graph without its user_config: back to the args' settings (no key), on the same replicas."""
+    keyed.deploy("tiny_omni.yaml")
+    keyed.wait_healthy()
+    assert httpx.get(f"{keyed.base_url}/v1/models", timeout=30).status_code == 200
+    assert keyed.replicas() == unkeyed_replicas
 
 
 def test_key_from_the_environment(keyed) -> None:

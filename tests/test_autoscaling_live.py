@@ -22,7 +22,8 @@ import pytest
 
 from tests.conftest import HTTP_PORT, graph_variant, wait_until
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+# Its policy kwargs are part of the code version: a deploy of its own (tiny_variant 2).
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600), pytest.mark.tiny_variant(2)]
 
 BASE_URL = f"http://127.0.0.1:{HTTP_PORT}"
 CLIENTS = 4  # concurrent requests: one decodes in the thinker's engine, the others wait there

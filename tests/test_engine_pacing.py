@@ -446,6 +446,27 @@ def test_transformers_thinker_paces_each_decoding_step_and_an_abort_ends_it(pace
     assert long.steps < 500
 
 
+def test_pacing_set_at_run_time_paces_the_next_calls_and_none_restores_the_engine_args(pacers: list[PacerLog]) -> None:
+    """A stage's user_config (omni_serve.graph.settings) on a started transformers engine: each call is paced by
+    what was set when it started."""
+    from omni_serve.graph.stage import Stage
+
+    engine_args = {"model_stage": "thinker", "min_step_s": 0.02}
+    stage = Stage({"name": "thinker", "engine": "transformers", "engine_args": engine_args, "final_output": "text"})
+    sampling = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    request = StageRequest("r", sampling, messages=[ChatMessage(role="user", content="Hi")])
+
+    async def go() -> None:
+        await stage.start()
+        for user_config in ({"min_step_s": 0.1}, {}, {"min_step_s": 0.0}, None):
+            stage.configure(user_config)
+            assert [o async for o in stage.engine.stream(request, None)][-1].usage.completion_tokens == 3
+
+    asyncio.run(go())
+    assert [(p.min_step_s, p.steps) for p in pacers] == [(0.1, 3), (0.02, 3), (0.0, 3), (0.02, 3)]
+    assert all(0 < asked <= 0.1 for asked, _ in pacers[0].event.waits) and not pacers[2].event.waits
+
+
 def test_diffusers_paces_each_denoising_step_and_an_abort_ends_it(pacers: list[PacerLog]) -> None:
     from omni_serve.engines.diffusers import create
 

@@ -221,15 +221,20 @@ BODY = {
 CLIENT_TIMEOUT_S = 150  # above the graph's request_timeout_s (120): a hang shows as a client timeout
 
 
-# One replica per stage but two talkers, every handoff padded to 1 MiB: one deploy for this module and
+# One replica per stage but two talkers, every handoff padded to 1 MiB (the stages' run-time setting, so the
+# variant is deployed over the running graph in place): one deploy for this module and
 # tests/test_handoff_store.py (its object-store checks need the padding; here it loads the store as production's
 # MiB handoffs would). Serve replaces the replica killed here before that module's tests start (Graphs.ensure).
 HANDOFF_PADDING = 1 << 20
 TWO_PADDED_TALKERS = graph_variant(
-    fixed_replicas={"*": 1, "talker": 2}, stages={"*": {"handoff_padding_bytes": HANDOFF_PADDING}}
+    fixed_replicas={"*": 1, "talker": 2},
+    deployments={
+        stage: {"user_config": {"handoff_padding_bytes": HANDOFF_PADDING}}
+        for stage in ("thinker", "talker", "code2wav")
+    },
 )
 SHARED_GRAPH = pytest.mark.shares_graph("tiny_omni.yaml with TWO_PADDED_TALKERS (tests/test_faults.py)")
-pytestmark = SHARED_GRAPH
+pytestmark = [SHARED_GRAPH, pytest.mark.tiny_variant(0)]
 
 
 @pytest.fixture(scope="module")

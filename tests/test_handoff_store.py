@@ -1,7 +1,7 @@
 """The object store under text+audio load with production-sized (>= 1 MiB) handoffs.
 
-The tiny graph runs with every handoff padded by 1 MiB (the stages' debug option ``handoff_padding_bytes``
-engine arg), so each request moves four >= 1 MiB payloads: the thinker's, and one per codec
+The tiny graph runs with every handoff padded by 1 MiB (the stages' debug option ``handoff_padding_bytes``,
+set as a run-time setting), so each request moves four >= 1 MiB payloads: the thinker's, and one per codec
 chunk (4 + 25 + 1 frames). A watcher samples the object stores' bytes (what ``ray memory
 --stats-only`` reads) throughout. What must hold:
 
@@ -33,7 +33,7 @@ from tests.test_faults import BODY as FAULTS_BODY
 from tests.test_faults import CLIENT_TIMEOUT_S, SHARED_GRAPH, TWO_PADDED_TALKERS, samples
 from tests.test_faults import HANDOFF_PADDING as PADDING
 
-pytestmark = [pytest.mark.integration, SHARED_GRAPH]
+pytestmark = [pytest.mark.integration, SHARED_GRAPH, pytest.mark.tiny_variant(0)]
 
 TALKER_FRAMES = 30  # greedy: the tiny talker never samples codec EOS, so always chunks of 4 + 25 + 1 frames
 HANDOFFS_PER_REQUEST = 1 + 3  # the thinker's, one per codec chunk

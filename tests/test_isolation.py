@@ -1,8 +1,9 @@
 """One client cannot touch another's request, and readiness never waits behind request work.
 
 The tiny graph runs here with one replica per stage and the transformers engine's step pacing
-``min_step_s`` (a minimum time per decoding step, cut short by an abort), so requests stay
-in flight for certain: the windows below are held open by the engines, not hoped for.
+``min_step_s`` (a minimum time per decoding step, cut short by an abort; set by each stage's
+``user_config``), so requests stay in flight for certain: the windows below are held open by the
+engines, not hoped for. It is deployed from scratch (``fresh``), to watch ``/health`` as it starts.
 
 - Two clients send the same ``X-Request-ID``; one hangs up while both have calls in the same
   thinker replica (one running, one waiting in the engine). The other's reply must equal the
@@ -22,7 +23,7 @@ import pytest
 
 from tests.conftest import HTTP_PORT, graph_variant, wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.tiny_variant(2)]  # replaces the graph: watches it start
 
 BASE_URL = f"http://127.0.0.1:{HTTP_PORT}"
 STAGES = ("thinker", "talker", "code2wav")
@@ -32,15 +33,17 @@ MAX_ONGOING = {"thinker": 4, "talker": 1, "code2wav": 1}
 
 SLOW_SINGLE_REPLICAS = graph_variant(
     fixed_replicas=1,
-    deployments={name: {"max_ongoing_requests": n} for name, n in MAX_ONGOING.items()},
-    engine_args={name: {"min_step_s": delay} for name, delay in DELAY_S.items()},
+    deployments={
+        name: {"max_ongoing_requests": n, "user_config": {"min_step_s": DELAY_S[name]}}
+        for name, n in MAX_ONGOING.items()
+    },
 )
 
 
 @pytest.fixture(scope="module")
 def startup(graphs) -> list[tuple[int, dict[str, Any] | str, float]]:
     """Deploy the slow graph and poll /health from the moment `serve run` returns until it is 200."""
-    graphs.deploy("tiny_omni.yaml", SLOW_SINGLE_REPLICAS)
+    graphs.deploy("tiny_omni.yaml", SLOW_SINGLE_REPLICAS, fresh=True)
     seen: list[tuple[int, dict[str, Any] | str, float]] = []
     with httpx.Client(base_url=BASE_URL, timeout=10) as http:
 

@@ -338,6 +338,10 @@ def servers() -> Iterator[tuple[MediaServer, MediaServer]]:
         yield allowed, private
 
 
+# The guarded graph has other args and stages: a deploy of its own, after the in-place variants (tiny_variant 2).
+ON_GUARDED_GRAPH = pytest.mark.tiny_variant(2)
+
+
 @pytest.fixture(scope="module")
 def guarded(graphs, servers, media_dir: Path) -> Iterator[Any]:
     """The tiny graph's thinker alone (text replies: the corpus needs no speech) with a media policy
@@ -465,6 +469,7 @@ def _error(reply: httpx.Response) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("part", "status", "says"), [c[1:] for c in CORPUS], ids=[c[0] for c in CORPUS])
+@ON_GUARDED_GRAPH
 def test_hostile_media_is_refused_naming_the_part(guarded, media_dir: Path, part: Any, status: int, says: str) -> None:
     part = json.loads(json.dumps(part).replace("/MEDIA", str(media_dir)))
     reply = _post(guarded.base_url, part)
@@ -474,6 +479,7 @@ def test_hostile_media_is_refused_naming_the_part(guarded, media_dir: Path, part
     assert says in error["message"], error
 
 
+@ON_GUARDED_GRAPH
 def test_request_level_media_refusals(guarded) -> None:
     base = guarded.base_url
     too_many = [{"type": "text", "text": "Hi"}] + [image_url(data_url(png(8, 8), "image/png"))] * 5
@@ -497,6 +503,7 @@ def test_request_level_media_refusals(guarded) -> None:
     assert reply.status_code == 400 and error["param"] == "messages.0.content.1.input_audio.format"
 
 
+@ON_GUARDED_GRAPH
 def test_allowed_media_are_fetched_and_nothing_else_was(guarded, servers, media_dir: Path) -> None:
     allowed, private = servers
     for url in (

@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import graph_variant
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.tiny_variant(0)]  # options only: in place
 
 CONCURRENCY = 16
 BODY = {

@@ -554,29 +554,21 @@ def channel_actors() -> list[Any]:
     ]
 
 
-# The thinker paced (50 ms a token: timing only, the same values) so a reply is still being written
-# while the talker speaks it.
-PACED = {"thinker": {"min_step_s": 0.05}}
-STREAMED = graph_variant(fixed_replicas=1, stages={"talker": {"stream_input": True}}, engine_args=PACED)
-WHOLE = graph_variant(fixed_replicas=1, stages={"talker": {"stream_input": False}}, engine_args=PACED)
+# The thinker paced (50 ms a token: timing only, the same values; its run-time setting) so a reply is still
+# being written while the talker speaks it. STREAMED is the graph's own stream_input: deployed over the tiny graph
+# in place; WHOLE changes the args (a restart), so it comes last, in this module and in the run (tiny_variant 1).
+PACED = {"thinker": {"user_config": {"min_step_s": 0.05}}}
+STREAMED = graph_variant(fixed_replicas=1, stages={"talker": {"stream_input": True}}, deployments=PACED)
+WHOLE = graph_variant(fixed_replicas=1, stages={"talker": {"stream_input": False}}, deployments=PACED)
+ON_THE_GRAPH = pytest.mark.tiny_variant(1)
 
 
 @pytest.fixture(scope="module")
-def served(graphs: Any) -> dict[str, tuple[str, bytes]]:
-    """The same seeded request through the tiny graph with whole, then streamed handoffs."""
-    replies = {}
-    for name, variant in (("whole", WHOLE), ("streamed", STREAMED)):
-        graphs.deploy("tiny_omni.yaml", variant)
-        graphs.wait_healthy()
-        replies[name] = reply(graphs.base_url)
-    return replies
-
-
-@pytest.mark.integration
-def test_the_served_graph_gives_the_same_reply_with_streamed_handoffs(served) -> None:
-    text, audio = served["streamed"]
-    assert len(text) > 0 and len(audio) > 0
-    assert served["whole"] == (text, audio), "streamed handoffs changed the reply"
+def streamed(graphs: Any) -> tuple[str, bytes]:
+    """The seeded request's reply through the tiny graph with streamed handoffs."""
+    graphs.deploy("tiny_omni.yaml", STREAMED)
+    graphs.wait_healthy()
+    return reply(graphs.base_url)
 
 
 def open_channels(actor: Any) -> int:
@@ -586,13 +578,15 @@ def open_channels(actor: Any) -> int:
 
 
 @pytest.mark.integration
-def test_every_channel_is_closed_after_its_request(served) -> None:
+@ON_THE_GRAPH
+def test_every_channel_is_closed_after_its_request(streamed) -> None:
     (actor,) = channel_actors()  # the one ingress replica's
     wait_until(lambda: open_channels(actor) == 0, 10, "every channel closed")
 
 
 @pytest.mark.integration
-def test_a_client_that_leaves_mid_reply_cancels_all_three_stages(served, graphs: Any) -> None:
+@ON_THE_GRAPH
+def test_a_client_that_leaves_mid_reply_cancels_all_three_stages(streamed, graphs: Any) -> None:
     from tests.test_cancellation import open_request
 
     stages = ("thinker", "talker", "code2wav")
@@ -631,7 +625,8 @@ def test_a_client_that_leaves_mid_reply_cancels_all_three_stages(served, graphs:
 
 
 @pytest.mark.integration
-def test_a_lost_channels_actor_fails_only_the_requests_using_it_and_is_replaced(served, graphs: Any) -> None:
+@ON_THE_GRAPH
+def test_a_lost_channels_actor_fails_only_the_requests_using_it_and_is_replaced(streamed, graphs: Any) -> None:
     import ray
 
     (actor,) = channel_actors()
@@ -642,6 +637,17 @@ def test_a_lost_channels_actor_fails_only_the_requests_using_it_and_is_replaced(
         assert first.status_code == 503 and error["code"] == "stage_unavailable", first.text
         assert "'talker'" in error["message"], first.text
     # The next streamed call starts a new channels actor: the graph serves again.
-    assert reply(graphs.base_url) == served["streamed"]
+    assert reply(graphs.base_url) == streamed
     (replacement,) = channel_actors()
     assert replacement._actor_id != actor._actor_id
+
+
+@pytest.mark.integration
+@ON_THE_GRAPH
+def test_the_served_graph_gives_the_same_reply_with_streamed_handoffs(streamed, graphs: Any) -> None:
+    """Last: the graph with whole handoffs (other args) replaces the streamed one."""
+    text, audio = streamed
+    assert len(text) > 0 and len(audio) > 0
+    graphs.deploy("tiny_omni.yaml", WHOLE)
+    graphs.wait_healthy()
+    assert reply(graphs.base_url) == (text, audio), "streamed handoffs changed the reply"

@@ -17,16 +17,45 @@ def variant(**changes) -> dict:
     return config["applications"][0]
 
 
-def test_fixed_replicas_drop_autoscaling_and_set_counts_by_name() -> None:
+def test_fixed_replicas_pin_the_autoscaling_bounds_and_keep_the_policy() -> None:
+    """The policy is part of the code version: dropping it would make every such variant a restart."""
     app = variant(fixed_replicas={"*": 1, "talker": 2})
-    assert "autoscaling_policy" not in app
-    assert {d["name"]: d["num_replicas"] for d in app["deployments"]} == {
-        "ingress": 1,
-        "thinker": 1,
-        "talker": 2,
-        "code2wav": 1,
+    assert app["autoscaling_policy"] == load_graph_file("tiny_omni.yaml")["applications"][0]["autoscaling_policy"]
+    by_name = {d["name"]: d for d in app["deployments"]}
+    assert by_name["ingress"]["num_replicas"] == 1  # the one deployment that does not autoscale
+    bounds = {
+        name: {k: d["autoscaling_config"][k] for k in ("min_replicas", "initial_replicas", "max_replicas")}
+        for name, d in by_name.items()
+        if name != "ingress"
     }
-    assert not any("autoscaling_config" in d for d in app["deployments"])
+    assert bounds == {
+        "thinker": dict.fromkeys(("min_replicas", "initial_replicas", "max_replicas"), 1),
+        "talker": dict.fromkeys(("min_replicas", "initial_replicas", "max_replicas"), 2),
+        "code2wav": dict.fromkeys(("min_replicas", "initial_replicas", "max_replicas"), 1),
+    }
+    assert by_name["talker"]["autoscaling_config"]["target_ongoing_requests"] == 2  # the rest stays
+    assert not any("num_replicas" in d for name, d in by_name.items() if name != "ingress")
+
+
+def test_graphs_deploy_in_place_only_what_keeps_the_code_version() -> None:
+    """Graphs.deploy deletes first only where Serve would restart the replicas anyway (their code version changed)."""
+    from tests.conftest import Graphs
+
+    graphs = Graphs("unused")
+    graphs.deployed = load_graph_file("tiny_omni.yaml")
+
+    def in_place(**changes: Any) -> bool:
+        config = load_graph_file("tiny_omni.yaml")
+        graph_variant(**changes)(config)
+        return graphs._in_place(config)
+
+    assert in_place(fixed_replicas=1, deployments={"talker": {"user_config": {"min_step_s": 1.0}}})
+    assert in_place(deployments={"ingress": {"ray_actor_options": {"runtime_env": {"env_vars": {"K": "v"}}}}})
+    assert not in_place(args={"stage_timeout_s": 4})
+    assert not in_place(engine_args={"talker": {"min_step_s": 1.0}})
+    assert not in_place(policy_kwargs={"max_engine_waiting": {"thinker": 0}})
+    graphs.deployed = None
+    assert not in_place()  # nothing known to run: deploy from scratch
 
 
 def test_deployment_options_stage_settings_and_engine_args_deep_merge() -> None:
@@ -72,14 +101,19 @@ def test_wait_until_returns_the_value_or_fails_naming_what() -> None:
 
 def test_the_tiny_graph_tests_first_then_their_modules_variants_then_modules_sharing_a_graph() -> None:
     """The run order that saves redeploys (conftest.pytest_collection_modifyitems); fails if a test on a variant runs
-    between two on the tiny graph, or if two modules on one shared graph are split by another module."""
+    between two on the tiny graph, if a variant that restarts the graph runs before one deployed in place, or if
+    two modules on one shared graph are split by another module."""
     from types import SimpleNamespace
 
     from tests.conftest import pytest_collection_modifyitems
 
-    def item(nodeid: str, *fixtures: str, shares: str | None = None) -> Any:
-        marker = SimpleNamespace(args=(shares,)) if shares else None
-        return SimpleNamespace(nodeid=nodeid, fixturenames=fixtures, get_closest_marker=lambda name: marker)
+    def item(nodeid: str, *fixtures: str, shares: str | None = None, variant: int | None = None) -> Any:
+        markers = {"shares_graph": shares and (shares,), "tiny_variant": variant is not None and (variant,)}
+        return SimpleNamespace(
+            nodeid=nodeid,
+            fixturenames=fixtures,
+            get_closest_marker=lambda name: SimpleNamespace(args=markers[name]) if markers[name] else None,
+        )
 
     items = [
         item("tests/test_a.py::unit"),
@@ -89,7 +123,12 @@ def test_the_tiny_graph_tests_first_then_their_modules_variants_then_modules_sha
         item("tests/test_c.py::llm", shares="single_stage_llm.yaml"),
         item("tests/test_d.py::own_graph", "graphs"),
         item("tests/test_e.py::on_tiny", "tiny_omni"),
+        item("tests/test_e.py::restarts_it", "graphs", variant=1),
         item("tests/test_f.py::llm_too", shares="single_stage_llm.yaml"),
+        item("tests/test_g.py::replaces_it", "graphs", variant=2),
+        item("tests/test_h.py::in_place", "graphs", variant=0, shares="padded"),
+        item("tests/test_i.py::in_place", "graphs", variant=0),
+        item("tests/test_j.py::in_place_too", "graphs", variant=0, shares="padded"),
     ]
     pytest_collection_modifyitems(None, items)  # type: ignore[arg-type]
     assert [i.nodeid.split("/")[1] for i in items] == [
@@ -97,6 +136,11 @@ def test_the_tiny_graph_tests_first_then_their_modules_variants_then_modules_sha
         "test_b.py::on_tiny_again",
         "test_e.py::on_tiny",
         "test_b.py::on_a_variant",
+        "test_h.py::in_place",
+        "test_j.py::in_place_too",
+        "test_i.py::in_place",
+        "test_e.py::restarts_it",
+        "test_g.py::replaces_it",
         "test_c.py::llm",
         "test_f.py::llm_too",
         "test_a.py::unit",

@@ -1,7 +1,8 @@
 """Timeouts reach the client as the API's 504 error object, never as Serve's plain-text 408 or a cut stream.
 
-The tiny graph runs with a talker slowed by the engine's step pacing (``min_step_s``: its first
-codec chunk comes after ~8 s) and ``stage_timeout_s: 4``: a text+audio request fails with 504 in
+The tiny graph runs with a talker slowed by the engine's step pacing (``min_step_s`` 6 s: its first
+codec chunk, one frame, comes after at least 6 s) and ``stage_timeout_s: 4``, both set in place as
+run-time settings (the deployments' ``user_config``): a text+audio request fails with 504 in
 OpenAI's error shape, as JSON before the response starts and as one in-band SSE event (the same
 error object, no ``[DONE]``) once a stream has started. A text-only request never reaches the
 talker and is unaffected. Unit checks of the layering itself: tests/test_config.py and
@@ -18,7 +19,7 @@ import pytest
 
 from tests.conftest import HTTP_PORT, graph_variant
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.tiny_variant(0)]
 
 BASE_URL = f"http://127.0.0.1:{HTTP_PORT}"
 STAGE_TIMEOUT_S = 4
@@ -32,8 +33,10 @@ BODY = {
 
 
 SLOW_TALKER = graph_variant(
-    args={"stage_timeout_s": STAGE_TIMEOUT_S},
-    engine_args={"talker": {"min_step_s": 2.0, "codec_first_chunk_frames": 4}},
+    deployments={
+        "ingress": {"user_config": {"stage_timeout_s": STAGE_TIMEOUT_S}},
+        "talker": {"user_config": {"min_step_s": 6.0}},  # a minimum: the talker is silent for longer than 4 s
+    }
 )
 
 

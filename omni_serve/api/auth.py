@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import hmac
+import os
 
 from omni_serve.api.openai.errors import APIError
+
+
+def required_key(configured: str | None) -> str | None:
+    """The key requests need: the graph's (its args or the ingress's user_config), else ``OMNI_SERVE_API_KEY``'s."""
+    return configured or os.environ.get("OMNI_SERVE_API_KEY") or None
 
 
 def api_key_matches(authorization: str | None, api_key: str) -> bool:

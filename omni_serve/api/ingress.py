@@ -17,9 +17,9 @@ derives each stage call's engine id from the server's id.
 # ingress class travels to its replica by value, where string annotations no longer resolve.
 
 import asyncio
+import dataclasses
 import functools
 import logging
-import os
 import time
 import uuid
 from collections.abc import Mapping
@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from omni_serve.api import hosts, playground
-from omni_serve.api.auth import check_auth
+from omni_serve.api.auth import check_auth, required_key
 from omni_serve.api.errors import from_failure, stage_bad_request
 from omni_serve.api.hosts import TrustedHosts
 from omni_serve.api.http import check_content_type, parse_json_object, read_body, read_form
@@ -58,6 +58,7 @@ from omni_serve.graph.config import DEADLINE_MARGIN_S, GraphConfig, check_timeou
 from omni_serve.graph.metrics import RequestMetrics
 from omni_serve.graph.orchestrator import OmniRequest, Orchestrator, StageFailed
 from omni_serve.graph.readiness import ServeView
+from omni_serve.graph.settings import ingress_graph
 from omni_serve.graph.stage import Stage
 from omni_serve.graph.stage_log import StageLog
 from omni_serve.graph.transport import LocalStage, RemoteStages, StageTransport
@@ -106,7 +107,8 @@ class Ingress:
         self._video_rules: VideoRules | None = None  # the video stage's, asked once
         self.serving = Serving(Orchestrator(self.graph, transport), RequestMetrics())
         self.sampling = StageSampling(self.graph)
-        self.api_key = self.graph.api_key or os.environ.get("OMNI_SERVE_API_KEY") or None
+        self.args = graph  # the graph's args as deployed: the run-time settings go over them (reconfigure)
+        self.api_key = required_key(self.graph.api_key)
         self.serve_view = ServeView(
             serve.get_replica_context().app_name, {s.name: self.graph.deployment(s.name) for s in self.graph.stages}
         )
@@ -145,6 +147,18 @@ class Ingress:
             vad=VadWorkers(realtime.audio_workers, keep_models=realtime.max_sessions),
             unavailable=self._unanswered("/v1/realtime"),
         )
+
+    def reconfigure(self, user_config: Any, rank: Any = None) -> None:
+        """Serve's hook for the deployment's ``user_config`` (omni_serve.graph.settings): the API key, the stage
+        timeout and the realtime limits, applied to this running replica; requests and sessions that start after
+        it get them. Taking ``rank`` makes Serve call it also when the user_config is removed (the args' again)."""
+        graph = ingress_graph(self.args, user_config, self.request_timeout_s)
+        self.api_key = required_key(graph.api_key)
+        warning = hosts.exposure_warning(self.serve_view.http_options().host, self.api_key)
+        if warning is not None:
+            logger.warning(warning)
+        self.serving.orchestrator.stage_timeout_s = graph.stage_timeout_s
+        self.session_graph = dataclasses.replace(self.session_graph, limits=graph.realtime)
 
     # ---- the engine in this replica (engine_in_ingress): Serve's hooks, handle methods, shutdown ------
     async def check_health(self) -> None:

@@ -26,17 +26,19 @@ def load_graph_file(graph: str | Path) -> dict[str, Any]:
     return yaml.safe_load(path.read_text())
 
 
-def deploy_graph_file(
-    graph: str | Path,
-    address: str,
-    port: int,
-    mutate: Callable[[dict[str, Any]], None] | None = None,
+def graph_file_config(
+    graph: str | Path, port: int, mutate: Callable[[dict[str, Any]], None] | None = None
 ) -> dict[str, Any]:
-    """`serve run --non-blocking` the graph (optionally edited) against the cluster at ``address``."""
+    """The graph file's Serve config, served on loopback at ``port``, optionally edited by ``mutate``."""
     config = load_graph_file(graph)
     config.setdefault("http_options", {}).update(host="127.0.0.1", port=port)
     if mutate:
         mutate(config)
+    return config
+
+
+def deploy_config(config: dict[str, Any], address: str) -> None:
+    """`serve run --non-blocking` a Serve config against the cluster at ``address``."""
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(config, f)
     cli = [sys.executable, "-m", "ray.serve.scripts", "run", "--non-blocking", "--address", address, f.name]
@@ -46,6 +48,17 @@ def deploy_graph_file(
         raise RuntimeError(f"serve run failed: {err.stderr.decode(errors='replace')[-2000:]}") from None
     finally:
         os.unlink(f.name)
+
+
+def deploy_graph_file(
+    graph: str | Path,
+    address: str,
+    port: int,
+    mutate: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """`serve run --non-blocking` the graph (optionally edited) against the cluster at ``address``."""
+    config = graph_file_config(graph, port, mutate)
+    deploy_config(config, address)
     return config
 
 

@@ -124,6 +124,19 @@ class StageEngine(abc.ABC):
         """Engine-level numbers for metrics and autoscaling (e.g. waiting/running requests)."""
         return {}
 
+    def pace(self, min_step_s: float | None) -> None:
+        """Step pacing set at run time (the stage's ``user_config``: omni_serve.graph.settings); None: back to
+        ``engine_args.min_step_s``. Calls already running keep the pace they started with."""
+        self._set_min_step(float(self.engine_args.get("min_step_s", 0.0)) if min_step_s is None else min_step_s)
+
+    def _set_min_step(self, min_step_s: float) -> None:
+        """Families whose steps run in this process take it here; the others pace in engine processes set up at
+        start (omni_serve.pacing), so a change would need them restarted."""
+        raise ValueError(
+            f"user_config.min_step_s: stage '{self.stage_name}' ({type(self).__name__}) paces its steps in its "
+            "engine processes, set when they start: set engine_args.min_step_s (restarts the replicas)"
+        )
+
 
 RoleEngines = Mapping[str, Callable[[str, dict[str, Any]], StageEngine]]
 

@@ -160,6 +160,9 @@ class DiffusersEngine(StageEngine):
             self._pipe.vae_scale_factor = vae_scale_factor  # it assumes 8 when built without its VAE
             self._pipe.set_progress_bar_config(disable=True)
 
+    def _set_min_step(self, min_step_s: float) -> None:
+        self.args = self.args.model_copy(update={"min_step_s": min_step_s})  # each call reads it when it starts
+
     def stats(self) -> dict[str, Any]:
         # device: where the weights went ('auto' resolves at load), so an operator (and the GPU test)
         # can see a replica that Ray gave a GPU actually uses it.

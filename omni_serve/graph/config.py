@@ -386,7 +386,8 @@ def check_timeouts(stage_timeout_s: float, request_timeout_s: float | None) -> N
         )
 
 
-def _format(err: ValidationError) -> str:
+def format_errors(err: ValidationError) -> str:
+    """A pydantic error as one line per field, each led by the field's path."""
     lines = []
     for e in err.errors():
         loc = ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in e["loc"]).replace(".[", "[")
@@ -402,7 +403,7 @@ def load_graph(args: dict[str, Any] | GraphConfig) -> GraphConfig:
     try:
         graph = GraphConfig.model_validate(args)
     except ValidationError as err:
-        raise GraphConfigError(f"invalid omni_serve graph: {_format(err)}") from None
+        raise GraphConfigError(f"invalid omni_serve graph: {format_errors(err)}") from None
     from omni_serve.engines import (
         honoured_sampling,
         reads_streamed_input,

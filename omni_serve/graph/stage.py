@@ -23,6 +23,7 @@ from omni_serve.graph.config import StageConfig
 from omni_serve.graph.cycles import collect_soon
 from omni_serve.graph.flow import Sent, output_bytes
 from omni_serve.graph.metrics import StageMetrics
+from omni_serve.graph.settings import StageSettings, parse
 from omni_serve.graph.transport import receive, stream_items
 from omni_serve.media.inputs import MediaInputConfig, load_media
 from omni_serve.media.inputs import decodes as media_decodes
@@ -61,6 +62,8 @@ class Stage:
         self.metrics = StageMetrics()
         self.engine = create_engine(self.config.engine, self.name, self.config.engine_args)
         self.engine.stream_input = self.config.stream_input
+        self._paced = False  # pacing set by the deployment's user_config (configure)
+        self.padding = self.config.handoff_padding_bytes
 
     async def start(self) -> None:
         started = time.perf_counter()
@@ -106,7 +109,7 @@ class Stage:
             outputs = coalesced(
                 stream, self._coalesce_interval, merge_handoffs=merge, handoff_interval=self.max_coalesce_s
             )
-            padding = self.config.handoff_padding_bytes
+            padding = self.padding
             async for output in outputs:
                 self.metrics.output(output)
                 finished = output if output.finished else finished
@@ -168,6 +171,15 @@ class Stage:
     def __del__(self) -> None:
         self.shutdown()  # Serve calls __del__ when the replica stops
 
+    def configure(self, user_config: Any) -> None:
+        """The deployment's run-time settings (omni_serve.graph.settings); None: the engine_args' values."""
+        settings = parse(StageSettings, user_config, self.name)
+        if settings.min_step_s is not None or self._paced:  # untouched pacing stays as the engine started
+            self.engine.pace(settings.min_step_s)  # refused where the engine paces in its own processes
+            self._paced = settings.min_step_s is not None
+        padding = settings.handoff_padding_bytes
+        self.padding = self.config.handoff_padding_bytes if padding is None else padding
+
     async def check_health(self) -> None:
         await self.engine.check_health()
 
@@ -222,3 +234,8 @@ class StageDeployment(Stage):
     ):
         super().__init__(stage, media)
         await self.start()
+
+    def reconfigure(self, user_config: Any, rank: Any = None) -> None:
+        """Serve's hook for the deployment's ``user_config``, applied to this running replica (no restart). Taking
+        ``rank`` makes Serve call it also when the user_config is removed, which restores the engine_args'."""
+        self.configure(user_config)

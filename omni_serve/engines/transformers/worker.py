@@ -141,6 +141,9 @@ class HFEngine(StageEngine):
             raise EngineDeadError(self.stage_name, "its worker thread died")
         return self._worker
 
+    def _set_min_step(self, min_step_s: float) -> None:
+        self.args = self.args.model_copy(update={"min_step_s": min_step_s})  # each call reads it when it starts
+
     def stats(self) -> dict[str, Any]:
         with self._counts_lock:
             return {

@@ -343,9 +343,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     marked ``tiny_variant(rank)`` deploy a variant of it: rank 0 variants Serve applies to the running replicas
     (options, replica counts, user_config: `Graphs.deploy` deploys them over the graph in seconds), 1 tests
     that start so and end on other args (a restart), 2 tests that need a deploy of their own (other args, or
-    one they watch start), 3 variants deployed in place over rank 2's (its args and policy), 4 a graph that
-    replaces the tiny one for good; they run after every test on the plain graph, by rank, so that no restart
-    stands between two variants that share a code version. A module whose tests are
+    one they watch start); they run after every test on the plain graph, by rank, so that no restart stands
+    between two in-place variants. A module whose tests are
     split so sets its module-scoped fixtures up twice (a media server, a browser: seconds). Modules marked
     ``shares_graph(KEY)`` (another graph, or one variant of a graph, through `Graphs.ensure`) run back to back
     with the others of that key.

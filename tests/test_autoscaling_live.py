@@ -1,7 +1,7 @@
 """StagePolicy on a real Serve deployment: a stage whose engine queues requests gets another replica.
 
-The tiny graph runs with the thinker slowed by the transformers engine's step pacing
-(``min_step_s``, its run-time setting), so text requests queue in its engine (one decode at a time per replica),
+The tiny graph runs with the thinker slowed by the transformers engine's test hook
+(``min_step_s``), so text requests queue in its engine (one decode at a time per replica),
 and with ``max_engine_waiting: {thinker: 0}`` in the policy's kwargs. The thinker's
 ``target_ongoing_requests`` is far above the load, so Serve's own signal (ongoing requests over
 the target) never asks for a second replica: only the engine's ``engine_waiting`` metric
@@ -21,10 +21,9 @@ import httpx
 import pytest
 
 from tests.conftest import HTTP_PORT, graph_variant, wait_until
-from tests.test_isolation import POLICY_KWARGS
 
-# In place over tests/test_isolation.py's deploy (tiny_variant 3): its policy kwargs are part of the code version.
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600), pytest.mark.tiny_variant(3)]
+# Its policy kwargs are part of the code version: a deploy of its own (tiny_variant 2).
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600), pytest.mark.tiny_variant(2)]
 
 BASE_URL = f"http://127.0.0.1:{HTTP_PORT}"
 CLIENTS = 4  # concurrent requests: one decodes in the thinker's engine, the others wait there
@@ -36,11 +35,10 @@ BODY = {
     "max_tokens": 12,
     "temperature": 0.0,
 }
-# The graph's args and policy are tests/test_isolation.py's (POLICY_KWARGS): deployed over its graph in place.
 QUEUEING_THINKER = graph_variant(
+    engine_args={"thinker": {"min_step_s": 0.1}},
     deployments={
         "thinker": {
-            "user_config": {"min_step_s": 0.1},
             "autoscaling_config": {
                 "min_replicas": 1,
                 "initial_replicas": 1,
@@ -49,10 +47,10 @@ QUEUEING_THINKER = graph_variant(
                 "upscale_delay_s": 0,
                 "metrics_interval_s": 0.5,
                 "look_back_period_s": 2,
-            },
+            }
         }
     },
-    policy_kwargs=POLICY_KWARGS,
+    policy_kwargs={"max_engine_waiting": {"thinker": 0}},
 )
 
 

@@ -31,12 +31,8 @@ DELAY_S = {"thinker": 0.05, "talker": 0.05, "code2wav": 1.0}  # per decoding ste
 MAX_ONGOING = {"thinker": 4, "talker": 1, "code2wav": 1}
 
 
-# tests/test_autoscaling_live.py's policy kwargs (part of the code version; inert here, where every stage has one
-# replica at most): that module is deployed over this graph in place after it (tiny_variant 3).
-POLICY_KWARGS = {"max_engine_waiting": {"thinker": 0}}
 SLOW_SINGLE_REPLICAS = graph_variant(
     fixed_replicas=1,
-    policy_kwargs=POLICY_KWARGS,
     deployments={
         name: {"max_ongoing_requests": n, "user_config": {"min_step_s": DELAY_S[name]}}
         for name, n in MAX_ONGOING.items()

@@ -338,8 +338,8 @@ def servers() -> Iterator[tuple[MediaServer, MediaServer]]:
         yield allowed, private
 
 
-# The guarded graph has other args and stages and is deleted after: last of the tiny-graph variants (tiny_variant 4).
-ON_GUARDED_GRAPH = pytest.mark.tiny_variant(4)
+# The guarded graph has other args and stages: a deploy of its own, after the in-place variants (tiny_variant 2).
+ON_GUARDED_GRAPH = pytest.mark.tiny_variant(2)
 
 
 @pytest.fixture(scope="module")

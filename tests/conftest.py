@@ -334,8 +334,8 @@ def one_replica_per_stage(graphs: Graphs) -> Graphs:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests on the unmodified tiny graph first and back to back, then the rest of their modules, then the tests
-    on variants of it, then the other modules (alphabetical order otherwise).
+    """The tests on the unmodified tiny graph first and back to back, then the tests on variants of it, then the rest
+    of their modules, then the other modules (alphabetical order otherwise).
 
     `Graphs.ensure` redeploys the tiny graph whenever a graph of another kind ran in between; in alphabetical
     order that cost a 35-40 s redeploy about ten times per session. A module shares the tiny graph when one of
@@ -343,9 +343,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     marked ``tiny_variant(rank)`` deploy a variant of it: rank 0 variants Serve applies to the running replicas
     (options, replica counts, user_config: `Graphs.deploy` deploys them over the graph in seconds), 1 tests
     that start so and end on other args (a restart), 2 tests that need a deploy of their own (other args, or
-    one they watch start); they run after every test on the plain graph, by rank, so that no restart stands
-    between two in-place variants. A module whose tests are
-    split so sets its module-scoped fixtures up twice (a media server, a browser: seconds). Modules marked
+    one they watch start); they run straight after the tests on the plain graph, by rank, so that no restart
+    stands between the plain graph and an in-place variant (the rest of the tiny graph's modules may deploy
+    other graphs: a full run found the image graph of test_playground between them). A module whose tests
+    are split so sets its module-scoped fixtures up twice (a media server, a browser: seconds). Modules marked
     ``shares_graph(KEY)`` (another graph, or one variant of a graph, through `Graphs.ensure`) run back to back
     with the others of that key.
     """
@@ -363,16 +364,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for name in sorted(graph_of, key=position.__getitem__):
         first.setdefault(graph_of[name], position[name])
 
-    def rank(item: pytest.Item) -> tuple[int, ...]:
+    def rank(item: pytest.Item) -> tuple[int, int, int, int, int]:
         name = module(item)
         group = first[graph_of[name]] if name in graph_of else position[name]
-        if variant := item.get_closest_marker("tiny_variant"):
-            return 0, 2 + variant.args[0], group, position[name]
-        if name in shared:
-            return 0, (0 if on_tiny(item) else 1), position[name]
+        if variant := item.get_closest_marker("tiny_variant"):  # straight after the plain graph's tests
+            return 0, 1, variant.args[0], group, position[name]
+        if name in shared:  # the plain graph's tests, then the rest of their modules (which may deploy others)
+            return 0, (0 if on_tiny(item) else 2), 0, 0, position[name]
         if name in graph_of:
-            return 1, group, position[name]
-        return 2, 0, position[name]
+            return 1, 0, 0, group, position[name]
+        return 2, 0, 0, 0, position[name]
 
     items.sort(key=rank)  # stable: a module's tests keep their order within each rank
 

@@ -101,8 +101,9 @@ def test_wait_until_returns_the_value_or_fails_naming_what() -> None:
 
 def test_the_tiny_graph_tests_first_then_their_modules_variants_then_modules_sharing_a_graph() -> None:
     """The run order that saves redeploys (conftest.pytest_collection_modifyitems); fails if a test on a variant runs
-    between two on the tiny graph, if a variant that restarts the graph runs before one deployed in place, or if
-    two modules on one shared graph are split by another module."""
+    between two on the tiny graph, if a test that may deploy another graph (the rest of a tiny-graph module) runs
+    between the plain graph and its variants, if a variant that restarts the graph runs before one deployed in
+    place, or if two modules on one shared graph are split by another module."""
     from types import SimpleNamespace
 
     from tests.conftest import pytest_collection_modifyitems
@@ -135,12 +136,12 @@ def test_the_tiny_graph_tests_first_then_their_modules_variants_then_modules_sha
         "test_b.py::on_tiny",
         "test_b.py::on_tiny_again",
         "test_e.py::on_tiny",
-        "test_b.py::on_a_variant",
         "test_h.py::in_place",
         "test_j.py::in_place_too",
         "test_i.py::in_place",
         "test_e.py::restarts_it",
         "test_g.py::replaces_it",
+        "test_b.py::on_a_variant",
         "test_c.py::llm",
         "test_f.py::llm_too",
         "test_a.py::unit",

@@ -16,8 +16,9 @@ an operator changes on a live graph are taken there, each overriding the ``args`
 
 A ``user_config`` removed returns the replica to the ``args`` values (the ``reconfigure`` hooks take Serve's
 ``rank``, so Serve calls them on that change too). Anything else in a ``user_config``, or a value out of
-range, is refused naming the field: the replica fails to (re)configure and Serve reports the deployment
-DEPLOY_FAILED with that message.
+range, is refused naming the field: Serve takes the replica that refused it for failed, replaces it, and after
+three refusals reports the deployment DEPLOY_FAILED with that message (docs/graphs.md). A graph with
+``engine_in_ingress`` offers its ingress's settings only (its one stage runs in the ingress replica).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class IngressSettings(BaseModel):
 
 
 class StageSettings(BaseModel):
-    """A stage deployment's ``user_config``; a field left out keeps the ``engine_args`` value."""
+    """A stage deployment's ``user_config``; a field left out keeps the stage's own (min_step_s: its engine_args')."""
 
     model_config = ConfigDict(extra="forbid")
 

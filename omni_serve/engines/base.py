@@ -138,6 +138,16 @@ class StageEngine(abc.ABC):
         )
 
 
+class PacedInProcess:
+    """For a family whose steps run in the replica's own process: its ``EngineArgs`` (``self.args``) are read as
+    each call starts, so a run-time ``min_step_s`` (StageEngine.pace) is a new copy of them."""
+
+    args: Any
+
+    def _set_min_step(self, min_step_s: float) -> None:
+        self.args = self.args.model_copy(update={"min_step_s": min_step_s})
+
+
 RoleEngines = Mapping[str, Callable[[str, dict[str, Any]], StageEngine]]
 
 

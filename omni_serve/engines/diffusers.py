@@ -45,7 +45,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from omni_serve import payload as handoffs
-from omni_serve.engines.base import StageEngine
+from omni_serve.engines.base import PacedInProcess, StageEngine
 from omni_serve.models.image_params import SEED_MOD, resolve_image_params
 from omni_serve.pacing import StepPacer, min_step_field
 from omni_serve.payload import HandoffPayload
@@ -104,7 +104,7 @@ def prompt_of(request: StageRequest) -> str:
     raise InvalidStageInput("messages: an image request needs a user message with the prompt")
 
 
-class DiffusersEngine(StageEngine):
+class DiffusersEngine(PacedInProcess, StageEngine):
     def __init__(self, stage_name: str, engine_args: dict[str, Any]):
         super().__init__(stage_name, engine_args)
         self.args = EngineArgs.model_validate(engine_args)
@@ -159,9 +159,6 @@ class DiffusersEngine(StageEngine):
             self._pipe.to(self.device)
             self._pipe.vae_scale_factor = vae_scale_factor  # it assumes 8 when built without its VAE
             self._pipe.set_progress_bar_config(disable=True)
-
-    def _set_min_step(self, min_step_s: float) -> None:
-        self.args = self.args.model_copy(update={"min_step_s": min_step_s})  # each call reads it when it starts
 
     def stats(self) -> dict[str, Any]:
         # device: where the weights went ('auto' resolves at load), so an operator (and the GPU test)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from queue import SimpleQueue
 from typing import Any
 
-from omni_serve.engines.base import StageEngine
+from omni_serve.engines.base import PacedInProcess, StageEngine
 from omni_serve.engines.transformers.args import TransformersEngineArgs
 from omni_serve.types import EngineDeadError, EngineError, RequestId
 
@@ -68,7 +68,7 @@ Emit = Callable[[Any], None]
 MAX_UNTAKEN_OUTPUTS = 8
 
 
-class HFEngine(StageEngine):
+class HFEngine(PacedInProcess, StageEngine):
     """Loading, the worker thread and stats shared by the three stages; a call's job is tracked in
     ``self.calls`` by its cancel event, which the job's stopping criteria poll (abort sets it)."""
 
@@ -140,9 +140,6 @@ class HFEngine(StageEngine):
         if not self._worker.alive():
             raise EngineDeadError(self.stage_name, "its worker thread died")
         return self._worker
-
-    def _set_min_step(self, min_step_s: float) -> None:
-        self.args = self.args.model_copy(update={"min_step_s": min_step_s})  # each call reads it when it starts
 
     def stats(self) -> dict[str, Any]:
         with self._counts_lock:

@@ -8,6 +8,7 @@ HF's code2wav in process, and :func:`hf_lag` measures that module the same way.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 SAMPLES_PER_FRAME = 1920  # Qwen3-Omni's codec: upsample_rates 8*5*4*3 x upsampling_ratios 2*2
@@ -23,6 +24,18 @@ def hf_lag(code2wav: Any) -> int:
     lag = int(code2wav.total_upsample) - samples
     assert 0 < lag < int(code2wav.total_upsample), f"a lone frame decoded to {samples} samples"
     return lag
+
+
+@functools.cache
+def tiny_lag() -> int:
+    """The tiny Qwen3-Omni checkpoint's lag (the transformers family serves it in process): :func:`hf_lag` of a
+    code2wav of its architecture. The lag is the transposed convolutions' geometry, not their weights, so a
+    freshly initialised module of the checkpoint's ``code2wav_config`` measures it without loading the graph's."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
+
+    from omni_serve.checkpoints.tiny_omni import tiny_config
+
+    return hf_lag(Qwen3OmniMoeCode2Wav(tiny_config().code2wav_config).eval())
 
 
 def served_lag(graphs: Any, stage: str = "code2wav") -> int:

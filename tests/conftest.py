@@ -333,6 +333,24 @@ def one_replica_per_stage(graphs: Graphs) -> Graphs:
     return graphs
 
 
+LANES = ("cluster", "local")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--lane",
+        choices=LANES,
+        help="run one lane of the suite (tests/lanes.py runs both side by side): cluster = the tests on the session's "
+        "Ray cluster, local = the rest",
+    )
+
+
+def lane(item: pytest.Item) -> str:
+    """``cluster`` for a test on the session's Ray cluster (its fixtures start it), ``local`` for one that never
+    starts it: engines in the test's process, unit tests, `make serve` in a cluster of its own."""
+    return "cluster" if "ray_cluster" in getattr(item, "fixturenames", ()) else "local"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The tests on the unmodified tiny graph first and back to back, then the tests on variants of it, then the rest
     of their modules, then the other modules (alphabetical order otherwise).
@@ -376,6 +394,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return 2, 0, 0, 0, position[name]
 
     items.sort(key=rank)  # stable: a module's tests keep their order within each rank
+    if config is not None and (only := config.getoption("lane")):
+        config.hook.pytest_deselected(items=[item for item in items if lane(item) != only])
+        items[:] = [item for item in items if lane(item) == only]
 
 
 @pytest.fixture(scope="module")

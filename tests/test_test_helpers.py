@@ -147,3 +147,38 @@ def test_the_tiny_graph_tests_first_then_their_modules_variants_then_modules_sha
         "test_a.py::unit",
         "test_d.py::own_graph",
     ]
+
+
+def test_the_lanes_split_the_selected_tests_by_whether_they_start_the_session_cluster() -> None:
+    """`make test`'s two lanes (tests/lanes.py) together select every test once: test_chat_api's tests (on the tiny
+    graph) in the cluster lane, test_grammar's (unit tests) in the local one. Fails if a lane runs the other's
+    tests (two processes would deploy the same graphs) or drops its own."""
+    import subprocess
+    import sys
+
+    modules = ["tests/test_chat_api.py", "tests/test_grammar.py"]
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.lanes", "--collect-only", "-q", "-p", "no:cacheprovider", *modules],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    ids = [line for line in run.stdout.splitlines() if line.startswith("tests/")]
+    cluster_end = run.stdout.index("the local lane")
+    before = [i for i in ids if run.stdout.index(i) < cluster_end]
+    assert before and all(i.startswith("tests/test_chat_api.py::") for i in before), before
+    after = [i for i in ids if run.stdout.index(i) > cluster_end]
+    assert after and all(i.startswith("tests/test_grammar.py::") for i in after), after
+
+
+def test_a_lane_with_no_test_selected_passes_while_the_other_ran_tests() -> None:
+    from tests.lanes import lane_args, status
+
+    assert lane_args(["-q", "--junitxml=/tmp/r/p.xml"], "local") == [
+        "-q",
+        "--junitxml=/tmp/r/p-local.xml",
+        "--lane=local",
+    ]
+    assert status([0, 5]) == status([5, 0]) == status([0, 0]) == 0
+    assert status([1, 0]) == status([5, 1]) == 1 and status([0, 2]) == 2 and status([5, 5]) == 5

@@ -346,13 +346,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def lane(item: pytest.Item) -> str:
-    """A test's ``lane(NAME)`` mark, else ``cluster`` for a test on the session's Ray cluster (its fixtures start
-    it) and ``local`` for one that never starts it: engines in the test's process, unit tests, `make serve` in a
-    cluster of its own. A module whose graph is its own alone (no other module deploys it, ``Graphs.own``) is
-    marked ``lane("local")``: the local lane's process starts a session cluster of its own for it (tests/lanes.py
-    gives that process its own ports), beside the cluster lane's."""
-    if mark := item.get_closest_marker("lane"):
-        return str(mark.args[0])
+    """``cluster`` for a test on the session's Ray cluster (its fixtures start it), ``local`` for one that never
+    starts it: engines in the test's process, unit tests, `make serve` in a cluster of its own."""
     return "cluster" if "ray_cluster" in getattr(item, "fixturenames", ()) else "local"
 
 

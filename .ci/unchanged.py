@@ -10,7 +10,8 @@ The record's name hashes the interpreter's prefix, STEP and the FILEs' contents 
 install from): another environment, an edited script or pin is another record. Its content is every installed
 distribution's name and version except the project's own (its editable install points at the checkout, which
 differs from clone to clone). A step is skipped only when that list is exactly the one recorded after it ran.
-Remove ~/.cache/omni_serve/installs to run every step again.
+A package reinstalled at the same version (say torchvision, whose patch a `pip install --force-reinstall` undoes)
+looks unchanged: remove ~/.cache/omni_serve/installs to run every step again.
 """
 
 from __future__ import annotations

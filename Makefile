@@ -11,7 +11,7 @@ PIP := $(PYTHON) -m pip --disable-pip-version-check $(if $(VERBOSE),,-q)
 export RAY_USAGE_STATS_ENABLED ?= 0
 
 # Installs are stamped per Python environment and redone only when what they install from changes,
-# so a second `make serve` starts without pip. Remove .make/ to force a reinstall.
+# so a second `make serve` starts without pip. Remove .make/ and ~/.cache/omni_serve/installs to force a reinstall.
 ENV_ID := $(shell $(PYTHON) -c 'import hashlib, sys; print(hashlib.sha1(sys.prefix.encode()).hexdigest()[:12])' 2>/dev/null)
 ifeq ($(ENV_ID),)
 $(error PYTHON=$(PYTHON) does not run; point it at a Python 3.10+ interpreter, e.g. PYTHON=.venv/bin/python)

@@ -101,7 +101,7 @@ PINNED = graph_variant(
     deployments={
         name: {"ray_actor_options": {"num_cpus": 0.2, "resources": {PINS.get(name, HEAD): PER_REPLICA}}}
         for name in ("ingress", *PINS)
-    }
+    },
 )
 
 

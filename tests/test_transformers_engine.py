@@ -506,6 +506,7 @@ def test_talker_sizes_its_step_rows_by_its_context_not_by_max_tokens(
         real(self, inputs, n)
 
     monkeypatch.setattr(q.TrailingText, "__init__", recording)
+
     def stops_early(seed: int) -> bool:
         return talk(engines, greedy_handoff, max_tokens=14, seed=seed, **TALK)[-1].usage.completion_tokens < 14
 

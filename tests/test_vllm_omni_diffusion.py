@@ -345,9 +345,7 @@ def test_cpu_png_of_requested_size_and_same_seed_same_image(client: Any) -> None
 
 
 def test_cpu_n_images_and_true_cfg(client: Any) -> None:
-    images = _create(
-        client, prompt="a fox", size="32x32", n=2, num_inference_steps=2, seed=7, negative_prompt="blurry"
-    )
+    images = _create(client, prompt="a fox", size="32x32", n=2, num_inference_steps=2, seed=7, negative_prompt="blurry")
     assert [_pixels(p).shape for p in images] == [(32, 32, 3)] * 2 and images[0] != images[1]
     # True CFG ran: without the negative prompt (no CFG) the same seed draws another image.
     plain = _create(client, prompt="a fox", size="32x32", n=2, num_inference_steps=2, seed=7)
@@ -451,6 +449,7 @@ def test_cpu_png_equals_native_vllm_omni(client: Any, native_image: str) -> None
     assert len(ours) == len(native) == 1
     assert np.array_equal(_pixels(ours[0]), _pixels(native[0]))
 
+
 # ---- GPU: the shipped graph behind Serve and HTTP ----------------------------------------------
 
 try:
@@ -547,4 +546,3 @@ def test_gpu_client_gone_frees_the_engine(qwen_image: Any) -> None:
     stats = wait_until(idle, 300, "the engine to drop the request after the client left", interval_s=1)
     assert stats["served"] == served  # aborted, not finished: 100 steps at 2048x2048 take far longer
     assert _generate(qwen_image, seed=5, size="256x256")  # and serves again
-

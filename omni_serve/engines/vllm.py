@@ -25,10 +25,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from omni_serve.engines.base import StageEngine
 from omni_serve.engines.logprobs import from_vllm as logprobs_from_vllm
 from omni_serve.engines.scheduler import SchedulerSnapshot
+from omni_serve.models.chat_template import template_fields
 from omni_serve.models.tool_calls import (
     ToolCallStream,
     load_parser,
-    template_fields,
     tool_call_parser_field,
     tool_call_stream,
 )

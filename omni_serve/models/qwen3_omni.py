@@ -36,9 +36,7 @@ import numpy as np
 
 from omni_serve import payload as handoff
 from omni_serve.media.inputs import Audio, Decoded, Image, Video
-from omni_serve.models.tool_calls import template_fields
 from omni_serve.payload import HandoffPayload
-from omni_serve.types import ChatMessage, TextPart
 
 if TYPE_CHECKING:
     import torch
@@ -53,21 +51,6 @@ SAMPLE_RATE = 24000  # code2wav's output rate (1920 samples per codec frame)
 
 # Processor outputs the talker's RoPE needs too (HF's generate passes them to both models).
 ROPE_INPUTS = ("image_grid_thw", "video_grid_thw", "video_second_per_grid")
-
-
-def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
-    """Chat turns as the chat template takes them: text, and one ``{"type": kind}`` per media part; an
-    assistant turn's tool calls and a tool result's call id (:func:`tool_calls.template_fields`)."""
-    turns: list[dict[str, Any]] = []
-    for m in messages:
-        if isinstance(m.content, str):
-            turns.append({"role": m.role, "content": m.content, **template_fields(m)})
-        else:
-            parts = [
-                {"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": p.type} for p in m.content
-            ]
-            turns.append({"role": m.role, "content": parts, **template_fields(m)})
-    return turns
 
 
 def processor_media(media: Sequence[Decoded]) -> dict[str, Any]:

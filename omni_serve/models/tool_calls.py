@@ -31,7 +31,6 @@ from typing import Any
 from pydantic import Field
 
 from omni_serve.types import (
-    ChatMessage,
     FinishReason,
     InvalidStageInput,
     SamplingParams,
@@ -103,16 +102,6 @@ def parser_or_refuse(loaded: Any, stage: str, name: str | None) -> Any:
         reason = "vLLM is not installed" if isinstance(loaded, ImportError) else str(loaded)
         raise InvalidStageInput(f"tools: stage '{stage}' cannot load tool parser '{name}' ({reason})", "tools")
     return loaded
-
-
-def template_fields(message: ChatMessage) -> dict[str, Any]:
-    """A turn's tool fields as the chat template takes them (an assistant's calls, a tool result's call id)."""
-    fields: dict[str, Any] = {}
-    if message.tool_calls:
-        fields["tool_calls"] = message.tool_calls
-    if message.tool_call_id is not None:
-        fields["tool_call_id"] = message.tool_call_id
-    return fields
 
 
 class ToolCallStream:

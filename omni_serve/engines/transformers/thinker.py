@@ -13,6 +13,7 @@ from omni_serve.engines.logprobs import LogprobRecorder
 from omni_serve.engines.transformers.sampling import end_ids, generation_config, seed, stopping
 from omni_serve.engines.transformers.worker import RNG_LOCK, Emit, HFEngine, logger
 from omni_serve.models import qwen3_omni
+from omni_serve.models.chat_template import template_messages
 from omni_serve.models.tool_calls import ParserLoader, ToolCallStream, merge_deltas, tool_call_stream
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import (
@@ -222,7 +223,7 @@ class ThinkerEngine(HFEngine):
             for text in (p if isinstance(p, str) else p.text for p in parts if isinstance(p, str | TextPart)):
                 if self.reserved_ids.intersection(self.tokenizer.encode(text, add_special_tokens=False)):
                     raise InvalidStageInput("messages: the prompt contains reserved multimodal tokens", field)
-        turns = qwen3_omni.template_messages(request.messages or [])
+        turns = template_messages(request.messages or [])
         tools = request.tools.tools if request.tools else None
         try:
             text = self.tokenizer.apply_chat_template(turns, tools=tools, add_generation_prompt=True, tokenize=False)

@@ -19,7 +19,7 @@ import logging
 from typing import Any
 
 from omni_serve.engines.vllm_omni.mapping import chat_prompt_ids, multimodal_prompt
-from omni_serve.models import qwen3_omni
+from omni_serve.models.chat_template import template_messages
 from omni_serve.models.vllm_omni.hooks import PipelineHooks, SpeechPrompter
 from omni_serve.types import EngineError, InvalidStageInput, StageRequest
 
@@ -85,7 +85,7 @@ class EntryPrompts:
         if not request.messages:
             raise InvalidStageInput(f"stage {self.stage_name}: the entry stage needs messages")
         tokenizer = self._tokenizer()
-        turns = qwen3_omni.template_messages(request.messages)
+        turns = template_messages(request.messages)
         tools = request.tools.tools if request.tools else None  # the template writes them into the prompt
         if not request.media:
             return chat_prompt_ids(tokenizer, turns, tools), None
@@ -120,7 +120,7 @@ class EntryPrompts:
         """The token that ends an assistant turn saying ``reply``: what the chat template writes after an
         assistant message (Qwen's <|im_end|>), else the tokenizer's EOS."""
         tokenizer = self._tokenizer()
-        turns = qwen3_omni.template_messages(request.messages or [])
+        turns = template_messages(request.messages or [])
         end: int | None = None
         try:
             prompt = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)

@@ -104,9 +104,9 @@ def test_a_realtime_response_whose_talker_ran_out_is_incomplete(graph: Any) -> N
 
 
 def test_speech_says_in_its_header_whether_its_talker_ran_out(graph: Any) -> None:
-    """Speech takes the graph's talker sampling (64 frames, sampled: the tiny talker rarely samples its codec
-    EOS, so most seeds run out). ``X-Finish-Reason`` says "length" exactly when the file holds the talker's
-    whole 64 frames (its audio is frames x 1920 samples less the vocoder's lag, under one frame)."""
+    """Speech takes the graph's talker sampling (its max_tokens frames, sampled: the tiny talker rarely samples its
+    codec EOS, so most seeds run out). ``X-Finish-Reason`` says "length" exactly when the file holds the talker's
+    whole max_tokens frames (its audio is frames x 1920 samples less the vocoder's lag, under one frame)."""
     (talker,) = [stage for stage in tiny_args()["stages"] if stage["name"] == "talker"]
     limit, frame = talker["default_sampling"]["max_tokens"], 1920
     said = []
@@ -145,7 +145,7 @@ def test_early_speech_says_nothing_it_cannot_know_and_a_cut_breaks_its_body(grap
         assert broken == (finish == "length" and said is None), (seed, finish, said)
         if not broken:
             assert b"".join(pieces) == settled.content, seed
-    assert ends["length"] and unsaid, (ends, unsaid)  # the tiny talker's sampled 64 frames run out for most seeds
+    assert ends["length"] and unsaid, (ends, unsaid)  # the graph's sampled max_tokens frames run out for most seeds
 
 
 @pytest.fixture(scope="module")

@@ -128,7 +128,9 @@ def run_benchmark_client(base_url: str, result_dir: Path, *options: str) -> tupl
         "--num-prompts", str(BENCH_PROMPTS),
         "--max-concurrency", "2",
         "--seed", str(SEED),
-        "--extra-body", json.dumps({"modalities": ["text", "audio"]}),
+        # 16 codec frames per reply, not the graph's 32 (omni_serve's per-stage sampling, in the client's own
+        # --extra-body): the audio metrics need audio, not long audio.
+        "--extra-body", json.dumps({"modalities": ["text", "audio"], "stage_sampling": {"talker": {"max_tokens": 16}}}),
         *options,
         "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", "result.json",
         "--disable-tqdm",

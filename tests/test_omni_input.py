@@ -10,6 +10,7 @@ servers' request logs show that nothing disallowed was fetched.
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import json
 from collections.abc import Iterator
@@ -59,11 +60,18 @@ def _video_audio(data: bytes) -> np.ndarray:
     return np.concatenate(chunks)
 
 
-def reference_inputs(turns: list[dict[str, Any]], use_audio_in_video: bool = False) -> Any:
-    """HF's processor on chat turns whose media parts carry their bytes as ``"data"``."""
+@functools.cache
+def hf_processor() -> Any:
+    """The checkpoint's own processor, loaded once per process (a load is ~4 CPU-seconds: the tokenizer of Qwen's
+    full vocabulary; the checks below used to load it twice per request)."""
     from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(str(ensure_tiny_omni()))
+    return AutoProcessor.from_pretrained(str(ensure_tiny_omni()))
+
+
+def reference_inputs(turns: list[dict[str, Any]], use_audio_in_video: bool = False) -> Any:
+    """HF's processor on chat turns whose media parts carry their bytes as ``"data"``."""
+    processor = hf_processor()
     images, audio, videos = [], [], []
     template = []
     for turn in turns:
@@ -152,9 +160,7 @@ def video(data: bytes) -> dict[str, Any]:
 
 
 def tokenizer() -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(ensure_tiny_omni()))
+    return hf_processor().tokenizer
 
 
 def check_against_reference(client: openai.OpenAI, turns: list[dict[str, Any]], use_audio_in_video: bool = False):

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from omni_serve.engines.base import StageEngine
 from omni_serve.engines.logprobs import from_vllm as logprobs_from_vllm
 from omni_serve.engines.scheduler import SchedulerSnapshot
-from omni_serve.models.chat_template import template_fields
+from omni_serve.models.chat_template import template_messages
 from omni_serve.models.tool_calls import (
     ToolCallStream,
     load_parser,
@@ -288,7 +288,7 @@ class VLLMEngine(StageEngine):
             self._engine = None
 
     def _render(self, messages: list[ChatMessage], tools: ToolCalling | None) -> tuple[str, list[int]]:
-        conversation = [{"role": m.role, "content": m.content, **template_fields(m)} for m in messages]
+        conversation = template_messages(messages)
         try:
             text = self._tokenizer.apply_chat_template(
                 conversation,

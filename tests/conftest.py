@@ -28,6 +28,13 @@ from omni_serve.cli.run import haproxy_environment
 os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+# Ray starts its workers (Serve's controller, proxies, replicas and the engine processes they spawn) at its
+# raylet's niceness + 15 (worker_niceness). Here they run at the niceness of the test process that started the
+# cluster, as Ray's own job manager runs its drivers: `make test`'s lanes (tests/lanes.py) set the priorities, and
+# at + 15 the session cluster's replicas lost the cores to the lanes beside it (at 0 then, 10 now) instead of keeping
+# them.
+os.environ.setdefault("RAY_worker_niceness", "0")
+
 HTTP_PORT = int(os.environ.get("OMNI_SERVE_TEST_PORT", "18765"))
 METRICS_PORT = HTTP_PORT + 1  # Prometheus endpoint of the session cluster's node
 # How often every process of the session cluster reports its metrics to the node's agent (Ray's default: 10 s).

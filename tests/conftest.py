@@ -53,7 +53,7 @@ os.environ.setdefault("LOG_NAME_UPDATE_INTERVAL_S", "5")
 # The session cluster runs Serve's HAProxy ingress, as the cluster `make serve` starts does (its environment,
 # omni_serve.cli.run.haproxy_environment), so every graph is tested behind what users run. Its stats and
 # Prometheus ports are the session's own (docs/testing.md, "Ports"), clear of a `make serve` a test starts beside
-# it. RAY_SERVE_ENABLE_HA_PROXY=0 outside (tests/lanes.py sets it for the multinode lane): Serve's Python proxy.
+# it. RAY_SERVE_ENABLE_HA_PROXY=0 outside (`make test` sets it for the multinode session): Serve's Python proxy.
 os.environ.setdefault("RAY_SERVE_HAPROXY_STATS_PORT", str(HTTP_PORT + 40))
 os.environ.setdefault("RAY_SERVE_HAPROXY_METRICS_PORT", str(HTTP_PORT + 41))
 haproxy_environment()
@@ -340,25 +340,22 @@ def one_replica_per_stage(graphs: Graphs) -> Graphs:
     return graphs
 
 
-LANES = ("cluster", "local", "multinode")
+LANES = ("cluster", "local")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--lane",
         choices=LANES,
-        help="run one lane of the suite (tests/lanes.py runs them side by side): cluster = the tests on the session's "
-        "Ray cluster, multinode = the tests on multi-raylet clusters of their own, local = the rest",
+        help="run one lane of the suite (tests/lanes.py runs both side by side): cluster = the tests on the session's "
+        "Ray cluster, local = the rest",
     )
 
 
 def lane(item: pytest.Item) -> str:
-    """``cluster`` for a test on the session's Ray cluster (its fixtures start it), ``multinode`` for one marked so
-    (multi-raylet clusters of its own, in a process where Ray was never initialized), ``local`` for the rest:
-    engines in the test's process, unit tests, `make serve` in a cluster of its own."""
-    if "ray_cluster" in getattr(item, "fixturenames", ()):
-        return "cluster"
-    return "multinode" if item.get_closest_marker("multinode") else "local"
+    """``cluster`` for a test on the session's Ray cluster (its fixtures start it), ``local`` for one that never
+    starts it: engines in the test's process, unit tests, `make serve` in a cluster of its own."""
+    return "cluster" if "ray_cluster" in getattr(item, "fixturenames", ()) else "local"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

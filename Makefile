@@ -72,10 +72,8 @@ test: install-test
 	$(LINT_IMPORTS)
 	$(call say,types (mypy omni_serve; its settings are in pyproject.toml))
 	$(PYTHON) -m mypy --cache-dir $(MYPY_CACHE) omni_serve
-	$(call say,tests: two lanes side by side (tests/lanes.py); the local lane at a lower CPU priority; about 40-43 min in all on a 2-core machine (2026-11-29; the README: Tests))
-	$(PYTHON) -m tests.lanes -q -m "not gpu and not multinode and not oracle" -p no:cacheprovider --durations=25
-	$(call say,multinode tests (their own multi-raylet clusters (one under Ray's autoscaler) in a process where Ray was never initialized; Serve's Python proxy))
-	RAY_SERVE_ENABLE_HA_PROXY=0 $(PYTHON) -m pytest -q -m multinode -p no:cacheprovider
+	$(call say,tests: the cluster lane; beside it, at a lower CPU priority, the multinode lane then the local lane (tests/lanes.py); about 37-40 min in all on a 2-core machine (2026-11-29; the README: Tests))
+	$(PYTHON) -m tests.lanes -q -m "not gpu and not oracle" -p no:cacheprovider --durations=25
 
 lint:
 	$(PYTHON) -m ruff check omni_serve tests benchmarks

@@ -31,7 +31,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Ray starts its workers (Serve's controller, proxies, replicas and the engine processes they spawn) at its
 # raylet's niceness + 15 (worker_niceness). Here they run at the niceness of the test process that started the
 # cluster, as Ray's own job manager runs its drivers: `make test`'s lanes (tests/lanes.py) set the priorities, and
-# at + 15 the session cluster's replicas lost the cores to the local lane beside it (at 0 then, 10 now) instead of
+# at + 15 the session cluster's replicas lost the cores to the lanes beside it (at 0 then, 10 now) instead of
 # keeping them.
 os.environ.setdefault("RAY_worker_niceness", "0")
 
@@ -53,7 +53,7 @@ os.environ.setdefault("LOG_NAME_UPDATE_INTERVAL_S", "5")
 # The session cluster runs Serve's HAProxy ingress, as the cluster `make serve` starts does (its environment,
 # omni_serve.cli.run.haproxy_environment), so every graph is tested behind what users run. Its stats and
 # Prometheus ports are the session's own (docs/testing.md, "Ports"), clear of a `make serve` a test starts beside
-# it. RAY_SERVE_ENABLE_HA_PROXY=0 outside (`make test` sets it for the multinode session): Serve's Python proxy.
+# it. RAY_SERVE_ENABLE_HA_PROXY=0 outside (tests/lanes.py sets it for the multinode lane): Serve's Python proxy.
 os.environ.setdefault("RAY_SERVE_HAPROXY_STATS_PORT", str(HTTP_PORT + 40))
 os.environ.setdefault("RAY_SERVE_HAPROXY_METRICS_PORT", str(HTTP_PORT + 41))
 haproxy_environment()
@@ -89,6 +89,25 @@ def _merge(into: dict[str, Any], changes: Mapping[str, Any]) -> None:
             _merge(into[key], value)
         else:
             into[key] = copy.deepcopy(dict(value) if isinstance(value, Mapping) else value)
+
+
+# The multinode lane runs at a lower CPU priority beside the cluster lane (tests/lanes.py): a replica its tests
+# lose is replaced more slowly than on an idle machine (a talker's replacement took over the tiny graph's 100 s
+# stage timeout, a 504 where the tests expect a 200 or a clean 503). Their graphs let a stage be silent this long,
+# and Serve's proxy wait for the request as long.
+RECOVERY_TIMEOUT_S = 600
+
+
+def patient(variant: Mutate) -> Mutate:
+    """``variant``, then the stage timeout and Serve's request timeout at :data:`RECOVERY_TIMEOUT_S` (and a
+    minute more for Serve, so the client gets the API's 504 first)."""
+
+    def mutate(config: dict[str, Any]) -> None:
+        variant(config)
+        config["applications"][0]["args"]["stage_timeout_s"] = RECOVERY_TIMEOUT_S
+        config.setdefault("http_options", {})["request_timeout_s"] = RECOVERY_TIMEOUT_S + 60
+
+    return mutate
 
 
 def _by_name(items: list[dict[str, Any]], changes: Mapping[str, Any], what: str) -> dict[str, list[Any]]:
@@ -340,22 +359,25 @@ def one_replica_per_stage(graphs: Graphs) -> Graphs:
     return graphs
 
 
-LANES = ("cluster", "local")
+LANES = ("cluster", "local", "multinode")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--lane",
         choices=LANES,
-        help="run one lane of the suite (tests/lanes.py runs both side by side): cluster = the tests on the session's "
-        "Ray cluster, local = the rest",
+        help="run one lane of the suite (tests/lanes.py runs them side by side): cluster = the tests on the session's "
+        "Ray cluster, multinode = the tests on multi-raylet clusters of their own, local = the rest",
     )
 
 
 def lane(item: pytest.Item) -> str:
-    """``cluster`` for a test on the session's Ray cluster (its fixtures start it), ``local`` for one that never
-    starts it: engines in the test's process, unit tests, `make serve` in a cluster of its own."""
-    return "cluster" if "ray_cluster" in getattr(item, "fixturenames", ()) else "local"
+    """``cluster`` for a test on the session's Ray cluster (its fixtures start it), ``multinode`` for one marked so
+    (multi-raylet clusters of its own, in a process where Ray was never initialized), ``local`` for the rest:
+    engines in the test's process, unit tests, `make serve` in a cluster of its own."""
+    if "ray_cluster" in getattr(item, "fixturenames", ()):
+        return "cluster"
+    return "multinode" if item.get_closest_marker("multinode") else "local"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

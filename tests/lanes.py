@@ -1,30 +1,47 @@
-"""`make test`'s suite as two pytest processes side by side, one per lane (``--lane``, tests/conftest.py).
+"""`make test`'s suite as pytest processes side by side, one per lane (``--lane``, tests/conftest.py).
 
 ``cluster``: every test on the session's Ray cluster, one graph at a time, in the order conftest sorts them.
 ``local``: the tests that never start it (engines in the test's own process, `make serve` in a cluster of its own,
-unit tests). The cluster lane alone leaves the two cores about 30 % idle (replies awaited, timeouts, keep-alives);
-the local lane runs in that idle time instead of after it (docs/testing.md, "Two lanes"), at a lower CPU priority
-(:data:`LOCAL_NICENESS`, inherited by every process it starts): the cluster lane is the longer, and where both
-want the cores it keeps them, so the local lane takes what it leaves instead of slowing it. Its output goes to a
-file, printed once both have ended, so the terminal shows one run at a time.
+unit tests). ``multinode``: the tests on multi-raylet clusters of their own, in a process where Ray was never
+initialized, with Serve's Python proxy (every node of such a cluster is this machine: one HAProxy port each is
+not to be had) on ports of their own (:data:`MULTINODE_PORT_OFFSET`).
+
+The cluster lane is the longest; the multinode lane, then the local lane, run beside it (docs/testing.md, "Lanes"),
+at a lower CPU priority (:data:`BESIDE_NICENESS`, inherited by every process they start): where both want the cores
+the cluster lane keeps them, and the others take the time it leaves (alone it keeps the two cores ~75 % busy:
+replies awaited, timeouts, keep-alives). The multinode lane goes first, while the cluster lane runs the tiny
+graph's tests, which leave more of the cores than the engine families' graph starts at its end; the local lane,
+whose tests start nothing that watches the clock, takes what is left. The multinode clusters' Serve proxies get
+:data:`MULTINODE_PROXY_TIMEOUT_S` for their ready and health checks (Serve's 5 and 10 s: niced, a proxy missed its
+start), and their graphs give a lost replica's replacement time to start (tests/conftest.py, ``patient``). Their
+output goes to a file, printed once every lane has ended, so the terminal shows one run at a time.
 
     python -m tests.lanes PYTEST-ARGS...
 
-Exit status: the first lane's that failed (one with no test selected, pytest's 5, counts as passed while the
-other ran tests). ``--junitxml=PATH`` gives each lane its own report: PATH with ``-cluster`` or ``-local`` before
-its suffix.
+Exit status: the first lane's that failed (one with no test selected, pytest's 5, counts as passed while another
+ran tests). ``--junitxml=PATH`` gives each lane its own report: PATH with ``-cluster``, ``-local`` or
+``-multinode`` before its suffix.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
+from typing import IO
 
 NO_TESTS = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
-# The local lane's niceness (nice(1)): at 10 the kernel's scheduler weighs a process about a tenth of one at 0.
-LOCAL_NICENESS = 10
+# The multinode lane's OMNI_SERVE_TEST_PORT, above the session's: its clusters' HTTP, GCS (+11) and dashboard
+# (+12) ports must not be the session cluster's (HTTP, metrics +1) or those of its tests (+2 .. +51).
+MULTINODE_PORT_OFFSET = 100
+BESIDE = ("multinode", "local")  # one after the other, beside the cluster lane
+# Their niceness (nice(1)): at 10 the kernel's scheduler weighs a process about a tenth of one at 0.
+BESIDE_NICENESS = 10
+# Serve's proxy ready and health check timeouts in the multinode lane's clusters (Serve's defaults: 5 and 10 s).
+MULTINODE_PROXY_TIMEOUT_S = 60
 
 
 def lane_args(args: list[str], lane: str) -> list[str]:
@@ -39,6 +56,20 @@ def lane_args(args: list[str], lane: str) -> list[str]:
     return [*map(own, args), f"--lane={lane}"]
 
 
+def lane_environment(lane: str, environ: dict[str, str]) -> dict[str, str]:
+    """The environment of one lane's process: the multinode lane's ports and proxy (see the module's docstring)."""
+    if lane != "multinode":
+        return dict(environ)
+    port = int(environ.get("OMNI_SERVE_TEST_PORT", "18765")) + MULTINODE_PORT_OFFSET  # conftest's default
+    return {
+        **environ,
+        "OMNI_SERVE_TEST_PORT": str(port),
+        "RAY_SERVE_ENABLE_HA_PROXY": "0",
+        "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": str(MULTINODE_PROXY_TIMEOUT_S),
+        "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": str(MULTINODE_PROXY_TIMEOUT_S),
+    }
+
+
 def status(codes: list[int]) -> int:
     """One exit status for the lanes' (see the module's docstring)."""
     failed = [code for code in codes if code not in (0, NO_TESTS)]
@@ -48,8 +79,8 @@ def status(codes: list[int]) -> int:
 
 
 def priority(lane: str) -> list[str]:
-    """What one lane's command line starts with: ``nice`` for the local lane, nothing for the cluster lane."""
-    return ["nice", "-n", str(LOCAL_NICENESS)] if lane == "local" else []
+    """What one lane's command line starts with: ``nice`` for the lanes beside the cluster lane, nothing for it."""
+    return ["nice", "-n", str(BESIDE_NICENESS)] if lane in BESIDE else []
 
 
 def command(args: list[str], lane: str) -> list[str]:
@@ -57,17 +88,35 @@ def command(args: list[str], lane: str) -> list[str]:
     return [*priority(lane), sys.executable, "-m", "pytest", *lane_args(args, lane)]
 
 
+def run(args: list[str], lane: str, out: IO[str] | None) -> int:
+    environment = lane_environment(lane, dict(os.environ))
+    return subprocess.call(command(args, lane), stdout=out, stderr=subprocess.STDOUT, env=environment)
+
+
 def main(args: list[str]) -> int:
+    codes: dict[str, int] = {}
+    interrupted = threading.Event()
     with tempfile.TemporaryFile("w+") as log:
-        local = subprocess.Popen(command(args, "local"), stdout=log, stderr=subprocess.STDOUT)
+
+        def beside() -> None:
+            for lane in BESIDE:
+                if interrupted.is_set():  # Ctrl-C ended the lane before: start no other
+                    return
+                print(f"\n======== the {lane} lane (beside the cluster lane above) ========", file=log, flush=True)
+                codes[lane] = run(args, lane, log)
+
+        others = threading.Thread(target=beside)
+        others.start()
         try:
-            cluster = subprocess.call(command(args, "cluster"))
+            codes["cluster"] = run(args, "cluster", None)
+        except BaseException:
+            interrupted.set()
+            raise
         finally:
-            local.wait()  # Ctrl-C reaches both (one process group); a failing cluster lane still waits for it
+            others.join()  # Ctrl-C reaches every lane (one process group); a failing cluster lane still waits
         log.seek(0)
-        print("\n======== the local lane (beside the cluster lane above) ========", flush=True)
         sys.stdout.write(log.read())
-    return status([cluster, local.returncode])
+    return status([codes.get(lane, 1) for lane in ("cluster", *BESIDE)])
 
 
 if __name__ == "__main__":

@@ -150,13 +150,14 @@ def test_the_tiny_graph_tests_first_then_their_modules_variants_then_modules_sha
 
 
 def test_the_lanes_split_the_selected_tests_by_whether_they_start_the_session_cluster() -> None:
-    """`make test`'s two lanes (tests/lanes.py) together select every test once: test_chat_api's tests (on the tiny
-    graph) in the cluster lane, test_grammar's (unit tests) in the local one. Fails if a lane runs the other's
-    tests (two processes would deploy the same graphs) or drops its own."""
+    """`make test`'s lanes (tests/lanes.py) together select every test once: test_chat_api's tests (on the tiny
+    graph) in the cluster lane, test_grammar's (unit tests) and test_placement's checks of files in the local one,
+    test_placement's multinode test in the multinode lane. Fails if a lane runs another's tests (two processes
+    would deploy the same graphs, or a multinode cluster would start in a process where Ray runs) or drops its own."""
     import subprocess
     import sys
 
-    modules = ["tests/test_chat_api.py", "tests/test_grammar.py"]
+    modules = ["tests/test_chat_api.py", "tests/test_grammar.py", "tests/test_placement.py"]
     run = subprocess.run(
         [sys.executable, "-m", "tests.lanes", "--collect-only", "-q", "-p", "no:cacheprovider", *modules],
         capture_output=True,
@@ -165,36 +166,52 @@ def test_the_lanes_split_the_selected_tests_by_whether_they_start_the_session_cl
     )
     assert run.returncode == 0, run.stdout + run.stderr
     ids = [line for line in run.stdout.splitlines() if line.startswith("tests/")]
-    cluster_end = run.stdout.index("the local lane")
-    before = [i for i in ids if run.stdout.index(i) < cluster_end]
-    assert before and all(i.startswith("tests/test_chat_api.py::") for i in before), before
-    after = [i for i in ids if run.stdout.index(i) > cluster_end]
-    assert after and all(i.startswith("tests/test_grammar.py::") for i in after), after
+    multinode, local = run.stdout.index("the multinode lane"), run.stdout.index("the local lane")
+    lanes = {
+        "cluster": [i for i in ids if run.stdout.index(i) < multinode],
+        "multinode": [i for i in ids if multinode < run.stdout.index(i) < local],
+        "local": [i for i in ids if run.stdout.index(i) > local],
+    }
+    assert lanes["cluster"] and all(i.startswith("tests/test_chat_api.py::") for i in lanes["cluster"]), lanes
+    assert {i.split("::")[0] for i in lanes["local"]} == {"tests/test_grammar.py", "tests/test_placement.py"}, lanes
+    [test] = lanes["multinode"]
+    assert test == "tests/test_placement.py::test_stages_land_on_their_node_type_and_fail_over_within_it", lanes
+    assert len(ids) == len(set(ids)), ids
 
 
-def test_the_local_lane_runs_at_a_lower_cpu_priority() -> None:
-    """Every process the local lane starts is niced by LOCAL_NICENESS (nice(1) is inherited); the cluster lane's
-    are not. Fails if the local lane loses its prefix or the cluster lane gets one."""
+def test_the_lanes_beside_the_cluster_lane_run_at_a_lower_cpu_priority() -> None:
+    """Every process the multinode and local lanes start is niced by BESIDE_NICENESS (nice(1) is inherited); the
+    cluster lane's are not. Fails if a lane loses its prefix or the cluster lane gets one."""
     import os
     import subprocess
     import sys
 
-    from tests.lanes import LOCAL_NICENESS, priority
+    from tests.lanes import BESIDE, BESIDE_NICENESS, priority
 
     child = "import os; print(os.nice(0))"  # a process the lane's process starts
     probe = f"import subprocess, sys; print(subprocess.check_output([sys.executable, '-c', {child!r}]).decode())"
     base = os.nice(0)
-    for lane, niceness in (("cluster", base), ("local", min(base + LOCAL_NICENESS, 19))):
-        assert int(subprocess.check_output([*priority(lane), sys.executable, "-c", probe], timeout=60)) == niceness
+    for lane in ("cluster", *BESIDE):
+        niceness = int(subprocess.check_output([*priority(lane), sys.executable, "-c", probe], timeout=60))
+        assert niceness == min(base + (0 if lane == "cluster" else BESIDE_NICENESS), 19), lane
 
 
 def test_a_lane_with_no_test_selected_passes_while_the_other_ran_tests() -> None:
-    from tests.lanes import lane_args, status
+    from tests.lanes import lane_args, lane_environment, status
 
     assert lane_args(["-q", "--junitxml=/tmp/r/p.xml"], "local") == [
         "-q",
         "--junitxml=/tmp/r/p-local.xml",
         "--lane=local",
     ]
+    environment = lane_environment("multinode", {"OMNI_SERVE_TEST_PORT": "20000", "PATH": "/bin"})
+    assert environment == {
+        "OMNI_SERVE_TEST_PORT": "20100",
+        "RAY_SERVE_ENABLE_HA_PROXY": "0",
+        "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+        "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+        "PATH": "/bin",
+    }
+    assert lane_environment("local", {"OMNI_SERVE_TEST_PORT": "20000"}) == {"OMNI_SERVE_TEST_PORT": "20000"}
     assert status([0, 5]) == status([5, 0]) == status([0, 0]) == 0
     assert status([1, 0]) == status([5, 1]) == 1 and status([0, 2]) == 2 and status([5, 5]) == 5

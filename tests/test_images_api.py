@@ -6,12 +6,16 @@ import base64
 import io
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import numpy as np
 import openai
 import pytest
 from PIL import Image
+
+from tests.conftest import graph_variant
+from tests.test_playground import browser, driver, page  # noqa: F401  - the playground's browser fixtures
 
 pytestmark = pytest.mark.integration
 
@@ -137,7 +141,7 @@ def test_images_are_counted(tiny_image) -> None:
 
 
 def test_three_stage_graph_gives_the_same_image(tiny_image) -> None:
-    """Last in this module: it replaces the one-stage graph with encode -> denoise -> decode."""
+    """It replaces the one-stage graph with encode -> denoise -> decode (the keyed tests below run on it)."""
     request = {"negative_prompt": "blurry", "guidance_scale": 3.0, "n": 2}
     expected = pngs(generate(tiny_image, **request))
     tiny_image.delete()
@@ -150,3 +154,57 @@ def test_three_stage_graph_gives_the_same_image(tiny_image) -> None:
     assert tiny_image.handle("decode").stats.remote().result()["payload_loads"] == {"qwen_image.latents": 1}
     assert generate(tiny_image, size="50x48").json()["error"]["param"] == "size"
     streamed_chat(tiny_image)
+
+
+# ---- the playground on a keyed graph: last, on the three-stage graph the test above left (the key is an ingress
+# argument, so Serve restarts only the ingress: the stages keep running) ----------------------------------------
+
+KEY = "sk-playground"
+
+
+@pytest.fixture(scope="module")
+def keyed_image(tiny_image) -> Any:
+    tiny_image.deploy("tiny_image_3stage.yaml", graph_variant(args={"api_key": KEY}))
+    tiny_image.wait_healthy()
+    return tiny_image
+
+
+def test_image_generation_renders_the_generated_png(keyed_image, page) -> None:  # noqa: F811
+    from tests.test_playground import TIMEOUT_MS, report, shot
+
+    page.goto(f"{keyed_image.base_url}/")
+    page.wait_for_selector("#error:not([hidden])")
+    assert "API key" in page.inner_text("#error")  # the card needs the key
+    page.fill("#api-key", KEY)
+    page.dispatch_event("#api-key", "change")
+    page.wait_for_selector("#images:not([hidden])")
+    page.wait_for_selector('#stages tr[data-stage="denoise"]:not([data-running="0"])', timeout=TIMEOUT_MS)
+    assert page.is_hidden("#chat") and page.is_hidden("#speech")
+
+    page.fill("#image-prompt", "a red fox in the snow")
+    page.fill("#image-size", "64x48")
+    page.fill("#image-steps", "2")
+    page.fill("#image-seed", "7")
+    with page.expect_response("**/v1/images/generations") as response:
+        page.click("#generate")
+    assert response.value.request.headers["authorization"] == f"Bearer {KEY}"
+    data = report(page, "#image-metrics")
+    assert data["images"] == "1" and data["size"] == "64×48"
+    png = base64.b64decode(response.value.json()["data"][0]["b64_json"])
+    sent = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(np.int16)
+    assert sent.shape == (48, 64, 3)
+    shown = shot(page.locator("#gallery img").first)
+    assert shown.std() > 5  # not a blank box
+    # The page draws the PNG the server made, pixel for pixel (a fractional layout position can add a
+    # row or column of background to the element's screenshot).
+    assert 0 <= shown.shape[0] - 48 <= 1 and 0 <= shown.shape[1] - 64 <= 1
+    offsets = [(dy, dx) for dy in range(shown.shape[0] - 47) for dx in range(shown.shape[1] - 63)]
+    assert min(np.abs(shown[dy : dy + 48, dx : dx + 64] - sent).mean() for dy, dx in offsets) < 2
+
+
+def test_stage_report_needs_the_key(keyed_image) -> None:
+    url = f"{keyed_image.base_url}/stages"
+    assert httpx.get(url, timeout=30).status_code == 401
+    report = httpx.get(url, headers={"authorization": f"Bearer {KEY}"}, timeout=30).json()
+    denoise = next(s for s in report["stages"] if s["name"] == "denoise")
+    assert report["status"] == "RUNNING" and denoise["status"] == "HEALTHY" and denoise["running"] >= 1

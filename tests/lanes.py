@@ -11,7 +11,7 @@ at a lower CPU priority (:data:`BESIDE_NICENESS`, inherited by every process the
 the cluster lane keeps them, and the others take the time it leaves (alone it keeps the two cores ~75 % busy:
 replies awaited, timeouts, keep-alives). The multinode lane goes first, while the cluster lane runs the tiny
 graph's tests, which leave more of the cores than the engine families' graph starts at its end; the local lane,
-whose tests start nothing that watches the clock, takes what is left. The multinode clusters' Serve proxies get
+whose waits held at this priority (since 6068239), takes what is left. The multinode clusters' Serve proxies get
 :data:`MULTINODE_PROXY_TIMEOUT_S` for their ready and health checks (Serve's 5 and 10 s: niced, a proxy missed its
 start), and their graphs give a lost replica's replacement time to start (tests/conftest.py, ``patient``). Their
 output goes to a file, printed once every lane has ended, so the terminal shows one run at a time.

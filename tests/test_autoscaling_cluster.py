@@ -16,7 +16,8 @@ as the GPU graph's are. The test then watches what the issue asks:
    newly launched gpu_shared node, ``/health`` says the stages are loading, then ready.
 
 Every request sent meanwhile must complete with a whole WAV or get a 503 with ``Retry-After``.
-Owns its cluster: marked ``multinode``, run in its own pytest process (``pytest -m multinode``).
+Owns its cluster: marked ``multinode``, run in a pytest process of its own (tests/lanes.py's multinode lane,
+or ``pytest -m multinode``).
 """
 
 from __future__ import annotations

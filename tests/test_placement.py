@@ -8,9 +8,9 @@ stages: thinker on a big node, talker + code2wav on a shared node. Then the node
 them are removed and the replicas must come back on the surviving node of the same type.
 
 That test owns its cluster, so it cannot share the session ``ray_cluster`` fixture: it is
-marked ``multinode`` and runs in its own pytest process (``pytest -m multinode``; the rest
-with ``-m "not multinode"``). The fast checks at the end keep the graph's pins, cluster.yaml
-and deploy/kuberay.yaml in agreement.
+marked ``multinode`` and runs in a pytest process of its own (tests/lanes.py's multinode lane, or
+``pytest -m multinode``; the rest with ``-m "not multinode"``). The fast checks at the end keep the graph's
+pins, cluster.yaml and deploy/kuberay.yaml in agreement.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ model has: a preset voice (``voice``: its embedding from ``voice_embedding/``) a
 (:mod:`tests.audio`) and must be whole codec frames (1920 samples) of real, non-silent 24 kHz audio.
 What omni_serve's graph of the pipeline is compared against: the same request gives the same bytes
 (the request alone fixes the reply: see ``tiny_voxtral_tts.ACOUSTIC_HEAD_SCALE``); another voice, text
-or reference gives other audio; the streamed PCM is the whole reply's; and ``tests/oracle/voxtral_tts.json``
-(``python -m tests.native_omni voxtral_tts --out DIR``) still holds.
+or reference gives other audio; the streamed PCM is the whole reply's. There is no record to hold: which replies
+end on their own depends on the machine's arithmetic, so ``tests/test_voxtral_tts_cpu.py`` compares omni_serve's
+graph with native run live (``python -m tests.native_omni voxtral_tts --out DIR`` records the same requests).
 
 One native server for the module; not in CI's default selection (``-m oracle``).
 """
@@ -19,7 +20,6 @@ import base64
 import json
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -116,16 +116,3 @@ def test_every_compressed_format_decodes(voxtral: native_omni.NativeServer, fmt:
 def test_unknown_voice_is_refused_naming_it(voxtral: native_omni.NativeServer) -> None:
     reply = voxtral.speech(input=TEXT, voice="nobody", response_format="wav")
     assert reply.status == 400 and b"nobody" in reply.content, reply.content[:300]
-
-
-def test_native_answers_what_the_recorded_oracle_says(
-    voxtral: native_omni.NativeServer, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    """tests/oracle/voxtral_tts.json (``python -m tests.native_omni voxtral_tts --out DIR``, async chunk) holds."""
-    recorded = json.loads((Path(__file__).parent / "oracle" / "voxtral_tts.json").read_text())
-    now = native_omni.about(voxtral)
-    assert now == recorded["about"], f"recorded for {recorded['about']}, served {now}: record the oracle again"
-    replies = native_omni.record(voxtral, tmp_path_factory.mktemp("oracle"))
-    assert {name: r.get("sha256") for name, r in replies.items()} == {
-        name: r["sha256"] for name, r in recorded["replies"].items()
-    }

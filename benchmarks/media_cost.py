@@ -138,9 +138,7 @@ def main() -> None:
 
         decoded = decode()
         message = ChatMessage(role="user", content=[TextPart(text="What is this?"), MediaPart(type=kind, param="p")])
-        text = tokenizer.apply_chat_template(
-            template_messages([message]), add_generation_prompt=True, tokenize=False
-        )
+        text = tokenizer.apply_chat_template(template_messages([message]), add_generation_prompt=True, tokenize=False)
 
         def process(size: dict[str, int], decoded: Any = decoded, text: str = text) -> int:
             inputs = processor(text=text, return_tensors="pt", size=size, **qwen3_omni.processor_media([decoded]))

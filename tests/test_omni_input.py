@@ -304,8 +304,10 @@ def test_the_ingress_never_decodes_media(tiny_omni, client: openai.OpenAI) -> No
 
 # --- the hostile-media corpus, under a media policy that allows one local server -------------
 
-ALLOWED_PORT = HTTP_PORT + 50
-PRIVATE_PORT = HTTP_PORT + 51
+# Not test_media_policy's +50 and +51: that module runs in the local lane, at the same time as this one may
+# (2026-11-30: its servers could not bind, "Address already in use").
+ALLOWED_PORT = HTTP_PORT + 52
+PRIVATE_PORT = HTTP_PORT + 53
 ALLOWED = f"http://127.0.0.1:{ALLOWED_PORT}"
 LIMITS = {
     "max_parts": 4,

@@ -215,3 +215,25 @@ def test_a_lane_with_no_test_selected_passes_while_the_other_ran_tests() -> None
     assert lane_environment("local", {"OMNI_SERVE_TEST_PORT": "20000"}) == {"OMNI_SERVE_TEST_PORT": "20000"}
     assert status([0, 5]) == status([5, 0]) == status([0, 0]) == 0
     assert status([1, 0]) == status([5, 1]) == 1 and status([0, 2]) == 2 and status([5, 5]) == 5
+
+
+# Offsets from the session's port that two modules use, and why they cannot collide: both modules run in the
+# cluster lane, one after the other.
+SHARED_PORT_OFFSETS = {10: {"test_videos.py", "test_vllm_omni_diffusion.py"}}
+
+
+def test_each_port_offset_from_the_session_port_is_one_modules() -> None:
+    """A port two modules bind at once fails one of them (2026-11-30: test_omni_input, cluster lane, and
+    test_media_policy, local lane, both served media on the session port + 50 and + 51). Each ``HTTP_PORT + N``
+    in the tests is one module's, but for the shares listed above."""
+    import re
+    from collections import defaultdict
+    from pathlib import Path
+
+    users: dict[int, set[str]] = defaultdict(set)
+    for module in Path(__file__).parent.glob("*.py"):
+        for offset in re.findall(r"\bHTTP_PORT \+ (\d+)", module.read_text()):
+            users[int(offset)].add(module.name)
+    assert users[50] == {"test_media_policy.py"}, users[50]  # the pattern finds what it is for
+    shared = {offset: names for offset, names in users.items() if len(names) > 1}
+    assert shared == SHARED_PORT_OFFSETS

@@ -419,7 +419,9 @@ def test_diffusion_runner_paces_each_scheduled_denoising_step(clock: FakeClock) 
 def test_transformers_thinker_paces_each_decoding_step_and_an_abort_ends_it(pacers: list[PacerLog]) -> None:
     from omni_serve.engines import transformers as te
 
-    pace, tokens = 0.1, 8
+    # A step waits only for what its own work left of the minimum: 0.5 s is far above a tiny thinker's step
+    # even on a loaded machine (at 0.1 s, in a fresh-clone run, the long request made no wait before its abort).
+    pace, tokens = 0.5, 8
     engine = te.create("thinker", {"model_stage": "thinker", "min_step_s": pace})
 
     def request(rid: str, max_tokens: int) -> StageRequest:
@@ -432,8 +434,12 @@ def test_transformers_thinker_paces_each_decoding_step_and_an_abort_ends_it(pace
         outputs = [o async for o in engine.stream(request("paced", tokens), None)]
         assert time.monotonic() - started >= tokens * pace  # every step lasted the minimum
         assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == tokens
-        stream = engine.stream(request("long", 500), None)  # 50 s paced
+        stream = engine.stream(request("long", 500), None)  # 250 s paced
         await anext(stream)
+        deadline = time.monotonic() + 60  # a hang guard
+        while not (len(pacers) == 2 and pacers[1].event.waits):  # noqa: ASYNC110  - until its steps are paced
+            assert time.monotonic() < deadline, "the long request's steps made no wait"
+            await asyncio.sleep(0.05)
         await engine.abort("long")
         rest = [o async for o in stream]
         assert rest[-1].finish_reason is FinishReason.ABORT

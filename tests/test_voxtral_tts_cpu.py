@@ -14,8 +14,8 @@ moves it by far more). Replies are decoded by an independent decoder (:mod:`test
 
 Why live, not a record: the random-weight LM is greedy, and where its logits nearly tie the CPU's arithmetic
 decides. A record made on one machine (casual_male 24 frames, the clone 19) did not hold on another (an AMD EPYC
-with AVX-512, 2026-11-30: 64 and 30 frames, native and omni_serve alike; capping PyTorch and oneDNN at AVX2 there
-changed nothing), so the record is made where the comparison runs.
+with AVX-512, 2026-11-30: casual_male 64 frames from native and omni_serve alike, the clone 30 from native; capping
+PyTorch and oneDNN at AVX2 there changed nothing), so the record is made where the comparison runs.
 """
 
 from __future__ import annotations

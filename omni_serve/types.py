@@ -218,8 +218,8 @@ class ImageParams(BaseModel):
 
     width: int
     height: int
-    num_inference_steps: int
-    guidance_scale: float
+    num_inference_steps: int | None = None  # None: the stage's default (its default_num_inference_steps)
+    guidance_scale: float | None = None  # None: the stage's default
     negative_prompt: str | None = None
     seed: int | None = None
     n: int = 1

@@ -77,6 +77,17 @@ def text_handoff_chat(model: str) -> Callable[[bool], dict[str, Any]]:
     return body
 
 
+def image_generation(model: str) -> Callable[[bool], dict[str, Any]]:
+    """An image request (an AR stage plans, a DiT draws); long: 256x256 in 100 denoising steps, which keeps the DiT
+    drawing for seconds after the AR's part."""
+
+    def body(long: bool) -> dict[str, Any]:
+        size, steps = ("256x256", 100) if long else ("64x64", 2)
+        return {"model": model, "prompt": "a red fox", "size": size, "num_inference_steps": steps, "seed": 7}
+
+    return body
+
+
 FAMILIES = (
     Family("transformers", "tiny_omni.yaml", "test_cancellation", "/v1/chat/completions", omni_chat("tiny-qwen3-omni")),
     Family(
@@ -110,6 +121,14 @@ FAMILIES = (
         "/v1/chat/completions",
         text_handoff_chat("tiny-ming-flash-omni"),
         pipeline="ming_flash_omni",
+    ),
+    Family(
+        "vllm_omni.glm_image",
+        "tiny_glm_image_vllm_omni.yaml",
+        "test_glm_image_cpu",
+        "/v1/images/generations",
+        image_generation("tiny-glm-image"),
+        pipeline="glm_image",
     ),
 )
 BY_NAME = {family.name: family for family in FAMILIES}

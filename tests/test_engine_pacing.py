@@ -273,13 +273,11 @@ def test_native_vllm_omni_is_paced_by_the_same_key_on_the_stages_asked() -> None
     assert all(ENGINE_CONFIG_KEY not in (s.get("additional_config") or {}) for s in cpu_deploy_config(family)["stages"])
 
 
-def test_vllm_omni_diffusion_args_need_step_execution_and_name_the_paced_runner() -> None:
-    from pydantic import ValidationError
-
+def test_vllm_omni_diffusion_args_name_the_paced_runner() -> None:
     from omni_serve.engines import vllm_omni_diffusion as family
 
-    with pytest.raises(ValidationError, match="step_execution"):
-        family.EngineArgs(model="m", min_step_s=0.1)
+    kwargs = family.diffusion_config_kwargs(family.EngineArgs(model="m", min_step_s=0.1))  # whole forwards paced
+    assert kwargs["diffusion_model_runner_cls"] == family.PACED_DIFFUSION_RUNNER
     kwargs = family.diffusion_config_kwargs(family.EngineArgs(model="m", min_step_s=0.1, step_execution=True))
     assert kwargs["diffusion_model_runner_cls"] == family.PACED_DIFFUSION_RUNNER
     assert kwargs["additional_config"] == {ENGINE_CONFIG_KEY: 0.1}
@@ -411,6 +409,28 @@ def test_diffusion_runner_paces_each_scheduled_denoising_step(clock: FakeClock) 
     waits = runner._pacer.cancelled = RecordingEvent(clock)
     assert [runner.execute_stepwise(i) for i in range(3)] == [0, 1, 2]
     assert waits.asked() == [0.15] * 3  # MIN_STEP less the step's own 0.05 s
+
+
+def test_diffusion_runner_paces_a_whole_forward_at_its_steps(clock: FakeClock) -> None:
+    """A forward that runs every step in one call (request mode; a pipeline without step execution, GLM-Image's
+    DiT) takes its request's steps times the minimum."""
+    from omni_serve.platforms.paced import PacedStepwise
+
+    class Runner:
+        def __init__(self) -> None:
+            self.od_config = SimpleNamespace(additional_config=engine_config(MIN_STEP))
+
+        def execute_model(self, req: Any) -> Any:
+            clock.work(0.05)  # the whole forward's own work
+            return req.sampling_params.num_inference_steps
+
+    class Paced(PacedStepwise, Runner):
+        pass
+
+    runner = Paced()
+    waits = runner._pacer.cancelled = RecordingEvent(clock)
+    assert runner.execute_model(SimpleNamespace(sampling_params=SimpleNamespace(num_inference_steps=4))) == 4
+    assert waits.asked() == [pytest.approx(4 * MIN_STEP - 0.05)]
 
 
 # ---- the in-process families, paced for real -------------------------------------------------------

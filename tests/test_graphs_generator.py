@@ -162,7 +162,8 @@ def every_source() -> dict[str, dict | str]:
 
 
 REFUSALS = re.compile(
-    r"cannot be served: (stage \d+ \(\w+\) is a diffusion stage|session_mode 'duplex')|names no pipeline"
+    r"cannot be served: (stage \d+ \(\w+\) is a diffusion stage|session_mode 'duplex'|stage \d+ \(\w+\)'s deploy "
+    r"settings \[.+\] have no vllm_omni_diffusion field)|names no pipeline"
 )
 
 
@@ -177,7 +178,7 @@ def test_the_generator_covers_every_pipeline_and_every_shipped_deploy_config(eve
         assert REFUSALS.search(why), (source, why)  # a reason, never a traceback
     made = {source: config for source, config in every_source.items() if not isinstance(config, str)}
     print(f"{len(made)} graphs: {len([s for s in made if s in registry])} of {len(registry)} pipelines")
-    assert len([s for s in made if s in registry]) == 41 and len(made) - 41 == 71
+    assert len([s for s in made if s in registry]) == 42 and len(made) - 42 == 72
     for source, config in made.items():
         check_graph(source, config)
 
@@ -186,6 +187,7 @@ def check_graph(source: str, config: dict) -> None:
     """One generated graph: it validates, its stages and edges are the pipeline's, its stage configs build
     from the declaration, GPUs and placement are whole or the deploy's fractions, its routes follow its outputs."""
     from omni_serve.engines.vllm_omni import EngineArgs, stage_config
+    from omni_serve.engines.vllm_omni_diffusion import EngineArgs as DiffusionArgs
     from omni_serve.models.vllm_omni import pipelines
     from omni_serve.types import Modality
 
@@ -200,6 +202,10 @@ def check_graph(source: str, config: dict) -> None:
         assert [ids[name] for name in stage.inputs] == list(decl.input_sources), (source, stage.name)
         expected = Modality(decl.final_output_type) if decl.final_output else None
         assert stage.final_output == expected, (source, stage.name)
+        if stage.engine == "vllm_omni_diffusion":  # a DiT stage: its family's args, the pipeline's stage
+            args = DiffusionArgs.model_validate(stage.engine_args)
+            assert (args.pipeline, args.stage_id) == (key, decl.stage_id) and decl.execution_type.value == "diffusion"
+            continue
         built = stage_config(EngineArgs.model_validate(stage.engine_args), stage.stream_input)
         assert (built.stage_id, built.model_stage) == (decl.stage_id, decl.model_stage), source
         assert (
@@ -214,7 +220,7 @@ def check_graph(source: str, config: dict) -> None:
     for name in ids:
         options = deployments[name]["ray_actor_options"]
         gpus = options["num_gpus"]
-        engine = graph.stage(name).engine_args["engine"]
+        engine = graph.stage(name).engine_args.get("engine", {})
         assert gpus >= 1 or gpus == engine["gpu_memory_utilization"], (source, name)  # shares: the deploy's
         pins = set(options.get("resources", {}))
         assert pins == ({graphs.NODE_RESOURCES[key][name]} if key in graphs.NODE_RESOURCES else set()), source
@@ -224,7 +230,8 @@ def check_graph(source: str, config: dict) -> None:
     assert ("/v1/chat/completions" in routes) == ("text" in outputs), source
     assert ("/v1/audio/speech" in routes) == ("audio" in outputs), source
     assert ("/v1/realtime" in routes) == ("text" in outputs and Modality.AUDIO in graph.input_modalities), source
-    assert "/v1/images/generations" not in routes
+    assert ("/v1/images/generations" in routes) == ("image" in outputs), source
+    assert ("/v1/images/edits" in routes) == ("image" in outputs and Modality.IMAGE in graph.input_modalities), source
 
 
 def test_qwen3_tts_stages_are_built_from_its_declaration():
@@ -315,3 +322,48 @@ def test_docs_models_lists_every_pipeline_with_what_it_gets(every_source):
             assert served is not None, key
             graph = yaml.safe_load((ROOT / served[1]).read_text())["applications"][0]["args"]
             assert {s["engine_args"]["pipeline"] for s in graph["stages"]} == {key}
+
+
+def test_glm_image_is_an_ar_stage_planning_for_a_dit():
+    """An AR -> DiT pipeline: the AR a vllm_omni stage taking image requests (and the image to edit), the DiT a
+    vllm_omni_diffusion stage fed by it, its defaults the deploy config's; it answers the images routes only.
+    The CPU graph that CI serves (graphs/tiny_glm_image_vllm_omni.yaml) is that graph of tests/glm_image_cpu.yaml."""
+    from omni_serve.engines.vllm_omni_diffusion import EngineArgs as DiffusionArgs
+
+    config = graphs.generate("glm_image")
+    ar, dit = _stages(config)
+    assert (ar["engine"], ar["engine_args"]["entry"], ar["engine_args"]["media"]) == ("vllm_omni", "image", ["image"])
+    assert ar["default_sampling"]["max_tokens"] == 4353 and ar["engine_args"]["sampling_constraints"] == {
+        "detokenize": False
+    }
+    assert (dit["engine"], dit["inputs"], dit["final_output"]) == ("vllm_omni_diffusion", ["ar"], "image")
+    args = DiffusionArgs.model_validate(dit["engine_args"])
+    assert (args.model, args.pipeline, args.stage_id) == ("zai-org/GLM-Image", "glm_image", 1)
+    steps, guidance = args.default_num_inference_steps, args.default_guidance_scale
+    assert (steps, guidance, args.default_width, args.default_height) == (50, 1.5, 1024, 1024)
+    graph = load_graph(config["applications"][0]["args"])
+    assert {r for r, why in graph.routes().items() if why is None} == {"/v1/images/generations", "/v1/images/edits"}
+    assert "/v1/images/generations" in graph.routes()["/v1/chat/completions"]  # the refusal says where to go
+    assert graphs.gpus_needed(config) == 2
+
+    tiny = graphs.generate(str(ROOT / "tests" / "glm_image_cpu.yaml"), pipeline="glm_image", model="tiny-glm-image")
+    served = yaml.safe_load((ROOT / "graphs" / "tiny_glm_image_vllm_omni.yaml").read_text())["applications"][0]
+    for made, ours in zip(_stages(tiny), served["args"]["stages"], strict=True):
+        assert (made["name"], made["engine"], made.get("inputs")) == (ours["name"], ours["engine"], ours.get("inputs"))
+        assert made.get("default_sampling") == ours.get("default_sampling"), made["name"]
+    made_dit, ours_dit = _stages(tiny)[1]["engine_args"], served["args"]["stages"][1]["engine_args"]
+    assert {k: v for k, v in ours_dit.items() if k != "max_pixels"} == made_dit  # CPU: only a smaller most
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "why"),
+    [
+        ("bagel", "answering images only"),  # its AR answers text too
+        ("ming_flash_omni_image", "classifier-free guidance companion requests"),
+        ("mammoth_moda2", "deploy settings ['request_batch_max_wait_ms'] have no vllm_omni_diffusion field"),
+        ("wan2_2_ti2v", "a lone DiT: a hand-written vllm_omni_diffusion graph"),
+    ],
+)
+def test_dit_pipelines_that_cannot_be_served_say_why(pipeline: str, why: str):
+    with pytest.raises(graphs.Refused, match=re.escape(why)):
+        graphs.generate(pipeline)

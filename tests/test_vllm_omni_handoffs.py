@@ -479,3 +479,48 @@ def test_voxtral_chunks_carry_every_frame_once_with_their_context(first_read: in
         decoded.append(window[context:])
     assert sizes == [5, 5, 5, 5, 4]
     assert torch.equal(torch.cat(decoded), codes)
+
+
+def test_glm_image_ar_to_dit_through_ar2diffusion():
+    """GLM-Image's AR output (handed on as it is: its stage declares no producer processor) with the request's
+    prompt, pickled as the object store does, becomes the DiT's request by vLLM-Omni's own ar2diffusion: the
+    preview grid skipped, the image's 2x2 tokens upsampled to 4x4, the size and the image to edit from the prompt."""
+    from PIL import Image
+
+    ar = pipelines.stage("glm_image", 0)
+    dit = pipelines.stage("glm_image", 1)
+    tokens = list(range(1000, 1000 + 16 * 16 + 2 * 2)) + [16385]  # preview, image, EOS (64x64: 16x16 + 2x2 + 1)
+    handoff = producer("glm_image", 0, SimpleNamespace()).whole("r1", [1, 2, 3], tokens, {})
+    assert handoff.kind == edges.SOURCE_OUTPUT
+    prompt = {"prompt": "a red fox", "modalities": ["image"], "mm_processor_kwargs": {"target_h": 64, "target_w": 64}}
+    made = edges.diffusion_input(
+        dit, [pickle.loads(pickle.dumps(edges.with_entry_prompt(handoff, prompt, 42)))], request_id="r1"
+    )
+    assert (made["prompt"], made["height"], made["width"]) == ("a red fox", 64, 64)
+    image_tokens = tokens[256:260]
+    expected = torch.tensor(image_tokens).view(1, 1, 2, 2).repeat_interleave(2, 2).repeat_interleave(2, 3).view(-1)
+    assert torch.equal(made["extra"]["prior_token_ids"], expected) and made["extra"]["prior_token_image_ids"] is None
+    assert "pil_image" not in made  # no image to edit
+
+    source = np.zeros((64, 96, 3), dtype=np.uint8)
+    source[:, :48] = (200, 10, 10)
+    edit = {**prompt, "modalities": ["img2img"], "multi_modal_data": {"img2img": Image.fromarray(source)}}
+    prior = torch.arange(64)  # the source image's tokens, as the AR's model writes them for the DiT
+    edited = producer("glm_image", 0, SimpleNamespace()).whole("r2", [1, 2], tokens, {"ids": {"prior_image": prior}})
+    carried = pickle.loads(pickle.dumps(edges.with_entry_prompt(edited, edit, 7)))
+    assert carried.meta["seed"] == 7 and "entry_prompt.img2img" in carried.tensors  # the image, by reference
+    made = edges.diffusion_input(dit, [carried], request_id="r2")
+    assert np.array_equal(np.asarray(made["pil_image"]), source)
+    assert torch.equal(made["extra"]["prior_token_image_ids"][0], prior)
+    assert set(edges.source_output(carried, "r2").multimodal_output) == {"ids"}  # the image is the prompt's, not output
+    assert ar.custom_process_next_stage_input_func is None and dit.input_sources == (0,)
+
+
+def test_glm_image_too_few_ar_tokens_make_no_dit_request():
+    """ar2diffusion makes nothing of an AR output too short for the size: a clear error, not a DiT call."""
+    handoff = producer("glm_image", 0, SimpleNamespace()).whole("r", [1], [5, 6, 7], {})
+    prompt = {"prompt": "x", "modalities": ["image"], "mm_processor_kwargs": {"target_h": 64, "target_w": 64}}
+    with pytest.raises(ValueError, match="made no DiT request"):
+        edges.diffusion_input(
+            pipelines.stage("glm_image", 1), [edges.with_entry_prompt(handoff, prompt)], request_id="r"
+        )

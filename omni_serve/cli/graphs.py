@@ -45,7 +45,11 @@ from omni_serve.engines.vllm_omni.args import NOT_DEPLOY_KEYS
 from omni_serve.types import SamplingParams
 
 # Reference checkpoints of the pipelines that have one here (others: --model, or the placeholder).
-REFERENCE_MODELS = {"qwen3_omni_moe": "Qwen/Qwen3-Omni-30B-A3B-Instruct", "qwen2_5_omni": "Qwen/Qwen2.5-Omni-7B"}
+REFERENCE_MODELS = {
+    "qwen3_omni_moe": "Qwen/Qwen3-Omni-30B-A3B-Instruct",
+    "qwen2_5_omni": "Qwen/Qwen2.5-Omni-7B",
+    "glm_image": "zai-org/GLM-Image",
+}
 # A stage's deploy entry fields that are not its engine settings (placement, connectors, sampling).
 DEPLOY_NOT_ENGINE = (
     "stage_id",
@@ -340,12 +344,21 @@ def generate(
     for s in declared.stages:
         ds = by_id.get(s.stage_id)
         engine = deploy_settings(deploy, ds)
+        if pipelines.family(s) == "vllm_omni_diffusion":
+            graph_stages.append(_diffusion_stage(key, model, s, names, engine, ds))
+            devices = _devices(ds)
+            shared = devices is not None and device_users[devices] > 1
+            deployments.append(_deployment(names[s.stage_id], engine, shared, ds.num_replicas if ds else 1))
+            continue
         sampling, extra = _split_sampling(dict((ds and ds.default_sampling_params) or {}), s.sampling_constraints)
         engine_args: dict[str, Any] = {"model": model, "pipeline": key, "stage_id": s.stage_id}
         if not s.input_sources:
             if entry_prompt != "chat":
                 engine_args["entry"] = entry_prompt
-            if media := pipelines.entry_media(declared):
+            media = pipelines.entry_media(declared)
+            if entry_prompt == "image":  # an image request carries at most the image to edit
+                media = [m for m in media if m == "image"]
+            if media:
                 engine_args["media"] = media
             # A chat entry stage parses tool calls from its output with the model family's parser (a hook).
             if entry_prompt == "chat" and (parser := pipelines.hooks(key).tool_call_parser):
@@ -396,6 +409,74 @@ def generate(
             }
         ],
     }
+
+
+# Deploy settings of a DiT stage -> the vllm_omni_diffusion family's engine_args (the parallel ones nested).
+DIFFUSION_SETTINGS = (
+    "dtype",
+    "max_num_seqs",
+    "enforce_eager",
+    "step_execution",
+    "enable_cpu_offload",
+    "enable_layerwise_offload",
+    "vae_use_slicing",
+    "vae_use_tiling",
+)
+DIFFUSION_PARALLEL = (
+    "tensor_parallel_size",
+    "ulysses_degree",
+    "ring_degree",
+    "ulysses_mode",
+    "cfg_parallel_size",
+    "vae_patch_parallel_size",
+)
+# vLLM engine settings deploy configs repeat on their DiT stages (pipeline-wide ones included) that
+# vLLM-Omni's DiffusionEngine does not read either: no KV cache, no token batches, no remote code.
+LLM_ONLY_SETTINGS = (
+    "trust_remote_code",
+    "enable_prefix_caching",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "gpu_memory_utilization",
+    "distributed_executor_backend",
+    "async_scheduling",
+)
+# A DiT stage's deploy sampling defaults -> its engine_args defaults. Its seed is the request's (drawn when
+# none is sent), the one its AR stage ran with, as vLLM-Omni's API sends one seed to both.
+DIFFUSION_DEFAULTS = {
+    "num_inference_steps": "default_num_inference_steps",
+    "guidance_scale": "default_guidance_scale",
+    "height": "default_height",
+    "width": "default_width",
+}
+
+
+def _diffusion_stage(
+    key: str, model: str, declared: Any, names: dict[int, str], engine: dict[str, Any], deploy_stage: Any
+) -> dict[str, Any]:
+    """A DiT stage (``vllm_omni_diffusion``): fed by its upstream's handoff, built by its declared input processor."""
+    args: dict[str, Any] = {"model": model, "pipeline": key, "stage_id": declared.stage_id}
+    parallel = {k: engine[k] for k in DIFFUSION_PARALLEL if k in engine}
+    if parallel:
+        args["parallel"] = parallel
+    if engine.get("cache_backend"):
+        args["cache"] = {"backend": engine["cache_backend"], **(engine.get("cache_config") or {})}
+    args.update({k: engine[k] for k in DIFFUSION_SETTINGS if k in engine})
+    unknown = sorted(
+        set(engine) - {*DIFFUSION_SETTINGS, *DIFFUSION_PARALLEL, *LLM_ONLY_SETTINGS, "cache_backend", "cache_config"}
+    )
+    if unknown:
+        raise Refused(
+            f"pipeline {key}: cannot be served: stage {declared.stage_id} ({declared.model_stage})'s deploy settings "
+            f"{unknown} have no vllm_omni_diffusion field"
+        )
+    defaults = dict((deploy_stage and deploy_stage.default_sampling_params) or {})
+    args.update({field: defaults[name] for name, field in DIFFUSION_DEFAULTS.items() if name in defaults})
+    stage: dict[str, Any] = {"name": names[declared.stage_id], "engine": "vllm_omni_diffusion"}
+    stage["inputs"] = [names[i] for i in declared.input_sources]
+    stage["engine_args"] = args
+    stage["final_output"] = declared.final_output_type
+    return stage
 
 
 def _async_edge(declared: Any, deploy: Any, consumer: Any) -> Any | None:

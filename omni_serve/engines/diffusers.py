@@ -46,17 +46,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from omni_serve import payload as handoffs
 from omni_serve.engines.base import PacedInProcess, StageEngine
-from omni_serve.models.image_params import SEED_MOD, resolve_image_params
+from omni_serve.models.image_params import SEED_MOD, ResolvedImageParams, prompt_of, resolve_image_params
 from omni_serve.pacing import StepPacer, min_step_field
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import (
     EngineError,
     FinishReason,
-    ImageParams,
-    InvalidStageInput,
     StageOutput,
     StageRequest,
-    TextPart,
 )
 
 PipelineStage = Literal["full", "encode", "denoise", "decode"]
@@ -93,15 +90,6 @@ class EngineArgs(BaseModel):
 
 def create(stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
     return DiffusersEngine(stage_name, engine_args)
-
-
-def prompt_of(request: StageRequest) -> str:
-    """The prompt: the text of the last user message."""
-    for message in reversed(request.messages or []):
-        if message.role == "user":  # image graphs take text only: a string, or text parts
-            content = message.content
-            return content if isinstance(content, str) else "".join(p.text for p in content if isinstance(p, TextPart))
-    raise InvalidStageInput("messages: an image request needs a user message with the prompt")
 
 
 class DiffusersEngine(PacedInProcess, StageEngine):
@@ -170,7 +158,7 @@ class DiffusersEngine(PacedInProcess, StageEngine):
             cancelled.set()
 
     # ---- requests ------------------------------------------------------------------------------
-    def image_params(self, request: StageRequest) -> ImageParams:
+    def image_params(self, request: StageRequest) -> ResolvedImageParams:
         """The request's image parameters (or this stage's defaults), checked against this model."""
         return resolve_image_params(request, self.args, self.size_multiple)
 
@@ -206,7 +194,7 @@ class DiffusersEngine(PacedInProcess, StageEngine):
             yield StageOutput(stage=self.stage_name, images=result, finished=True, finish_reason=FinishReason.STOP)
 
     # ---- model work (worker thread only) -------------------------------------------------------
-    def _full_job(self, prompt: str, params: ImageParams, cancelled: threading.Event) -> list[np.ndarray]:
+    def _full_job(self, prompt: str, params: ResolvedImageParams, cancelled: threading.Event) -> list[np.ndarray]:
         embeds = self._encode_job(prompt, params.negative_prompt)
         return self._decode_job(self._denoise_job(embeds, params, cancelled))
 
@@ -228,7 +216,9 @@ class DiffusersEngine(PacedInProcess, StageEngine):
             mask = torch.ones(embeds.shape[:2], dtype=torch.long)
         return {f"{prefix}prompt_embeds": embeds, f"{prefix}prompt_embeds_mask": mask.long()}
 
-    def _denoise_job(self, embeds: HandoffPayload, params: ImageParams, cancelled: threading.Event) -> HandoffPayload:
+    def _denoise_job(
+        self, embeds: HandoffPayload, params: ResolvedImageParams, cancelled: threading.Event
+    ) -> HandoffPayload:
         import torch
 
         pipe = self._pipe

@@ -51,8 +51,9 @@ a full forward (the default request mode) runs to its end and the result is disc
 with ``step_execution: true`` the engine schedules one denoising step at a time and an
 abort takes effect at the next step. Qwen-Image does not implement vLLM-Omni's
 cooperative in-forward cancellation (``supports_request_cancellation``).
-Step pacing (``min_step_s``, :mod:`omni_serve.pacing`) needs that mode too: each scheduled
-denoising step then takes at least ``min_step_s`` in the engine's model runner. In that mode the
+Step pacing (``min_step_s``, :mod:`omni_serve.pacing`): in that mode each scheduled denoising step
+takes at least ``min_step_s`` in the engine's model runner; a whole forward (request mode, or a pipeline
+without step execution: GLM-Image's DiT, Wan 2.2) at least its steps times ``min_step_s``. In step mode the
 call also reports progress (``StageOutput.progress``: the steps the engine's step scheduler has run,
 over the request's steps); otherwise only "admitted" (progress 0) and the result. Pipelines without
 vLLM-Omni's step execution (Wan 2.2) run a full forward whatever this says.
@@ -81,15 +82,14 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from omni_serve.engines.base import StageEngine
-from omni_serve.engines.diffusers import prompt_of
 from omni_serve.media.encode import encode_mp4
 from omni_serve.models import image_params, video_params
+from omni_serve.models.image_params import prompt_of
 from omni_serve.pacing import engine_config, min_step_field
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import (
     EngineError,
     FinishReason,
-    ImageParams,
     InvalidStageInput,
     Modality,
     StageOutput,
@@ -220,14 +220,22 @@ class EngineArgs(BaseModel):
         description="The pipeline edits images (Qwen-Image-Edit): every request carries one source image "
         "(/v1/images/edits, or an image part in chat), which the stage decodes; must match the checkpoint.",
     )
-    min_step_s: float = min_step_field()  # omni_serve.pacing; per scheduled denoising step (needs step_execution)
+    pipeline: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="The DiT stage of a vLLM-Omni pipeline (its key in OMNI_PIPELINES, e.g. glm_image), with "
+        "stage_id: each request comes from its upstream stage's handoff, built by the stage's declared input "
+        "processor (e.g. ar2diffusion). Generated graphs set it (python -m omni_serve.cli.graphs).",
+    )
+    stage_id: int | None = Field(None, ge=0, description="This stage's id in the pipeline (with pipeline).")
+    min_step_s: float = min_step_field()  # omni_serve.pacing; per denoising step (a whole forward: steps x it)
 
     @model_validator(mode="after")
     def _check(self) -> EngineArgs:
-        if self.min_step_s and not self.step_execution:
-            raise ValueError(
-                "min_step_s paces the denoising steps the engine schedules one at a time: set step_execution: true"
-            )
+        if (self.pipeline is None) != (self.stage_id is None):
+            raise ValueError("pipeline and stage_id go together (the DiT stage of a vLLM-Omni pipeline)")
+        if self.pipeline is not None and self.image_input:
+            raise ValueError("image_input: a pipeline's DiT stage gets the image to edit in its upstream's handoff")
         for name in ("default_width", "default_height"):
             if getattr(self, name) % SIZE_MULTIPLE:
                 raise ValueError(f"{name}: must be a multiple of {SIZE_MULTIPLE}")
@@ -298,12 +306,14 @@ def unknown_config_fields(kwargs: dict[str, Any]) -> list[str]:
     return unknown
 
 
-def resolve_image_params(request: StageRequest, args: EngineArgs) -> ImageParams:
+def resolve_image_params(request: StageRequest, args: EngineArgs) -> image_params.ResolvedImageParams:
     """The request's image parameters (or the stage defaults), checked; the seed always set."""
     return image_params.resolve_image_params(request, args, SIZE_MULTIPLE)
 
 
-def diffusion_request_fields(prompt: str, params: ImageParams) -> tuple[dict[str, Any], dict[str, Any]]:
+def diffusion_request_fields(
+    prompt: str, params: image_params.ResolvedImageParams
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """(``OmniTextPrompt`` fields, ``OmniDiffusionSamplingParams`` fields) for one Qwen-Image request."""
     true_cfg = params.guidance_scale > 1.0 and params.negative_prompt is not None
     text_prompt: dict[str, Any] = {"prompt": prompt}
@@ -399,6 +409,7 @@ class VllmOmniDiffusionEngine(StageEngine):
         self._served = 0
         self.output_type = IMAGE  # what vLLM-Omni declares the pipeline makes (set at start)
         self._video_rules: VideoRules | None = None  # a video checkpoint's defaults and limits (known at start)
+        self._declared: Any = None  # a pipeline's DiT stage: its StagePipelineConfig (known at start)
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -435,7 +446,9 @@ class VllmOmniDiffusionEngine(StageEngine):
         od_config.enrich_config()
         name = od_config.model_class_name
         self.output_type = get_diffusion_output_type(name)
-        if self.output_type == VIDEO:
+        if self.args.pipeline is not None:
+            self._declared = self._declaration(name)
+        elif self.output_type == VIDEO:
             multiples = video_multiples(_local_checkpoint(model, self.args.revision))
             self._video_rules = video_params.rules(self.args, *multiples)
         elif self.output_type != IMAGE or name not in QWEN_IMAGE_PIPELINES:
@@ -443,12 +456,32 @@ class VllmOmniDiffusionEngine(StageEngine):
                 f"stage {self.stage_name}: {self.args.model} is a {name!r} checkpoint (vLLM-Omni: "
                 f"{self.output_type}); this family serves {sorted(QWEN_IMAGE_PIPELINES)} and video pipelines"
             )
-        if self.args.image_input != (name in EDIT_PIPELINES):
+        if self._declared is None and self.args.image_input != (name in EDIT_PIPELINES):
             raise EngineError(
                 f"stage {self.stage_name}: {self.args.model} is a {name!r} checkpoint: set image_input: "
                 f"{str(name in EDIT_PIPELINES).lower()} (requests to an editing pipeline carry the image to edit)"
             )
         return DiffusionEngine.make_engine(od_config)
+
+    def _declaration(self, class_name: str) -> Any:
+        """The pipeline's declaration of this stage (``StagePipelineConfig``), checked against the checkpoint."""
+        from omni_serve.models.vllm_omni import pipelines
+
+        assert self.args.pipeline is not None and self.args.stage_id is not None  # EngineArgs checks both
+        try:
+            declared = pipelines.stage(self.args.pipeline, self.args.stage_id)
+        except KeyError as err:
+            raise EngineError(f"stage {self.stage_name}: {err.args[0]}") from None
+        where = f"stage {self.stage_name}: pipeline {self.args.pipeline!r} stage {self.args.stage_id}"
+        if pipelines.family(declared) != "vllm_omni_diffusion" or not declared.input_sources:
+            raise EngineError(f"{where} ({declared.model_stage}) is not a DiT stage fed by an upstream stage")
+        if declared.final_output_type != IMAGE or self.output_type != IMAGE:
+            raise EngineError(
+                f"{where} makes {declared.final_output_type!r}; this family's pipeline stages draw images"
+            )
+        if declared.model_arch and declared.model_arch != class_name:
+            raise EngineError(f"{where} runs {declared.model_arch}; {self.args.model} is a {class_name!r} checkpoint")
+        return declared
 
     def _mark_dead(self) -> None:  # the executor's failure callback (a worker process died)
         self.mark_dead("its diffusion executor died")
@@ -492,12 +525,22 @@ class VllmOmniDiffusionEngine(StageEngine):
         from vllm_omni.diffusion.request import OmniDiffusionRequest
         from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
-        if handoff is not None:
-            raise EngineError(f"stage {self.stage_name}: a vllm_omni_diffusion stage takes no upstream handoff")
         if self._engine is None:
             raise EngineError(f"stage {self.stage_name}: engine not started")
+        if (handoff is not None) != (self._declared is not None):
+            raise EngineError(
+                f"stage {self.stage_name}: "
+                + (
+                    "a lone DiT stage takes no upstream handoff"
+                    if handoff is not None
+                    else "needs its upstream's handoff"
+                )
+            )
         video: VideoParams | None = None
-        if self._video_rules is not None:
+        if handoff is not None:
+            text_prompt, sampling = self._from_handoff(request, handoff)
+            expected = 1
+        elif self._video_rules is not None:
             if request.image is not None:
                 raise InvalidStageInput(f"model: stage {self.stage_name} makes videos, not images", param="model")
             video = video_params.resolve_video_params(request, self._video_rules)
@@ -562,6 +605,42 @@ class VllmOmniDiffusionEngine(StageEngine):
             finished=True,
             finish_reason=FinishReason.STOP,
         )
+
+    def _from_handoff(self, request: StageRequest, handoff: HandoffPayload) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(diffusion prompt, ``OmniDiffusionSamplingParams`` fields) of a pipeline's DiT stage, as vLLM-Omni's
+        multistage image request builds them: the prompt by the stage's declared input processor from the upstream
+        output and the request's entry prompt (:func:`omni_serve.models.vllm_omni.edges.diffusion_input`); the size
+        it decided, the request's steps and guidance (or the stage's defaults: the deploy config's), and the seed
+        the upstream stage ran with."""
+        from omni_serve.models.vllm_omni.edges import diffusion_input
+
+        try:
+            prompt = diffusion_input(self._declared, [handoff], request_id=request.request_id)
+        except ValueError as err:  # the upstream output does not parse (e.g. too few tokens for the size)
+            raise EngineError(f"stage {self.stage_name}: {err}") from None
+        width, height = int(prompt["width"]), int(prompt["height"])
+        if width * height > self.args.max_pixels:
+            raise InvalidStageInput(f"size: at most {self.args.max_pixels} pixels (got {width}x{height})", "size")
+        image = request.image
+        steps = image.num_inference_steps if image is not None else None
+        steps = steps if steps is not None else self.args.default_num_inference_steps
+        if not 1 <= steps <= self.args.max_inference_steps:
+            raise InvalidStageInput(
+                f"num_inference_steps: must be in [1, {self.args.max_inference_steps}] (got {steps})",
+                "num_inference_steps",
+            )
+        guidance = image.guidance_scale if image is not None else None
+        seed = handoff.meta.get("seed")
+        sampling = {
+            "width": width,
+            "height": height,
+            "num_inference_steps": steps,
+            "guidance_scale": guidance if guidance is not None else self.args.default_guidance_scale,
+            "num_outputs_per_prompt": 1,
+            "seed": None if seed is None else int(seed) % image_params.SEED_MOD,
+            "emit_request_lifecycle": True,
+        }
+        return prompt, sampling
 
     def _source_image(self, request: StageRequest) -> np.ndarray | None:
         """An editing stage's one source image (decoded by the stage from the request's image part); None otherwise."""

@@ -329,7 +329,8 @@ class GraphConfig(BaseModel):
     @property
     def entry_prompt(self) -> str:
         """What the entry stage builds its prompt from: ``chat`` (a conversation; text to speak is teacher-forced as
-        the reply) or ``speech`` (the text to speak alone: a TTS model)."""
+        the reply), ``speech`` (the text to speak alone: a TTS model) or ``image`` (an image request: an AR stage
+        planning for a DiT)."""
         from omni_serve.engines import entry_prompt
 
         return entry_prompt(self.entry.engine, self.entry.engine_args)
@@ -344,7 +345,12 @@ class GraphConfig(BaseModel):
         """
         out, takes = self.modalities, set(self.input_modalities)
         chat = self.entry_prompt == "chat"
-        not_chat = "its entry stage takes text to speak, not a conversation (a TTS model): use /v1/audio/speech"
+        not_chat = (
+            "its entry stage takes image requests, not a conversation (an AR stage planning for a DiT): use "
+            "/v1/images/generations or /v1/images/edits"
+            if self.entry_prompt == "image"
+            else "its entry stage takes text to speak, not a conversation (a TTS model): use /v1/audio/speech"
+        )
 
         def need(ok: bool, why: str) -> str | None:
             return None if ok else why

@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 from typing import Protocol
 
-from omni_serve.types import ImageParams, InvalidStageInput, StageRequest
+from omni_serve.types import ImageParams, InvalidStageInput, StageRequest, TextPart
 
 SEED_MOD = 2**63
 
@@ -22,32 +22,47 @@ class ImageLimits(Protocol):
     max_images: int
 
 
-def resolve_image_params(request: StageRequest, limits: ImageLimits, size_multiple: int) -> ImageParams:
-    """The request's image parameters (or the stage defaults for chat), checked; the seed always set.
+class ResolvedImageParams(ImageParams):
+    """Image parameters as a stage draws with them: every value set."""
+
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int
+
+
+def resolve_image_params(request: StageRequest, limits: ImageLimits, size_multiple: int) -> ResolvedImageParams:
+    """The request's image parameters (the stage defaults for chat, and for steps and guidance a request leaves
+    out), checked; the seed always set.
 
     Messages start with the field name, which the images route turns into the error's ``param``.
     """
-    params = request.image or ImageParams(
-        width=limits.default_width,
-        height=limits.default_height,
-        num_inference_steps=limits.default_num_inference_steps,
-        guidance_scale=limits.default_guidance_scale,
-    )
+    given = request.image or ImageParams(width=limits.default_width, height=limits.default_height)
+    steps = given.num_inference_steps if given.num_inference_steps is not None else limits.default_num_inference_steps
+    guidance = given.guidance_scale if given.guidance_scale is not None else limits.default_guidance_scale
     m = size_multiple
-    size = f"{params.width}x{params.height}"
-    if params.width < m or params.height < m or params.width % m or params.height % m:
+    size = f"{given.width}x{given.height}"
+    if given.width < m or given.height < m or given.width % m or given.height % m:
         raise InvalidStageInput(f"size: width and height must be positive multiples of {m} (got {size})")
-    if params.width * params.height > limits.max_pixels:
+    if given.width * given.height > limits.max_pixels:
         raise InvalidStageInput(f"size: at most {limits.max_pixels} pixels (got {size})")
-    if not 1 <= params.num_inference_steps <= limits.max_inference_steps:
-        raise InvalidStageInput(
-            f"num_inference_steps: must be in [1, {limits.max_inference_steps}] (got {params.num_inference_steps})"
-        )
-    if not 1 <= params.n <= limits.max_images:
-        raise InvalidStageInput(f"n: must be in [1, {limits.max_images}] (got {params.n})")
-    if params.guidance_scale < 0:
-        raise InvalidStageInput(f"guidance_scale: must be >= 0 (got {params.guidance_scale})")
-    if params.seed is None:
+    if not 1 <= steps <= limits.max_inference_steps:
+        raise InvalidStageInput(f"num_inference_steps: must be in [1, {limits.max_inference_steps}] (got {steps})")
+    if not 1 <= given.n <= limits.max_images:
+        raise InvalidStageInput(f"n: must be in [1, {limits.max_images}] (got {given.n})")
+    if guidance < 0:
+        raise InvalidStageInput(f"guidance_scale: must be >= 0 (got {guidance})")
+    seed = given.seed
+    if seed is None:
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbelow(SEED_MOD)
-        params = params.model_copy(update={"seed": seed})
-    return params
+    return ResolvedImageParams(
+        **{**given.model_dump(), "num_inference_steps": steps, "guidance_scale": guidance, "seed": seed}
+    )
+
+
+def prompt_of(request: StageRequest) -> str:
+    """The prompt: the text of the last user message."""
+    for message in reversed(request.messages or []):
+        if message.role == "user":  # image graphs take text only: a string, or text parts
+            content = message.content
+            return content if isinstance(content, str) else "".join(p.text for p in content if isinstance(p, TextPart))
+    raise InvalidStageInput("messages: an image request needs a user message with the prompt")

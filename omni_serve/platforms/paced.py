@@ -61,7 +61,9 @@ class PacedSteps:
 
 
 class PacedStepwise:
-    """Mixin before a vLLM-Omni diffusion model runner: paces each ``execute_stepwise`` (one denoising step)."""
+    """Mixin before a vLLM-Omni diffusion model runner: paces each ``execute_stepwise`` (one denoising step), and
+    each whole forward (``execute_model``: request mode, or a pipeline without step execution such as GLM-Image's
+    DiT) at its request's steps times ``min_step_s``, the time a device spends on those steps in one forward."""
 
     od_config: Any  # set by the runner
 
@@ -73,4 +75,12 @@ class PacedStepwise:
         self._pacer.step_started()
         output = super().execute_stepwise(scheduler_output)  # type: ignore[misc]  # the runner is next in the MRO
         self._pacer.step_done()
+        return output
+
+    def execute_model(self, req: Any, *args: Any, **kwargs: Any) -> Any:
+        steps = int(getattr(req.sampling_params, "num_inference_steps", None) or 1)
+        forward = StepPacer(self._pacer.min_step_s * steps, self._pacer.cancelled)
+        forward.step_started()
+        output = super().execute_model(req, *args, **kwargs)  # type: ignore[misc]
+        forward.step_done()
         return output

@@ -47,8 +47,18 @@ class ImageGenerationRequest(BaseModel):
     response_format: Literal["b64_json"] = Field("b64_json", description="Only b64_json: images are not stored.")
     output_format: Literal["png"] = Field("png", description="Image file format; PNG only.")
     negative_prompt: str | None = Field(None, description="Used with guidance_scale > 1 (true CFG).")
-    num_inference_steps: int = Field(50, ge=1, le=200, description="Denoising steps.")
-    guidance_scale: float = Field(4.0, ge=0.0, le=20.0, description="True-CFG scale (Qwen-Image's true_cfg_scale).")
+    num_inference_steps: int | None = Field(
+        None,
+        ge=1,
+        le=200,
+        description="Denoising steps; default: the model's (the stage's default_num_inference_steps).",
+    )
+    guidance_scale: float | None = Field(
+        None,
+        ge=0.0,
+        le=20.0,
+        description="Guidance scale (Qwen-Image: its true_cfg_scale); default: the model's (default_guidance_scale).",
+    )
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Same seed, same image.")
     user: str | None = None  # accepted for client compatibility; ignored
 

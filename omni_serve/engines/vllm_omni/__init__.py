@@ -74,7 +74,8 @@ def reads_streamed_input(engine_args: dict[str, Any]) -> bool:
 
 
 def entry_prompt(args: EngineArgs) -> str:
-    """``speech`` for a TTS entry stage (``engine_args.entry``), else ``chat``."""
+    """``speech`` for a TTS entry stage, ``image`` for an AR stage planning for a DiT (``engine_args.entry``), else
+    ``chat``."""
     return args.entry
 
 

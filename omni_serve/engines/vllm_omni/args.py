@@ -48,11 +48,12 @@ class EngineArgs(BaseModel):
         "qwen3_omni_moe). Its declaration builds this stage.",
     )
     stage_id: int = Field(ge=0, description="This stage's id in the pipeline.")
-    entry: Literal["chat", "speech"] = Field(
+    entry: Literal["chat", "speech", "image"] = Field(
         "chat",
         description="Entry stage: what it builds its prompt from: a chat conversation (the checkpoint's chat "
-        "template; text to speak is teacher-forced as the assistant's reply) or the text to speak alone (a TTS "
-        "model's prompt). The graph's routes follow it.",
+        "template; text to speak is teacher-forced as the assistant's reply), the text to speak alone (a TTS "
+        "model's prompt), or an image request (an AR stage planning for a DiT: prompt, size, seed, the image to "
+        "edit; vLLM-Omni's images API's prompt). The graph's routes follow it.",
     )
     media: list[Literal["image", "audio", "video"]] = Field(
         default_factory=list,

@@ -31,7 +31,7 @@ from omni_serve.engines.vllm_omni.prompts import EntryPrompts
 from omni_serve.engines.vllm_omni.streamed import StreamedInput
 from omni_serve.models.tool_calls import ToolCallStream, load_parser, tool_call_stream
 from omni_serve.models.vllm_omni import pipelines
-from omni_serve.models.vllm_omni.edges import ChunkTransfer, NewRows, first_rows, lookup, run_of
+from omni_serve.models.vllm_omni.edges import ChunkTransfer, NewRows, first_rows, lookup, run_of, with_entry_prompt
 from omni_serve.models.vllm_omni.payload import merge_steps
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import (
@@ -49,7 +49,7 @@ class AutoregressiveEngine(VllmOmniEngine):
     def __init__(self, stage_name: str, engine_args: dict[str, Any]):
         super().__init__(stage_name, engine_args)
         self.prompts = EntryPrompts(
-            stage_name, self.args.pipeline, self.pipeline_hooks, bool(self.args.media), self.declared
+            stage_name, self.args.pipeline, self.pipeline_hooks, bool(self.args.media), self.declared, self.args.entry
         )
         self.streamed: StreamedInput | None = None
         self.emits_text = bool(self.declared.final_output and self.declared.final_output_type == "text")
@@ -122,7 +122,12 @@ class AutoregressiveEngine(VllmOmniEngine):
             request, "DELTA", sampling, **({"max_tokens": request.sampling.max_tokens + extra} if extra else {})
         )
         self._stop_at_eos(params)
-        prompt, mm_features, feed = await self._prompt(request, handoff, params, voice)
+        entry_prompt: dict[str, Any] | None = None  # an image request's prompt, which the DiT's processor reads too
+        if self.is_entry and self.args.entry == "image":
+            ids, mm_features, entry_prompt = await self.prompts.image(request, params)
+            prompt, feed = {"prompt_token_ids": ids}, None
+        else:
+            prompt, mm_features, feed = await self._prompt(request, handoff, params, voice)
         prompt_ids: list[int] = list(prompt["prompt_token_ids"])
         if not prompt_ids:  # the EngineCore would die on it (assert num_new_tokens > 0)
             raise EngineError(f"stage {self.stage_name}: its upstream's handoff has nothing for it to run on")
@@ -192,6 +197,8 @@ class AutoregressiveEngine(VllmOmniEngine):
                         stopped=stopped,
                         rows={key: torch.cat(parts) if parts else None for key, parts in collected.items()},
                     )
+                    if entry_prompt is not None and out.handoff is not None:
+                        out.handoff = with_entry_prompt(out.handoff, entry_prompt, params.seed)
             if out.finished or out.text or out.token_ids or out.prompt_text or out.handoff is not None:
                 yield out
 

@@ -10,12 +10,15 @@
 - **Text to speak on a TTS entry** (``entry: speech``): the model's own prompt, which vLLM-Omni builds
   per model in its API server (its TTS adapters); a pipeline's hook here (``speech_prompt``,
   :mod:`omni_serve.models.vllm_omni.hooks`) builds it.
+- **An image request** (``entry: image``, an AR stage planning for a DiT): the prompt vLLM-Omni's images
+  API builds for any AR -> DiT pipeline (:meth:`EntryPrompts.image`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from typing import Any
 
 from omni_serve.engines.vllm_omni.mapping import chat_prompt_ids, multimodal_prompt
@@ -29,8 +32,17 @@ logger = logging.getLogger("ray.serve")
 class EntryPrompts:
     """The prompts of one entry stage's requests; :meth:`start` once the engine runs."""
 
-    def __init__(self, stage_name: str, pipeline: str, hooks: PipelineHooks, media: bool, declared: Any = None):
+    def __init__(
+        self,
+        stage_name: str,
+        pipeline: str,
+        hooks: PipelineHooks,
+        media: bool,
+        declared: Any = None,
+        entry: str = "chat",
+    ):
         self.stage_name = stage_name
+        self.declared_entry = entry  # engine_args.entry: what the stage's requests carry
         self.declared = declared  # the stage's StagePipelineConfig (a TTS prompt builder reads its tts_args)
         self.pipeline = pipeline
         self.hooks = hooks
@@ -46,7 +58,7 @@ class EntryPrompts:
         """Once the engine runs: ``rpc`` is its collective RPC (a TTS adapter asks the workers about the model)."""
         self.tokenizer = tokenizer
         self.hf_config = vllm_config.model_config.hf_config
-        if self.media and tokenizer is not None:
+        if (self.media or self.declared_entry == "image") and tokenizer is not None:
             self._start_media_input(vllm_config)
         if self.hooks.speech_prompt is not None:
             self._speech = self.hooks.speech_prompt(vllm_config, self.declared, rpc)
@@ -107,6 +119,78 @@ class EntryPrompts:
         except ValueError as err:  # vLLM's input validation (e.g. a prompt over max_model_len)
             raise InvalidStageInput(f"messages: {err}", "messages") from None
         return [int(i) for i in processed.prompt_token_ids], processed.mm_features
+
+    async def image(self, request: StageRequest, params: Any) -> tuple[list[int], Any, dict[str, Any]]:
+        """An image request's prompt, as vLLM-Omni's images API builds one for an AR -> DiT pipeline
+        (``OmniOpenAIServingChat._build_multistage_generation_inputs``): the prompt's text; ``modalities``
+        ``image``, or ``img2img`` with the image to edit in ``multi_modal_data``; the target size (and, editing,
+        the seed of the source image's encoding) in ``mm_processor_kwargs``; run through vLLM's input processor,
+        whose model processor adds its generation scaffold. ``params`` (the call's vLLM sampling params) get the
+        request's seed and the target size in ``extra_args`` (the model's M-RoPE positions of what it generates).
+
+        Returns the prompt ids, the media features and the prompt, which the DiT stage's input processor reads
+        as the request's (``edges.with_entry_prompt``). The seed is the request's, drawn here when it has none:
+        the DiT draws with the same one (``params.seed``), as native's API sends one seed to both stages.
+        """
+        from PIL import Image as PILImage
+
+        from omni_serve.media.inputs import Image
+        from omni_serve.models.image_params import SEED_MOD, prompt_of
+
+        image = request.image
+        if image is None:
+            raise InvalidStageInput(
+                f"stage {self.stage_name} draws images: use /v1/images/generations or /v1/images/edits", "model"
+            )
+        if image.n != 1:  # the AR -> DiT processor builds one DiT request per AR output
+            raise InvalidStageInput(f"n: this model draws one image per request (got {image.n})", "n")
+        sources = [item.pixels for item in request.media or [] if isinstance(item, Image)]
+        if len(sources) != len(request.media or []) or len(sources) > 1:
+            raise InvalidStageInput(f"image: stage {self.stage_name} edits one image per request", "image")
+        width, height = image.width, image.height
+        if not width and sources:  # size "auto": the source image's
+            height, width = sources[0].shape[:2]
+        multiple = self.hooks.image_size_multiple
+        if width < multiple or height < multiple or width % multiple or height % multiple:
+            raise InvalidStageInput(
+                f"size: width and height must be positive multiples of {multiple} (got {width}x{height})", "size"
+            )
+        needed = self.hooks.image_tokens(height, width, bool(sources)) if self.hooks.image_tokens else 0
+        if params.max_tokens is not None and needed > params.max_tokens:
+            raise InvalidStageInput(
+                f"size: {width}x{height} takes {needed} tokens of stage {self.stage_name}, which writes at most "
+                f"{params.max_tokens} (its max_tokens)",
+                "size",
+            )
+        seed = image.seed if image.seed is not None else secrets.randbelow(SEED_MOD)
+        prompt: dict[str, Any] = {"prompt": prompt_of(request), "modalities": ["img2img" if sources else "image"]}
+        if image.negative_prompt is not None:
+            prompt["negative_prompt"] = image.negative_prompt
+        prompt["mm_processor_kwargs"] = {"target_h": height, "target_w": width}
+        if sources:
+            prompt["mm_processor_kwargs"]["vae_generator_seed"] = seed
+            prompt["multi_modal_data"] = {"img2img": PILImage.fromarray(sources[0])}
+            # The image's uuid, as native's chat route sends it: vLLM's renderer checks each key of the prompt's
+            # multi_modal_data against the items the model's parser made of them, and GLM-Image's parser files
+            # img2img under image, so without one vLLM refuses the request ("multi_modal_data['img2img'] is empty
+            # but multi_modal_uuids['img2img'] is missing"; native's /v1/images/edits fails so). No upstream
+            # issue found.
+            prompt["multi_modal_uuids"] = {"img2img": [f"{request.request_id}-img2img-0"]}
+        params.seed = seed
+        params.extra_args = {**(params.extra_args or {}), "target_h": height, "target_w": width}
+        if self._input_processor is None:
+            raise EngineError(f"stage {self.stage_name}: its input processor did not start")
+        loop = asyncio.get_running_loop()
+        try:
+            processed = await loop.run_in_executor(
+                self._media_thread,
+                lambda: self._input_processor.process_inputs(
+                    request.request_id, dict(prompt), params, supported_tasks=("generate",)
+                ),
+            )
+        except ValueError as err:  # vLLM's input validation (e.g. a prompt over max_model_len)
+            raise InvalidStageInput(f"prompt: {err}", "prompt") from None
+        return [int(i) for i in processed.prompt_token_ids], processed.mm_features, prompt
 
     def spoken(self, request: StageRequest) -> tuple[list[int], list[int]]:
         """The reply to speak as token ids, and the token that ends the assistant's turn after it."""

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
+
 from omni_serve.models.vllm_omni.hooks import StageHooks, StepRows
 from omni_serve.models.vllm_omni.payload import (
     as_steps,
@@ -366,10 +368,48 @@ class ChunkTransfer:
 # ---------------------------------------------------------------------------
 
 
+# Where a handoff carries its request's entry prompt (:func:`with_entry_prompt`): its fields in meta, its media
+# (the image to edit) as arrays under this prefix.
+ENTRY_PROMPT = "entry_prompt"
+
+
+def with_entry_prompt(handoff: HandoffPayload, prompt: Mapping[str, Any], seed: int | None = None) -> HandoffPayload:
+    """``handoff`` carrying the entry stage's prompt, which vLLM-Omni hands a consumer-side processor as the
+    request's original prompt (its ``prompt`` argument: GLM-Image's ``ar2diffusion`` reads the target size,
+    the modalities and the image to edit from it), and the seed the entry stage ran with. Images (PIL) travel as
+    uint8 arrays, by reference with the rest of the handoff; the other fields are small and go in its meta."""
+    media = {key: np.asarray(value.convert("RGB")) for key, value in (prompt.get("multi_modal_data") or {}).items()}
+    fields = {key: value for key, value in prompt.items() if key != "multi_modal_data"}
+    tensors = {**handoff.tensors, **{f"{ENTRY_PROMPT}.{key}": array for key, array in media.items()}}
+    meta = {**handoff.meta, ENTRY_PROMPT: fields, "entry_media": list(media), "seed": seed}
+    return HandoffPayload(handoff.kind, tensors, meta)
+
+
+def entry_prompt_of(handoff: HandoffPayload) -> dict[str, Any]:
+    """The entry prompt a handoff carries (:func:`with_entry_prompt`), its images as PIL images again; empty if none."""
+    from PIL import Image
+
+    prompt = dict(handoff.meta.get(ENTRY_PROMPT) or {})
+    media = {
+        key: Image.fromarray(handoff.tensors[f"{ENTRY_PROMPT}.{key}"]) for key in handoff.meta.get("entry_media", ())
+    }
+    if media:
+        prompt["multi_modal_data"] = media
+    return prompt
+
+
+def _output_only(handoff: HandoffPayload) -> HandoffPayload:
+    """A handoff without the entry prompt's arrays: the upstream's output alone."""
+    media = {f"{ENTRY_PROMPT}.{key}" for key in handoff.meta.get("entry_media", ())}
+    if not media:
+        return handoff
+    return HandoffPayload(handoff.kind, {k: v for k, v in handoff.tensors.items() if k not in media}, handoff.meta)
+
+
 def source_output(handoff: HandoffPayload, request_id: str) -> SimpleNamespace:
     """The upstream ``RequestOutput`` a consumer-side processor reads, from a handoff's meta (and, for an
     output handed on as it is, its multimodal output)."""
-    multimodal = from_handoff(handoff) if handoff.kind == SOURCE_OUTPUT else {}
+    multimodal = from_handoff(_output_only(handoff)) if handoff.kind == SOURCE_OUTPUT else {}
     meta = handoff.meta
     return source_view(
         request_id,
@@ -401,7 +441,25 @@ def run_input_processor(
     args: list[Any] = [sources, prompt, requires_multimodal_data]
     if "streaming_context" in parameters or "_streaming_context" in parameters:
         args.append(SimpleNamespace(enabled=False, bridge_states={}, source_token_decoder=None))
-    return [dict(p) for p in processor(*args, **extra) or []]
+    made = processor(*args, **extra)
+    if isinstance(made, Mapping):  # one input (GLM-Image's ar2diffusion returns its DiT request's dict)
+        made = [made]
+    return [dict(p) for p in made or []]
+
+
+def diffusion_input(stage: Any, handoffs: Sequence[HandoffPayload], *, request_id: str) -> dict[str, Any]:
+    """A DiT stage's request (its diffusion prompt) from its upstream stages' handoffs: its declared input processor
+    (e.g. ``ar2diffusion``: the AR's tokens -> prior token ids and size) called as vLLM-Omni's orchestrator calls
+    it, with the request's entry prompt as the original prompt. ValueError when it makes none."""
+    path = input_processor(stage)
+    if path is None:
+        raise ValueError(f"stage {stage.model_stage!r} declares no input processor to build its DiT request with")
+    prompt = entry_prompt_of(handoffs[0]) if handoffs else {}
+    sources = [source_output(h, request_id) for h in handoffs]
+    made = run_input_processor(path, sources, prompt, bool(stage.requires_multimodal_data))
+    if not made:
+        raise ValueError(f"stage {stage.model_stage!r}: its input processor made no DiT request of the upstream output")
+    return made[0]
 
 
 def consumer_prompt(

@@ -96,6 +96,13 @@ class PipelineHooks:
     # vLLM's tool parser for the model's tool-call syntax (`vllm serve --tool-call-parser`): vLLM-Omni's
     # pipeline does not declare it; a generated graph's chat entry stage gets it (engine_args.tool_call_parser).
     tool_call_parser: str | None = None
+    # An image entry stage (the graph's ``entry: image``, an AR stage planning for a DiT): what its sizes must
+    # be multiples of. vLLM-Omni's AR processor rounds a target size down to its token grid silently (GLM-Image:
+    # 32 pixels a token); omni_serve refuses what would be rounded (a 400 naming ``size``).
+    image_size_multiple: int = 1
+    # (height, width, editing) -> the tokens the AR stage writes for an image of that size: a size needing more
+    # than the stage may decode (its max_tokens) is refused (a 400 naming ``size``), not left to fail the DiT.
+    image_tokens: Callable[[int, int, bool], int] | None = None
 
     def stage(self, model_stage: str) -> StageHooks:
         return self.stages.get(model_stage, DEFAULT)

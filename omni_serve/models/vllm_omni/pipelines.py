@@ -17,7 +17,8 @@ import logging
 import sys
 from typing import Any
 
-from omni_serve.models.vllm_omni import qwen3_tts, qwen_omni, voxtral_tts
+from omni_serve.models.vllm_omni import glm_image, qwen3_tts, qwen_omni, voxtral_tts
+from omni_serve.models.vllm_omni.edges import input_processor
 from omni_serve.models.vllm_omni.hooks import PipelineHooks
 
 # Per-model hooks, by pipeline (model type). A pipeline not listed needs none.
@@ -26,12 +27,15 @@ HOOKS: dict[str, PipelineHooks] = {
     "qwen2_5_omni": qwen_omni.QWEN2_5_OMNI,
     "qwen3_tts": qwen3_tts.QWEN3_TTS,
     "voxtral_tts": voxtral_tts.VOXTRAL_TTS,
+    "glm_image": glm_image.GLM_IMAGE,
 }
 
 # The execution types omni_serve's vllm_omni family runs, and the engine kind for each.
 KINDS = {"llm_ar": "autoregressive", "llm_generation": "generation"}
+# DiT stages run on vLLM-Omni's DiffusionEngine: the vllm_omni_diffusion family.
+DIFFUSION = "diffusion"
 # The final outputs an OpenAI route can return.
-SERVED_OUTPUTS = ("text", "audio")
+SERVED_OUTPUTS = ("text", "audio", "image")
 
 
 def hooks(pipeline: str) -> PipelineHooks:
@@ -78,17 +82,52 @@ def stage(model_type: str, stage_id: int) -> Any:
 
 def kind(stage: Any) -> str | None:
     """The engine kind that runs a stage (``autoregressive``, ``generation``), None for those it does not."""
-    return KINDS.get(str(getattr(stage.execution_type, "value", stage.execution_type)))
+    return KINDS.get(_execution(stage))
+
+
+def _execution(stage: Any) -> str:
+    return str(getattr(stage.execution_type, "value", stage.execution_type))
+
+
+def family(stage: Any) -> str:
+    """The omni_serve engine family of a stage: ``vllm_omni_diffusion`` for a DiT stage, else ``vllm_omni``."""
+    return "vllm_omni_diffusion" if _execution(stage) == DIFFUSION else "vllm_omni"
 
 
 def refusal(declared: Any, session_mode: str = "turn") -> str | None:
-    """Why a pipeline (its ``PipelineConfig``) cannot be served as a graph of ``vllm_omni`` stages; None if it can."""
+    """Why a pipeline (its ``PipelineConfig``) cannot be served as a graph of stages; None if it can.
+
+    ``llm_ar`` and ``llm_generation`` stages run on the ``vllm_omni`` family; a DiT stage on the
+    ``vllm_omni_diffusion`` family where an autoregressive stage feeds it (its declared input processor builds
+    the DiT's request from the AR's output) and it draws the image the client gets.
+    """
+    finals = {s.final_output_type for s in declared.stages if s.final_output}
     for s in declared.stages:
-        execution = str(getattr(s.execution_type, "value", s.execution_type))
-        if kind(s) is None:
+        execution = _execution(s)
+        where = f"stage {s.stage_id} ({s.model_stage})"
+        if execution == DIFFUSION:
+            upstream = [declared.get_stage(i) for i in s.input_sources]
+            if not upstream or any(kind(u) != "autoregressive" for u in upstream) or finals != {"image"}:
+                return (
+                    f"{where} is a diffusion stage; generated graphs run a DiT stage fed by an autoregressive stage, "
+                    "answering images only (a lone DiT: a hand-written vllm_omni_diffusion graph, docs/images.md)"
+                )
+            if (s.omni_kv_config or {}).get("need_recv_cache"):
+                return (
+                    f"{where} is a diffusion stage that reads its upstream's KV cache (omni_kv_config: vLLM-Omni's "
+                    "KV transfer between stages), which omni_serve's handoffs do not carry"
+                )
+            if input_processor(s) is None:
+                return f"{where} is a diffusion stage with no input processor to build its request from its upstream"
+            if any(getattr(u, "prompt_expand_func", None) for u in upstream):
+                return (
+                    f"{where} is a diffusion stage whose upstream expands each prompt into classifier-free guidance "
+                    "companion requests (prompt_expand_func), which omni_serve does not run"
+                )
+        elif kind(s) is None:
             return (
                 f"stage {s.stage_id} ({s.model_stage}) is a {execution} stage; the vllm_omni family runs llm_ar and "
-                "llm_generation stages (DiT stages: the vllm_omni_diffusion family, single-stage graphs only)"
+                "llm_generation stages, the vllm_omni_diffusion family DiT stages"
             )
         if s.final_output and s.final_output_type not in SERVED_OUTPUTS:
             return f"stage {s.stage_id} ({s.model_stage}) outputs {s.final_output_type!r}: no OpenAI-compatible route"
@@ -105,8 +144,12 @@ def refusal(declared: Any, session_mode: str = "turn") -> str | None:
 
 def entry_prompt(declared: Any) -> str:
     """What the pipeline's entry stage builds its prompt from: ``speech`` (the text to speak) when the pipeline
-    answers audio and no text (a TTS model: vLLM-Omni serves these on its speech API), else ``chat``."""
+    answers audio and no text (a TTS model: vLLM-Omni serves these on its speech API), ``image`` (an image
+    request: prompt, size, seed, a source image to edit) when it answers images only (vLLM-Omni's images API),
+    else ``chat``."""
     finals = {s.final_output_type for s in declared.stages if s.final_output}
+    if finals == {"image"}:
+        return "image"
     return "speech" if "audio" in finals and "text" not in finals else "chat"
 
 

@@ -303,6 +303,18 @@ class Graphs:
         finally:
             self.delete()
 
+    @contextlib.contextmanager
+    def own_beside(self, graph: str | Path, oracle: Callable[[], T]) -> Iterator[tuple[Graphs, T]]:
+        """:meth:`own`, with ``oracle`` (native vLLM-Omni started, asked and stopped) run in a thread while the graph
+        deploys: (the graph, what the oracle returned). The two starts share the cores, and neither waits for the
+        other's."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as pool:
+            native = pool.submit(oracle)
+            with self.own(graph) as deployed:
+                yield deployed, native.result()
+
     @staticmethod
     def handle(deployment: str, app: str = "omni"):
         from ray import serve

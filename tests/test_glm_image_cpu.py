@@ -17,7 +17,6 @@ from __future__ import annotations
 import base64
 import io
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -58,11 +57,10 @@ def native_replies(out: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def deployed(graphs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, dict[str, bytes]]]:
-    """(the graph, native's PNGs): native starts, answers and stops in a thread while the graph deploys."""
-    with ThreadPoolExecutor(1) as pool:
-        native = pool.submit(native_replies, tmp_path_factory.mktemp("native-glm"))
-        with graphs.own(GRAPH) as graph:
-            yield graph, native.result()
+    """(the graph, native's replies): native starts, answers and stops in a thread while the graph deploys."""
+    out = tmp_path_factory.mktemp("native-glm")
+    with graphs.own_beside(GRAPH, lambda: native_replies(out)) as deployed:
+        yield deployed
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ PyTorch and oneDNN at AVX2 there changed nothing), so the record is made where t
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -57,10 +56,9 @@ def native_replies(out: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def deployed(graphs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, dict[str, Any]]]:
     """(the graph, native's replies): native starts, answers and stops in a thread while the graph deploys."""
-    with ThreadPoolExecutor(1) as pool:
-        native = pool.submit(native_replies, tmp_path_factory.mktemp("native-voxtral"))
-        with graphs.own(GRAPH) as graph:
-            yield graph, native.result()
+    out = tmp_path_factory.mktemp("native-voxtral")
+    with graphs.own_beside(GRAPH, lambda: native_replies(out)) as deployed:
+        yield deployed
 
 
 @pytest.fixture(scope="module")

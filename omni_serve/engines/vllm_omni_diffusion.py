@@ -14,7 +14,8 @@ SDPA attention):
    ``model_index.json``; what vLLM-Omni declares that class makes (``get_diffusion_output_type``)
    picks the request mapping: ``image`` for Qwen-Image (the mapping below is Qwen-Image's, so
    only ``QwenImagePipeline``), ``video`` for any text-to-video pipeline (Wan 2.2 TI2V: vLLM-Omni's
-   ``/v1/videos`` mapping, below); anything else is refused at start;
+   ``/v1/videos`` mapping, below); anything else is refused at start, but the DiT stage of a vLLM-Omni
+   pipeline (``pipeline``, ``stage_id``: its declared ``model_arch``), whose requests its upstream makes;
 3. ``DiffusionEngine.make_engine(od_config)`` builds the executor (``uni`` in-process for
    one GPU, ``mp`` worker processes otherwise), loads the weights and runs vLLM-Omni's
    warm-up request;
@@ -33,6 +34,12 @@ the ``diffusers`` family decides, because vLLM-Omni's Qwen-Image falls back to
 a seed gives the same image on any GPU; the ``n`` images of a request draw in turn from
 that one generator and differ. Sizes must be multiples of 16 (Qwen-Image's 8x VAE and 2x2
 patches): vLLM-Omni would silently round them down, here they are rejected.
+
+Requests of a pipeline's DiT stage (:meth:`VllmOmniDiffusionEngine._from_handoff`; GLM-Image): the stage's
+declared input processor (``ar2diffusion``) makes the diffusion prompt from the upstream AR's handoff and the
+request's prompt it carries (:func:`omni_serve.models.vllm_omni.edges.diffusion_input`): prior token ids, the
+size, the image to edit; the request's steps and guidance (or the stage's defaults) and the AR's seed go to
+the sampling params, as vLLM-Omni's multistage image request sets them (one image per request).
 
 Video requests (:func:`video_request_fields`, pure) map :class:`~omni_serve.types.VideoParams` as
 vLLM-Omni's ``/v1/videos`` maps its form: size -> ``width``/``height``, ``num_frames``, steps,

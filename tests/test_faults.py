@@ -295,16 +295,20 @@ def replica_pid(deployment: str) -> int:
     return int(ray.get(ray.get_actor(replica, namespace="serve").__ray_call__.remote(lambda _self: os.getpid())))
 
 
-def vllm_processes(pid: int) -> list[str]:
-    """The command lines of the vLLM processes under a process: its EngineCore and any worker (vLLM titles them
-    ``VLLM::...``), not the helpers (multiprocessing's resource tracker)."""
+def vllm_processes(pid: int) -> dict[int, str]:
+    """The vLLM processes under a process (pid -> command line): its EngineCore and any worker, not the helpers
+    (multiprocessing's resource tracker).
+
+    Told apart from the helper by what it is, not by vLLM's title (``VLLM::...``, set with setproctitle once the
+    process runs): in two full-suite runs a thinker's EngineCore kept multiprocessing's spawn command line for 30 s
+    and more while it served (2026-11-30; not reproduced alone), and a test looking for the title found none."""
     import psutil
 
-    found = []
+    found = {}
     for child in psutil.Process(pid).children(recursive=True):
         with contextlib.suppress(psutil.Error):  # one that ended meanwhile
-            found.append(" ".join(child.cmdline()))
-    return [cmdline for cmdline in found if cmdline.startswith("VLLM::")]
+            found[child.pid] = " ".join(child.cmdline())
+    return {p: cmdline for p, cmdline in found.items() if "multiprocessing.resource_tracker" not in cmdline}
 
 
 def ingress_log_lines(pattern: str) -> list[str]:

@@ -357,7 +357,7 @@ class TestSingleStageGraph:
         from tests.test_faults import replica_pid, vllm_processes
 
         processes = vllm_processes(replica_pid(STAGE_DEPLOYMENT))
-        assert len(processes) == 1 and "EngineCore" in processes[0], processes
+        assert len(processes) == 1, processes
 
     def test_non_streaming_and_max_tokens(self, client) -> None:
         reply = client.chat.completions.create(

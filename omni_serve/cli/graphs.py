@@ -346,39 +346,8 @@ def generate(
         engine = deploy_settings(deploy, ds)
         if pipelines.family(s) == "vllm_omni_diffusion":
             graph_stages.append(_diffusion_stage(key, model, s, names, engine, ds))
-            devices = _devices(ds)
-            shared = devices is not None and device_users[devices] > 1
-            deployments.append(_deployment(names[s.stage_id], engine, shared, ds.num_replicas if ds else 1))
-            continue
-        sampling, extra = _split_sampling(dict((ds and ds.default_sampling_params) or {}), s.sampling_constraints)
-        engine_args: dict[str, Any] = {"model": model, "pipeline": key, "stage_id": s.stage_id}
-        if not s.input_sources:
-            if entry_prompt != "chat":
-                engine_args["entry"] = entry_prompt
-            media = pipelines.entry_media(declared)
-            if entry_prompt == "image":  # an image request carries at most the image to edit
-                media = [m for m in media if m == "image"]
-            if media:
-                engine_args["media"] = media
-            # A chat entry stage parses tool calls from its output with the model family's parser (a hook).
-            if entry_prompt == "chat" and (parser := pipelines.hooks(key).tool_call_parser):
-                engine_args["tool_call_parser"] = parser
-        if extra:
-            engine_args["sampling_constraints"] = extra
-        stage: dict[str, Any] = {"name": names[s.stage_id], "engine": "vllm_omni"}
-        if s.input_sources:
-            stage["inputs"] = [names[i] for i in s.input_sources]
-        chunks = _chunks(declared, deploy, s)
-        if chunks is not None:
-            engine_args["chunks"] = chunks
-        engine_args["engine"] = engine
-        stage["engine_args"] = engine_args
-        if _streams(declared, deploy, s):
-            stage["stream_input"] = True
-        if s.final_output:
-            stage["final_output"] = s.final_output_type
-        stage["default_sampling"] = sampling
-        graph_stages.append(stage)
+        else:
+            graph_stages.append(_vllm_omni_stage(key, declared, deploy, s, names, model, engine, ds, entry_prompt))
         devices = _devices(ds)
         shared = devices is not None and device_users[devices] > 1
         deployments.append(_deployment(names[s.stage_id], engine, shared, ds.num_replicas if ds else 1))
@@ -409,6 +378,52 @@ def generate(
             }
         ],
     }
+
+
+def _vllm_omni_stage(
+    key: str,
+    declared: Any,
+    deploy: Any,
+    s: Any,
+    names: dict[int, str],
+    model: str,
+    engine: dict[str, Any],
+    ds: Any,
+    entry_prompt: str,
+) -> dict[str, Any]:
+    """An llm_ar / llm_generation stage (``vllm_omni``) of pipeline ``key``: its declaration named, its deploy
+    settings and sampling (``entry_prompt``: what the pipeline's entry stage builds its prompt from)."""
+    from omni_serve.models.vllm_omni import pipelines
+
+    sampling, extra = _split_sampling(dict((ds and ds.default_sampling_params) or {}), s.sampling_constraints)
+    engine_args: dict[str, Any] = {"model": model, "pipeline": key, "stage_id": s.stage_id}
+    if not s.input_sources:
+        if entry_prompt != "chat":
+            engine_args["entry"] = entry_prompt
+        media = pipelines.entry_media(declared)
+        if entry_prompt == "image":  # an image request carries at most the image to edit
+            media = [m for m in media if m == "image"]
+        if media:
+            engine_args["media"] = media
+        # A chat entry stage parses tool calls from its output with the model family's parser (a hook).
+        if entry_prompt == "chat" and (parser := pipelines.hooks(key).tool_call_parser):
+            engine_args["tool_call_parser"] = parser
+    if extra:
+        engine_args["sampling_constraints"] = extra
+    stage: dict[str, Any] = {"name": names[s.stage_id], "engine": "vllm_omni"}
+    if s.input_sources:
+        stage["inputs"] = [names[i] for i in s.input_sources]
+    chunks = _chunks(declared, deploy, s)
+    if chunks is not None:
+        engine_args["chunks"] = chunks
+    engine_args["engine"] = engine
+    stage["engine_args"] = engine_args
+    if _streams(declared, deploy, s):
+        stage["stream_input"] = True
+    if s.final_output:
+        stage["final_output"] = s.final_output_type
+    stage["default_sampling"] = sampling
+    return stage
 
 
 # Deploy settings of a DiT stage -> the vllm_omni_diffusion family's engine_args (the parallel ones nested).

@@ -97,6 +97,7 @@ from omni_serve.payload import HandoffPayload
 from omni_serve.types import (
     EngineError,
     FinishReason,
+    ImageParams,
     InvalidStageInput,
     Modality,
     StageOutput,
@@ -534,15 +535,10 @@ class VllmOmniDiffusionEngine(StageEngine):
 
         if self._engine is None:
             raise EngineError(f"stage {self.stage_name}: engine not started")
-        if (handoff is not None) != (self._declared is not None):
-            raise EngineError(
-                f"stage {self.stage_name}: "
-                + (
-                    "a lone DiT stage takes no upstream handoff"
-                    if handoff is not None
-                    else "needs its upstream's handoff"
-                )
-            )
+        if handoff is not None and self._declared is None:
+            raise EngineError(f"stage {self.stage_name}: a lone DiT stage takes no upstream handoff")
+        if handoff is None and self._declared is not None:
+            raise EngineError(f"stage {self.stage_name}: needs its upstream's handoff")
         video: VideoParams | None = None
         if handoff is not None:
             text_prompt, sampling = self._from_handoff(request, handoff)
@@ -625,26 +621,19 @@ class VllmOmniDiffusionEngine(StageEngine):
             prompt = diffusion_input(self._declared, [handoff], request_id=request.request_id)
         except ValueError as err:  # the upstream output does not parse (e.g. too few tokens for the size)
             raise EngineError(f"stage {self.stage_name}: {err}") from None
-        width, height = int(prompt["width"]), int(prompt["height"])
-        if width * height > self.args.max_pixels:
-            raise InvalidStageInput(f"size: at most {self.args.max_pixels} pixels (got {width}x{height})", "size")
-        image = request.image
-        steps = image.num_inference_steps if image is not None else None
-        steps = steps if steps is not None else self.args.default_num_inference_steps
-        if not 1 <= steps <= self.args.max_inference_steps:
-            raise InvalidStageInput(
-                f"num_inference_steps: must be in [1, {self.args.max_inference_steps}] (got {steps})",
-                "num_inference_steps",
-            )
-        guidance = image.guidance_scale if image is not None else None
-        seed = handoff.meta.get("seed")
+        # The size ar2diffusion decided and the seed the AR ran with, checked against this stage's limits as any
+        # image request is (steps and guidance: the request's, or the stage's defaults).
+        given = (request.image or ImageParams(width=0, height=0)).model_copy(
+            update={"width": int(prompt["width"]), "height": int(prompt["height"]), "seed": handoff.meta.get("seed")}
+        )
+        params = resolve_image_params(dataclasses.replace(request, image=given), self.args)
         sampling = {
-            "width": width,
-            "height": height,
-            "num_inference_steps": steps,
-            "guidance_scale": guidance if guidance is not None else self.args.default_guidance_scale,
+            "width": params.width,
+            "height": params.height,
+            "num_inference_steps": params.num_inference_steps,
+            "guidance_scale": params.guidance_scale,
             "num_outputs_per_prompt": 1,
-            "seed": None if seed is None else int(seed) % image_params.SEED_MOD,
+            "seed": params.seed % image_params.SEED_MOD,
             "emit_request_lifecycle": True,
         }
         return prompt, sampling

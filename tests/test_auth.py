@@ -7,7 +7,8 @@ the args' (no key). The `api_key` arg itself is tested on the image graph (tests
 
 Also the rest of the front door on the same keyed graph (one deploy): every route and the websocket
 need the key, a foreign ``Host`` is refused on a loopback server (DNS rebinding), a POST must say its
-body's type, and a browser's realtime session must be same-origin or listed.
+body's type, a browser page of another site may not post (a form or JSON), and a browser's realtime session
+must be same-origin or listed.
 """
 
 from __future__ import annotations
@@ -173,6 +174,47 @@ def test_a_loopback_server_refuses_a_foreign_host(keyed) -> None:
         asyncio.run(websocket(f"evil.example:{HTTP_PORT}"))
     assert refused.value.response.status_code == 403
     asyncio.run(websocket(f"localhost:{HTTP_PORT}"))
+
+
+def test_a_page_of_another_site_may_not_post_a_form_or_json(keyed) -> None:
+    """Cross-site forms: a page posts multipart/form-data anywhere without a CORS preflight, so a POST carrying a
+    foreign browser Origin is 403 on every route (before the key is read); the server's own pages (the
+    playground) and clients that send no Origin get the route's answer (omni_serve.api.hosts)."""
+    import io
+
+    import numpy as np
+    import soundfile as sf
+
+    from tests.audio import spoken
+
+    wav = io.BytesIO()
+    sf.write(wav, np.frombuffer(spoken("Hello there."), "<i2"), 24000, format="WAV", subtype="PCM_16")
+    base, key = keyed.base_url, {"authorization": f"Bearer {KEY}"}
+
+    def transcribe(headers: dict[str, str]) -> httpx.Response:
+        form = {"file": ("hello.wav", wav.getvalue(), "audio/wav")}
+        url = f"{base}/v1/audio/transcriptions"
+        return httpx.post(url, files=form, data={"model": "tiny-qwen3-omni"}, headers=headers, timeout=120)
+
+    speech = {"model": "tiny-qwen3-omni", "input": "Hi", "response_format": "wav"}
+    for origin in ("https://evil.example", f"http://127.0.0.1:{HTTP_PORT + 7}", "null"):
+        for headers in ({**key, "origin": origin}, {"origin": origin}):
+            replies = [
+                transcribe(headers),
+                httpx.post(f"{base}/v1/chat/completions", json=CHAT, headers=headers, timeout=30),
+                httpx.post(f"{base}/v1/audio/speech", json=speech, headers=headers, timeout=30),
+            ]
+            for reply in replies:
+                assert reply.status_code == 403, (origin, reply.request.url, reply.text)
+                assert reply.json()["error"]["code"] == "origin_not_allowed"
+    own = {**key, "origin": f"http://127.0.0.1:{HTTP_PORT}"}
+    for headers in (own, key):  # the playground's page; curl and the openai client send no Origin
+        reply = transcribe(headers)
+        assert reply.status_code == 200 and reply.json()["text"], reply.text
+        chat = httpx.post(f"{base}/v1/chat/completions", json=CHAT, headers=headers, timeout=60)
+        assert chat.status_code == 200, chat.text
+    listed = httpx.post(f"{base}/v1/chat/completions", json=CHAT, headers={**key, "origin": ORIGIN}, timeout=60)
+    assert listed.status_code == 200, listed.text  # realtime.allowed_origins: the one list, for every route
 
 
 def test_health_stays_open(keyed) -> None:

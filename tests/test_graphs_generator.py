@@ -142,6 +142,8 @@ def test_cli_writes_a_graph_from_a_deploy_yaml_path(tmp_path):
     assert config["applications"][0]["args"]["served_model_name"] == "/models/q25"
     assert {s["engine_args"]["model"] for s in _stages(config)} == {"/models/q25"}
     assert out.read_text().startswith("# ")
+    # Served on 0.0.0.0, where an ingress without an API key does not start: the header says how to give one.
+    assert config["http_options"]["host"] == "0.0.0.0" and "\n".join(graphs.KEY_HEADER) in out.read_text()
 
 
 # --- the whole registry ---------------------------------------------------------------------------

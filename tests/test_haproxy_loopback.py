@@ -70,7 +70,26 @@ def test_haproxy_accepts_the_rewritten_config(tmp_path: Path) -> None:
     assert "valid" in (result.stdout + result.stderr).lower()
 
 
-def test_a_config_without_the_stats_line_fails_the_start(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("line", "named"),
+    [
+        (f"bind *:{STATS}", "the stats line"),
+        (f"bind :{METRICS}", "the metrics line"),
+        (" mode 666 level admin", "the admin socket line"),
+    ],
+)
+def test_a_config_without_a_line_to_rewrite_fails_the_start(tmp_path: Path, line: str, named: str) -> None:
+    """Serve's config with one of the three lines gone (a changed template): HAProxy is not started at all."""
+    config = serve_config(tmp_path)
+    kept = [kept for kept in config.read_text().splitlines() if line not in kept]
+    config.write_text("\n".join(kept) + "\n")
+    started = tmp_path / "started"
+    result = wrapped(tmp_path, "/bin/touch", str(started), "-f", str(config))
+    assert result.returncode == 1 and named in result.stderr and "not starting HAProxy" in result.stderr
+    assert not started.exists()
+
+
+def test_a_config_with_none_of_the_lines_fails_the_start(tmp_path: Path) -> None:
     config = tmp_path / "haproxy.cfg"
     config.write_text("global\n    maxconn 10\n")
     result = wrapped(tmp_path, "/bin/true", "-db", "-f", str(config))

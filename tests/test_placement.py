@@ -224,10 +224,21 @@ def test_cluster_launcher_node_types_advertise_the_pins_and_fit_the_stages():
     on_shared = [deployments[s]["ray_actor_options"]["num_gpus"] for s, k in PINS.items() if k == SHARED]
     assert sum(on_shared) <= 1  # talker + code2wav share one GPU of a gpu_shared node
     assert not set(types[config["head_node_type"]].get("resources", {})) & {BIG, SHARED}
-    # Every node's Ray starts with Serve's HAProxy ingress (read when Ray's processes start).
+    # Every node's Ray starts with Serve's HAProxy ingress and the API key (read when Ray's processes start: an
+    # ingress replica, wherever it lands, has the key; without it, on 0.0.0.0, it would not start).
+    environment = 'RAY_SERVE_ENABLE_HA_PROXY=1 OMNI_SERVE_API_KEY="$(cat ~/.omni_serve_api_key)" ray start'
     for commands in (config["head_start_ray_commands"], config["worker_start_ray_commands"]):
         starts = [c for c in commands if "ray start" in c]
-        assert starts and all(c.startswith("RAY_SERVE_ENABLE_HA_PROXY=1 ray start") for c in starts), commands
+        assert starts and all(c.startswith(environment) for c in starts), commands
+    assert "~/.omni_serve_api_key" in config["file_mounts"]
+
+
+# The API key every pod's Ray hands its processes: Serve listens on 0.0.0.0, where an ingress without one
+# does not start.
+API_KEY_ENV = {
+    "name": "OMNI_SERVE_API_KEY",
+    "valueFrom": {"secretKeyRef": {"name": "omni-serve-api-key", "key": "key"}},
+}
 
 
 def test_kuberay_service_serves_the_qwen3_graph_on_the_same_node_types():
@@ -253,6 +264,7 @@ def test_kuberay_service_serves_the_qwen3_graph_on_the_same_node_types():
     for group in groups:
         for container in group["template"]["spec"]["containers"]:  # Serve's HAProxy ingress on every pod
             assert {"name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "1"} in container.get("env", []), group
+            assert API_KEY_ENV in container["env"], group  # and the key: the ingress may land on any pod
         pod = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": group["template"]}
         kubernetes_validate.validate(pod, kubernetes_validate.latest_version(), strict=True)
 

@@ -21,9 +21,10 @@ import numpy as np
 import openai
 import pytest
 
-from tests.conftest import HTTP_PORT, wait_until
+from tests.conftest import HTTP_PORT, graph_variant, wait_until
 from tests.deps import require
 from tests.test_playground import browser, driver, page  # noqa: F401  - the playground's browser fixtures
+from tests.test_vllm_omni_invalid_params import VIDEO_CASES, VIDEO_LIST_CASES, VIDEO_MISSING, Case, cases, check
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm_cpu, pytest.mark.timeout(900)]
 require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
@@ -115,11 +116,9 @@ def test_the_video_lives_in_the_object_store_held_by_the_jobs_actor(graph, clien
     """The result is an ObjectRef the jobs actor holds (never bytes on the ingress's heap), freed on delete."""
     import ray
 
-    from omni_serve.api.video_jobs import ACTOR_PREFIX, actor_key_of
-
     created = create(client)
     finished(client, created.id)
-    jobs = ray.get_actor(f"{ACTOR_PREFIX}{actor_key_of(created.id)}", namespace="serve")
+    jobs = jobs_actor(created.id)
     held = ray.get(jobs.__ray_call__.remote(lambda actor, i=created.id: type(actor.results[i]).__name__))
     assert held == "ObjectRef"
     client.videos.delete(created.id)
@@ -181,6 +180,20 @@ def test_bad_requests_get_400_naming_the_field_before_any_job(graph, ask: dict[s
     assert reply.json()["error"]["param"] == field, reply.text
 
 
+@cases(*VIDEO_CASES, *VIDEO_LIST_CASES)
+def test_vllm_omnis_invalid_video_requests(graph, case: Case) -> None:
+    """vLLM-Omni's own suite for these routes (tests/test_vllm_omni_invalid_params.py has the cases)."""
+    check(graph.base_url, "/v1/videos", case)
+
+
+@pytest.mark.parametrize(("method", "route"), [("GET", ""), ("DELETE", ""), ("GET", "/content")])
+def test_vllm_omnis_missing_video_is_404(graph, method: str, route: str) -> None:
+    video_id, status = VIDEO_MISSING
+    reply = httpx.request(method, f"{graph.base_url}/v1/videos/{video_id}{route}", timeout=60)
+    assert reply.status_code == status, reply.text
+    assert "video" in reply.json()["error"]["message"].lower()
+
+
 def test_image_to_video_and_other_variants_are_refused(graph, client) -> None:
     with pytest.raises(openai.BadRequestError, match="input_reference"):
         client.videos.create(model=MODEL, prompt="p", input_reference=("a.png", b"\x89PNG", "image/png"))
@@ -196,6 +209,87 @@ def test_other_routes_refuse_a_video_graph(graph) -> None:
     assert "does not answer /v1/images/generations: it generates no images" in reply.json()["error"]["message"]
     card = httpx.get(f"{graph.base_url}/v1/models", timeout=30).json()["data"][0]
     assert card["modalities"] == ["video"]
+
+
+def test_the_create_names_both_bodies_it_takes_and_list_query_errors_are_openai_errors(graph) -> None:
+    for headers, body in (({"content-type": "application/x-www-form-urlencoded"}, b"prompt=p"), ({}, b"")):
+        reply = httpx.post(f"{graph.base_url}/v1/videos", headers=headers, content=body, timeout=30)
+        assert reply.status_code == 415, reply.text
+        assert "application/json or multipart/form-data" in reply.json()["error"]["message"], reply.text
+    for query in ("limit=abc", "limit=0", "limit=101", "order=up"):
+        reply = httpx.get(f"{graph.base_url}/v1/videos?{query}", timeout=30)
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["error"]["param"] == query.split("=")[0], reply.text
+
+
+def jobs_actor(video_id: str) -> Any:
+    import ray
+
+    from omni_serve.api.video_jobs import actor_key_of, actor_name
+
+    return ray.get_actor(actor_name("omni", actor_key_of(video_id) or ""), namespace="serve")
+
+
+KEYS = {"alice": "alice-1", "bob": "bob-1"}
+
+
+def test_jobs_are_their_clients_and_a_rotated_key_keeps_them(graphs, graph) -> None:
+    """A key ring set through the ingress's user_config (in place): a job is its client's (bob sees none of alice's),
+    and alice's key replaced under her name (old and new, then the new alone) keeps her jobs; the videos limits
+    set so reach the jobs actor, and a query parameter is checked after the key."""
+    import ray
+
+    def keyed(**settings: Any) -> None:
+        graphs.deploy(GRAPH, graph_variant(deployments={"ingress": {"user_config": settings}}))
+        graphs.wait_healthy()
+
+    try:
+        keyed(api_keys=KEYS, videos={"job_timeout_s": 300})
+        assert httpx.get(f"{graph.base_url}/v1/videos?limit=abc", timeout=30).status_code == 401  # the key first
+        alice, bob = client_for(graph, "alice-1"), client_for(graph, "bob-1")
+        created = create(alice)
+        with pytest.raises(openai.NotFoundError):
+            bob.videos.retrieve(created.id)
+        assert created.id not in [v.id for v in bob.videos.list()]
+        with pytest.raises(openai.AuthenticationError):
+            client_for(graph, "alice").videos.list()
+        keyed(api_keys={**KEYS, "alice": ["alice-1", "alice-2"]}, videos={"job_timeout_s": 301})
+        assert finished(client_for(graph, "alice-2"), created.id).status == "completed"
+        keyed(api_keys={**KEYS, "alice": "alice-2"}, videos={"job_timeout_s": 302})
+        moved = client_for(graph, "alice-2")
+        assert created.id in [v.id for v in moved.videos.list()]
+        assert decoded(moved.videos.download_content(created.id).read())[0].shape == (9, 32, 64, 3)
+        with pytest.raises(openai.AuthenticationError):
+            alice.videos.retrieve(created.id)
+        limits = ray.get(jobs_actor(created.id).__ray_call__.remote(lambda actor: actor.limits.job_timeout_s))
+        assert limits == 302
+    finally:
+        graphs.deploy(GRAPH)  # the user_config removed: no key again, in place
+        graphs.wait_healthy()
+
+
+def test_a_dead_jobs_actor_is_replaced_and_its_jobs_are_404(graph, client) -> None:
+    import ray
+
+    before = finished(client, create(client).id)
+    actor = jobs_actor(before.id)
+    ray.kill(actor)
+
+    def dead() -> bool:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            return True
+        return False
+
+    wait_until(dead, 60, "the jobs actor to die")
+    with pytest.raises(openai.NotFoundError) as lost:
+        client.videos.retrieve(before.id)
+    assert lost.value.body["code"] == "video_not_found"  # type: ignore[index]
+    after = create(client)  # a new actor, not a 500
+    assert after.id != before.id and finished(client, after.id).status == "completed"
+    listed = [v.id for v in client.videos.list()]
+    assert after.id in listed and before.id not in listed
 
 
 # ---- the oracle: native vLLM-Omni on the same checkpoint ----------------------------------------

@@ -17,6 +17,7 @@ derives each stage call's engine id from the server's id.
 # ingress class travels to its replica by value, where string annotations no longer resolve.
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -34,9 +35,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from omni_serve.api import hosts, playground
-from omni_serve.api.auth import check_auth, required_key
+from omni_serve.api.auth import check_auth, key_ring
 from omni_serve.api.errors import from_failure, stage_bad_request
-from omni_serve.api.hosts import TrustedHosts
+from omni_serve.api.hosts import TrustedHosts, TrustedOrigins
 from omni_serve.api.http import check_content_type, parse_json_object, read_body, read_form
 from omni_serve.api.openai.audio_replies import AudioReplies
 from omni_serve.api.openai.chat import ChatCompletionRequest, ChatReply, SamplingRequest, StreamOptions
@@ -45,7 +46,15 @@ from omni_serve.api.openai.images import ImageEditRequest, ImageGenerationReques
 from omni_serve.api.openai.messages import MediaRules
 from omni_serve.api.openai.speech import TTS_FIELDS, SpeechReply, SpeechRequest
 from omni_serve.api.openai.transcriptions import TranscriptionReply, TranscriptionRequest, transcription_messages
-from omni_serve.api.openai.videos import VideoCreateRequest, VideoJob, not_found, refuse_files
+from omni_serve.api.openai.videos import (
+    VIDEO_BODIES,
+    VideoCreateRequest,
+    VideoJob,
+    list_query,
+    not_found,
+    refuse_files,
+    video_list,
+)
 from omni_serve.api.openai.voices import resolve_voice, voices_json
 from omni_serve.api.realtime.admission import Sessions
 from omni_serve.api.realtime.connection import serve_session
@@ -53,7 +62,16 @@ from omni_serve.api.realtime.session_graph import SessionGraph
 from omni_serve.api.realtime.vad import VadWorkers
 from omni_serve.api.sampling import StageSampling
 from omni_serve.api.serving import Serving
-from omni_serve.api.video_jobs import ACTOR_PREFIX, VideoJobs, actor_key_of, new_job_id, owner_of, unpack
+from omni_serve.api.video_jobs import (
+    VideoJobs,
+    actor_key_in,
+    actor_key_of,
+    actor_name,
+    jobs_graph,
+    new_job_id,
+    owner_of,
+    unpack,
+)
 from omni_serve.graph.config import DEADLINE_MARGIN_S, GraphConfig, check_timeouts, load_graph
 from omni_serve.graph.metrics import RequestMetrics
 from omni_serve.graph.orchestrator import OmniRequest, Orchestrator, StageFailed
@@ -72,7 +90,8 @@ logger = logging.getLogger("ray.serve")
 Body = TypeVar("Body", bound=BaseModel)
 
 api = FastAPI(title="omni_serve", docs_url=None, redoc_url=None, openapi_url=None)  # no route outside the API key
-api.add_middleware(TrustedHosts)  # every route and the websocket: the Host check (omni_serve.api.hosts)
+api.add_middleware(TrustedOrigins)  # every request that acts: the Origin check (omni_serve.api.hosts)
+api.add_middleware(TrustedHosts)  # every route and the websocket: the Host check, outermost (added last)
 
 
 @api.exception_handler(APIError)
@@ -103,20 +122,21 @@ class Ingress:
         self.transport = transport
         self._stage_handles = stages  # the video jobs actor calls the stages with them
         self._video_jobs: Any = None  # this replica's VideoJobs actor, started by the first video job
+        self._video_jobs_key = ""  # its key (32 hex digits: the job ids name it)
+        self._video_settings = jobs_graph(self.graph)  # its graph: the args, with the run-time settings over them
         self._peer_video_jobs: dict[str, Any] = {}  # other replicas' VideoJobs actors, by key
         self._video_rules: VideoRules | None = None  # the video stage's, asked once
         self.serving = Serving(Orchestrator(self.graph, transport), RequestMetrics())
         self.sampling = StageSampling(self.graph)
         self.args = graph  # the graph's args as deployed: the run-time settings go over them (reconfigure)
-        self.api_key = required_key(self.graph.api_key)
+        self.api_key = key_ring(self.graph)  # None: no key (omni_serve.api.auth)
         self.serve_view = ServeView(
             serve.get_replica_context().app_name, {s.name: self.graph.deployment(s.name) for s in self.graph.stages}
         )
         http_options = self.serve_view.http_options()
-        hosts.configure(http_options.host, self.graph.allowed_hosts)
-        warning = hosts.exposure_warning(http_options.host, self.api_key)
-        if warning is not None:
-            logger.warning(warning)
+        # The origins again and the key check (hosts.check_exposure) are reconfigure's: Serve calls it right after
+        # this constructor, and at every settings change, with the user_config, whose api_key counts too.
+        hosts.configure(http_options.host, self.graph.allowed_hosts, self.graph.allowed_origins)
         # Serve's own limit; the ingress answers 504 before it (see check_timeouts).
         timeout = http_options.request_timeout_s
         self.request_timeout_s = float(timeout) if timeout and timeout > 0 else None
@@ -149,16 +169,23 @@ class Ingress:
         )
 
     def reconfigure(self, user_config: Any, rank: Any = None) -> None:
-        """Serve's hook for the deployment's ``user_config`` (omni_serve.graph.settings): the API key, the stage
-        timeout and the realtime limits, applied to this running replica; requests and sessions that start after
-        it get them. Taking ``rank`` makes Serve call it also when the user_config is removed (the args' again)."""
+        """Serve's hook for the deployment's ``user_config`` (omni_serve.graph.settings): the API keys, the stage
+        timeout, the realtime limits and the video jobs' (handed to this replica's jobs actor), applied to this
+        running replica; requests, sessions and jobs that start after it get them. Taking ``rank`` makes Serve
+        call it also when the user_config is removed (the args' again), and right after the constructor when
+        there is none: every start ends here, refused without a key off loopback (hosts.check_exposure) before
+        the replica is ready, and a change that drops the key is refused."""
         graph = ingress_graph(self.args, user_config, self.request_timeout_s)
-        self.api_key = required_key(graph.api_key)
-        warning = hosts.exposure_warning(self.serve_view.http_options().host, self.api_key)
-        if warning is not None:
-            logger.warning(warning)
+        api_key = key_ring(graph)
+        bound = self.serve_view.http_options().host
+        hosts.check_exposure(bound, has_key=api_key is not None, open_on_purpose=graph.allow_unauthenticated)
+        self.api_key = api_key
+        hosts.configure(bound, graph.allowed_hosts, graph.allowed_origins)
         self.serving.orchestrator.stage_timeout_s = graph.stage_timeout_s
         self.session_graph = dataclasses.replace(self.session_graph, limits=graph.realtime)
+        self._video_settings = jobs_graph(graph)  # the jobs actor's, now or when it starts
+        if self._video_jobs is not None:
+            self._video_jobs.reconfigure.remote(self._video_settings)  # in order before any later create
 
     # ---- the engine in this replica (engine_in_ingress): Serve's hooks, handle methods, shutdown ------
     async def check_health(self) -> None:
@@ -202,8 +229,9 @@ class Ingress:
         return {**self.session_graph.sessions.stats(), "vad_audio_s": self.session_graph.vad.audio_s}
 
     # ---- what the routes share -----------------------------------------------------------------
-    def _check_auth(self, request: Request) -> None:
-        check_auth(request.headers.get("authorization"), self.api_key)
+    def _check_auth(self, request: Request) -> str:
+        """The client making the request (omni_serve.api.auth), or 401."""
+        return check_auth(request.headers.get("authorization"), self.api_key)
 
     async def _parse(self, request: Request, model: type[Body]) -> Body:
         self._check_auth(request)
@@ -342,14 +370,15 @@ class Ingress:
         modalities = self._modalities(body)
         messages = self._chat_messages(body)
         tools = body.tool_calling()
-        voice = await self._voice(*body.requested_voice()) if Modality.AUDIO in modalities else None
+        # A voice the graph does not have is a 400 even when the reply has no audio (as vLLM-Omni refuses it).
+        voice = await self._voice(*body.requested_voice())
         omni = self._omni_request(
             request,
             arrived,
             modalities=modalities,
             sampling=self.sampling.for_request(body),
             messages=messages,
-            voice=voice,
+            voice=voice if Modality.AUDIO in modalities else None,
             return_prompt_text=bool(body.return_prompt_text),
             tools=tools,
         )
@@ -376,6 +405,9 @@ class Ingress:
         self._check_auth(request)
         limit = max(self.graph.max_request_bytes, self.graph.media_input.max_bytes + (64 << 10))
         fields, files = await read_form(request, limit)
+        extra = sorted(set(files) - {"file"})  # a file the route does not read is refused, never dropped
+        if extra and "file" in files:  # (without 'file', the 400 names the file missing)
+            raise bad_request(f"{extra[0]}: unknown file field (this route takes one audio file, 'file')", extra[0])
         try:
             body = TranscriptionRequest.model_validate(fields)
         except ValidationError as err:
@@ -508,36 +540,47 @@ class Ingress:
     # ---- /v1/videos: OpenAI's video jobs (omni_serve.api.video_jobs) ------------------------------
     def _video_route(self, request: Request) -> str:
         """Auth first (every route but /health answers 401 without the key, whatever the graph serves), then
-        404 on a graph that makes no video (the routes exist only where videos do); the owner key."""
-        self._check_auth(request)
+        404 on a graph that makes no video (the routes exist only where videos do); whose jobs it sees."""
+        client = self._check_auth(request)
         if self.routes["/v1/videos"] is not None:
             raise APIError(404, "Not Found", type="invalid_request_error")
-        return owner_of(request.headers.get("authorization"))
+        return owner_of(client, request.headers.get("authorization"))
 
     def _own_video_jobs(self) -> tuple[str, Any]:
-        """(key, handle) of this replica's VideoJobs actor, started on first use.
+        """(key, handle) of this replica's VideoJobs actor, started on first use (and again once it died).
 
         No CPU, on this node, owned by this replica's process (it dies with the replica, and with it the
-        replica's jobs: the module docstring of omni_serve.api.video_jobs says what that means), named
-        after the replica's actor id, which every job id carries.
+        replica's jobs: the module docstring of omni_serve.api.video_jobs says what that means), named after
+        this Serve application and a key of its own, which every job id carries.
         """
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        context = ray.get_runtime_context()
-        key = context.get_actor_id() or context.get_worker_id()[:32]
         if self._video_jobs is None:
+            context = ray.get_runtime_context()
+            self._video_jobs_key = uuid.uuid4().hex
             self._video_jobs = (
                 ray.remote(VideoJobs)
                 .options(
-                    name=f"{ACTOR_PREFIX}{key}",
+                    name=actor_name(self.serve_view.app_name, self._video_jobs_key),
                     num_cpus=0,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(context.get_node_id(), soft=False),
                     max_concurrency=1000,
                 )
-                .remote(self.graph.model_dump(mode="json"), self._stage_handles)
+                .remote(self._video_settings, self._stage_handles)
             )
-        return key, self._video_jobs
+        return self._video_jobs_key, self._video_jobs
+
+    def _video_jobs_died(self, handle: Any) -> None:
+        """This replica's jobs actor ``handle`` no longer answers: the next create starts another (its jobs are
+        lost: 404 from every replica, their ids naming an actor that no longer exists)."""
+        import ray
+
+        if handle is self._video_jobs:
+            logger.warning("video jobs actor %s stopped answering: starting another", self._video_jobs_key)
+            self._video_jobs = None
+            with contextlib.suppress(Exception):  # unavailable, not dead: its name must not answer for lost jobs
+                ray.kill(handle)
 
     async def _video_jobs_of(self, video_id: str) -> Any:
         """The VideoJobs actor that runs ``video_id``: this replica's, or another's found by name; 404 if none."""
@@ -546,25 +589,26 @@ class Ingress:
         key = actor_key_of(video_id)
         if key is None:
             raise not_found(video_id)
-        own_key, own = self._own_video_jobs() if self._video_jobs is not None else (None, None)
-        if key == own_key:
-            return own
+        if self._video_jobs is not None and key == self._video_jobs_key:
+            return self._video_jobs
         if key not in self._peer_video_jobs:
             try:
-                self._peer_video_jobs[key] = await asyncio.to_thread(ray.get_actor, f"{ACTOR_PREFIX}{key}")
+                name = actor_name(self.serve_view.app_name, key)
+                self._peer_video_jobs[key] = await asyncio.to_thread(ray.get_actor, name)
             except ValueError:  # no such actor: its replica stopped (or never existed)
                 raise not_found(video_id) from None
         return self._peer_video_jobs[key]
 
-    async def _ask_video_jobs(self, video_id: str, method: str, *args: Any) -> dict[str, Any]:
+    async def _ask_video_jobs(self, video_id: str, method: str, *args: Any) -> Any:
         """One call of the actor that runs ``video_id``; a dead actor (its replica stopped) is a 404."""
         from ray.exceptions import RayActorError
 
         jobs = await self._video_jobs_of(video_id)
         try:
-            return unpack(await getattr(jobs, method).remote(video_id, *args))
+            return await getattr(jobs, method).remote(video_id, *args)
         except RayActorError:
             self._peer_video_jobs.pop(actor_key_of(video_id) or "", None)
+            self._video_jobs_died(jobs)
             raise not_found(video_id) from None
 
     async def _video_stage_rules(self) -> VideoRules:
@@ -588,7 +632,6 @@ class Ingress:
             refuse_files(files)
             data: dict[str, Any] = dict(fields)
         else:
-            check_content_type(request.headers.get("content-type"))
             data = parse_json_object(await read_body(request, self.graph.max_request_bytes))
         try:
             return VideoCreateRequest.model_validate(data)
@@ -599,8 +642,13 @@ class Ingress:
     async def videos_create(self, request: Request) -> JSONResponse:
         """OpenAI's video API: the job answers at once (queued) and runs apart from this request."""
         self._check_auth(request)
-        if not (request.headers.get("content-type") or "").lower().startswith("multipart/form-data"):
-            check_content_type(request.headers.get("content-type"))  # the 415 first, as on every POST route
+        media = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
+        if media != "multipart/form-data":
+            try:
+                check_content_type(media)  # the 415 first, as on every POST route
+            except APIError:  # naming both bodies this route takes
+                message = f"Content-Type must be {VIDEO_BODIES} (got '{media or 'none':.60}')"
+                raise APIError(415, message, type="invalid_request_error") from None
         owner = self._video_route(request)
         body = await self._video_form(request)
         self._check_model(body.model, "/v1/videos")
@@ -614,38 +662,57 @@ class Ingress:
             messages=body.messages(),
             video=params,
         )
-        omni.deadline = None  # a job is not bound by this HTTP request's time limit (stage_timeout_s still is)
-        key, jobs = self._own_video_jobs()
+        omni.deadline = None  # a job is not bound by this HTTP request's time limit: its own (videos.job_timeout_s)
         job = VideoJob(
-            id=new_job_id(key),
+            id="",
             owner=owner,
             model=self.graph.served_model_name,
             prompt=body.prompt,
             params=params,
             created_at=int(time.time()),
         )
-        return JSONResponse(unpack(await jobs.create.remote(job, omni))["job"])
+        return JSONResponse(await self._create_video_job(job, omni))
+
+    async def _create_video_job(self, job: VideoJob, omni: OmniRequest) -> dict[str, Any]:
+        """The job created in this replica's actor; an actor found dead is replaced once, then 503 (never a 500)."""
+        from ray.exceptions import RayActorError
+
+        for _ in range(2):
+            key, jobs = self._own_video_jobs()
+            job.id = new_job_id(key)
+            try:
+                return unpack(await jobs.create.remote(job, omni))["job"]
+            except RayActorError:
+                self._video_jobs_died(jobs)
+        raise APIError(
+            503,
+            "this server's video jobs are unavailable, retry later",
+            type="service_unavailable",
+            code="video_jobs_unavailable",
+            retry_after_s=5,
+        )
 
     @api.get("/v1/videos/{video_id}")
     async def videos_retrieve(self, video_id: str, request: Request) -> JSONResponse:
         owner = self._video_route(request)
-        return JSONResponse((await self._ask_video_jobs(video_id, "get", owner))["job"])
+        return JSONResponse(unpack(await self._ask_video_jobs(video_id, "get", owner))["job"])
 
     @api.delete("/v1/videos/{video_id}")
     async def videos_delete(self, video_id: str, request: Request) -> JSONResponse:
         """Forget the job; a running one's stage call is cancelled, which aborts its engine request."""
         owner = self._video_route(request)
-        return JSONResponse((await self._ask_video_jobs(video_id, "delete", owner))["job"])
+        return JSONResponse(unpack(await self._ask_video_jobs(video_id, "delete", owner))["job"])
 
     @api.get("/v1/videos/{video_id}/content")
-    async def videos_content(self, video_id: str, request: Request, variant: str = "video") -> Response:
+    async def videos_content(self, video_id: str, request: Request) -> Response:
         """The MP4, read from the object store by reference and streamed out (never copied whole here)."""
         import ray
 
         owner = self._video_route(request)
+        variant = request.query_params.get("variant", "video")
         if variant != "video":
             raise bad_request(f"variant: only 'video' is made (got '{variant:.40}')", "variant")
-        answer = await self._ask_video_jobs(video_id, "content", owner)
+        answer = unpack(await self._ask_video_jobs(video_id, "content", owner))
         [result] = answer["result"]
         video = await result if isinstance(result, ray.ObjectRef) else result  # zero-copy from shared memory
         data = memoryview(video).cast("B")
@@ -658,36 +725,53 @@ class Ingress:
         return StreamingResponse(chunks(), media_type="video/mp4", headers=headers)
 
     @api.get("/v1/videos")
-    async def videos_list(
-        self, request: Request, limit: int = 20, order: str = "desc", after: str | None = None
-    ) -> JSONResponse:
-        """The caller's jobs on every ingress replica (each replica's VideoJobs actor, found by name)."""
+    async def videos_list(self, request: Request) -> JSONResponse:
+        """The caller's jobs on every ingress replica of this application: each replica's VideoJobs actor, found
+        by name, gives the positions of its first ``limit`` past ``after``; the page's jobs alone are fetched."""
+        owner = self._video_route(request)  # before the query: a client without the key learns nothing of it
+        limit, descending, after = list_query(request.query_params)
+        cursor = None
+        if after is not None:
+            try:
+                cursor = await self._ask_video_jobs(after, "position", owner)
+            except APIError:  # an id that expired, or was never this client's: nothing after it
+                cursor = None
+            if cursor is None:
+                return JSONResponse(video_list([], has_more=False))
+        actors = await self._video_actors()
+        pages = await asyncio.gather(
+            *(actor.page.remote(owner, limit + 1, descending, cursor) for actor in actors.values()),
+            return_exceptions=True,
+        )
+        found = sorted(
+            (tuple(position) for page in pages if isinstance(page, list) for position in page), reverse=descending
+        )
+        shown = [video_id for _, video_id in found[:limit]]
+        by_actor: dict[str, list[str]] = {}
+        for video_id in shown:
+            by_actor.setdefault(actor_key_of(video_id) or "", []).append(video_id)
+        fetched: dict[str, dict[str, Any]] = {}
+        for key, ids in by_actor.items():
+            with contextlib.suppress(Exception):  # an actor that stopped meanwhile: its jobs are gone
+                fetched.update((job["id"], job) for job in await actors[key].listed.remote(ids, owner))
+        return JSONResponse(video_list([fetched[i] for i in shown if i in fetched], has_more=len(found) > limit))
+
+    async def _video_actors(self) -> dict[str, Any]:
+        """Every VideoJobs actor of this Serve application, by key (this replica's included)."""
         import ray
 
-        owner = self._video_route(request)
-        if not 1 <= limit <= 100:
-            raise bad_request(f"limit: must be in [1, 100] (got {limit})", "limit")
-        if order not in ("asc", "desc"):
-            raise bad_request(f"order: 'asc' or 'desc' (got '{order:.20}')", "order")
+        app = self.serve_view.app_name
         names = await asyncio.to_thread(ray.util.list_named_actors)
-        jobs: list[dict[str, Any]] = []
-        for name in (n for n in names if isinstance(n, str) and n.startswith(ACTOR_PREFIX)):
-            try:
-                actor = await asyncio.to_thread(ray.get_actor, name)
-                jobs += await actor.list.remote(owner)
-            except Exception:  # an actor that stopped meanwhile: its jobs are gone
-                continue
-        jobs.sort(key=lambda job: (job["created_at"], job["id"]), reverse=order == "desc")
-        if after is not None:
-            ids = [job["id"] for job in jobs]
-            jobs = jobs[ids.index(after) + 1 :] if after in ids else []
-        page = jobs[:limit]
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": page,
-                "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None,
-                "has_more": len(jobs) > limit,
-            }
-        )
+        actors: dict[str, Any] = {}
+        for key in (k for k in (actor_key_in(name, app) for name in names) if k is not None):
+            if self._video_jobs is not None and key == self._video_jobs_key:
+                actors[key] = self._video_jobs
+            elif key not in self._peer_video_jobs:
+                with contextlib.suppress(ValueError):  # stopped meanwhile
+                    self._peer_video_jobs[key] = await asyncio.to_thread(ray.get_actor, actor_name(app, key))
+            if key in self._peer_video_jobs:
+                actors[key] = self._peer_video_jobs[key]
+        for gone in set(self._peer_video_jobs) - set(actors):  # their names went with them
+            del self._peer_video_jobs[gone]
+        return actors
+

@@ -45,7 +45,7 @@ class _Ingress:
     """What the routes need from this process's ingress (set by :func:`configure`)."""
 
     graph: GraphConfig | None = None
-    check_auth: Callable[[Request], None] = lambda request: None  # raises APIError(401)
+    check_auth: Callable[[Request], object] = lambda request: None  # raises APIError(401)
     view: ServeView | None = None
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
@@ -55,7 +55,7 @@ page = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 page.add_exception_handler(StarletteHTTPException, http_exception_handler)
 
 
-def configure(graph: GraphConfig, check_auth: Callable[[Request], None], view: ServeView | None = None) -> None:
+def configure(graph: GraphConfig, check_auth: Callable[[Request], object], view: ServeView | None = None) -> None:
     """Called by the ingress constructor, on the replica's event loop (``view`` None: not in Serve)."""
     _ingress.graph, _ingress.check_auth, _ingress.view = graph, check_auth, view
     if view is None:

@@ -2,32 +2,47 @@
 
 OpenAI's video API is asynchronous: ``POST /v1/videos`` answers at once with a job, the client polls
 ``GET /v1/videos/{id}`` and downloads ``/content`` when it completed. Each ingress replica starts one
-:class:`VideoJobs` actor (no CPU, pinned to the replica's node, owned by the replica, named after it:
-:data:`ACTOR_PREFIX` + the replica's actor id) that runs that replica's jobs and keeps their state:
+:class:`VideoJobs` actor (no CPU, pinned to the replica's node, owned by the replica, named
+:func:`actor_name`: :data:`ACTOR_PREFIX`, the Serve application's name and a random key) that runs that
+replica's jobs and keeps their state:
 
 - **A job is an ordinary graph request** (:class:`~omni_serve.graph.orchestrator.OmniRequest`), run by
   the actor's own orchestrator through the same serving template as every route (its outputs timed and
   any failure mapped once to the API error it would have been, which becomes the job's ``error``). It
   needs no HTTP connection: a client that disconnects after the create (or during it) leaves it running.
+- **Its deadline is the job's** (the graph's ``videos``: :class:`~omni_serve.graph.config.VideoJobsConfig`):
+  at most ``max_running`` jobs are in the video stage at once; the rest wait in the actor's own queue
+  (``queued``), and so does a job the stage refuses as overloaded (it never reached the engine: it is asked
+  again after the stage's Retry-After). From when a job leaves that queue, ``job_timeout_s`` bounds it whole,
+  its stage calls' silence included: a Wan DiT says nothing between admitting a job and its MP4, so the
+  graph's ``stage_timeout_s`` (a silence limit for replies with an HTTP request) is not a job's.
 - **The result is never on the ingress's heap.** The stage encodes the MP4 and yields it as its own
   stream item (:mod:`omni_serve.graph.transport`), an object owned by this actor, which keeps only its
   ``ObjectRef``: videos over Ray's inline limit (100 KiB) sit in the node's shared-memory object store,
   smaller ones in this actor's in-process store. ``/content`` reads it by reference (zero-copy on the
   node) and streams it out.
 - **Any ingress replica answers for any job.** Serve routes each HTTP request to any replica; the job id
-  carries the actor's name, so a replica that did not create a job asks the actor that did.
-- **Bounded per ingress replica** (the graph's ``videos``: :class:`~omni_serve.graph.config.VideoJobsConfig`):
-  at most ``max_jobs`` jobs held (queued, running, finished and not yet expired) and ``max_bytes`` of
-  finished videos; a create beyond either is refused with 429, a video that would pass ``max_bytes``
-  fails its job. A finished or failed job expires ``ttl_s`` after it ended (``expires_at``) and its
-  video is freed; a deleted one at once, and deleting a running job cancels its stage call, which
+  carries the actor's key, so a replica that did not create a job asks the actor that did (found by name in
+  its own application: another application's jobs are never listed nor asked).
+- **Bounded per ingress replica**: at most ``max_jobs`` jobs queued, running or completed (until they
+  expire or are deleted), and ``max_bytes`` of videos, a job in flight counted at :func:`mp4_bound` of its
+  frames (their raw 4:2:0 samples, which the encoder's H.264 does not exceed) until its video is there, then
+  at the MP4's size: a create beyond either is refused with 429, and a job admitted never fails for them.
+  A failed job holds no slot: it is kept to be read until it expires, at most ``max_jobs`` of them (the
+  oldest failed goes first). A finished or failed job expires ``ttl_s`` after it ended (``expires_at``) and
+  its video is freed; a deleted one at once, and deleting a running job cancels its stage call, which
   aborts the engine request (:mod:`omni_serve.engines.ladder`).
-- **Owned by the key that created it**: each job records a digest of the request's API key; any other
-  key gets the same 404 as for a job that does not exist.
-- **When an ingress replica dies**, its actor dies with it (Ray ends the actors a process owns), and with
-  it that replica's jobs: their videos (owned by the actor) are freed and their running stage calls lose
-  their caller and are cancelled; every replica then answers 404 for those ids. Jobs are not replicated:
-  a client whose job vanished creates it again.
+- **Owned by the client that created it** (:func:`owner_of`): the client its API key names
+  (:mod:`omni_serve.api.auth`), so a client's rotated keys keep its jobs; any other client gets the same
+  404 as for a job that does not exist. On a graph with no key, jobs stay apart by the bearer token sent.
+- **Run-time settings reach it**: the ingress replica hands the ``videos`` limits of a new ``user_config``
+  to its actor (:meth:`VideoJobs.reconfigure`); jobs admitted after it get them.
+- **Job records live in the actor and die with it**, videos included (the actor owns them: they could not
+  outlive it). When an ingress replica dies its actor dies with it (Ray ends the actors a process owns);
+  when an actor dies under a living replica, the replica's next create finds it dead and starts a new one
+  under a new key. Either way the lost jobs' ids name an actor that no longer exists, and every replica
+  answers them 404 ``video_not_found`` (never a 500); their running stage calls lose their caller and are
+  cancelled. Jobs are not replicated: a client whose job vanished creates it again.
 
 Every method runs on the actor's one event loop (an async actor): no locks.
 """
@@ -44,6 +59,7 @@ import secrets
 import time
 from typing import Any
 
+from omni_serve.api.auth import ANONYMOUS
 from omni_serve.api.errors import from_failure
 from omni_serve.api.openai.errors import APIError
 from omni_serve.api.openai.videos import VideoJob, deleted, job_error, not_found
@@ -52,18 +68,39 @@ from omni_serve.graph.config import GraphConfig, load_graph
 from omni_serve.graph.metrics import RequestMetrics
 from omni_serve.graph.orchestrator import OmniRequest, Orchestrator
 from omni_serve.graph.transport import RemoteStages, StageTransport
+from omni_serve.types import VideoParams
 
 logger = logging.getLogger("ray.serve")
 
 ACTOR_PREFIX = "omni_serve.videos:"
 SWEEP_S = 5.0  # how often expired jobs are dropped while nobody asks
+MP4_OVERHEAD = 64 << 10  # the container's and the stream's headers, beyond the frames' samples
+_KEY = re.compile(r"^[0-9a-f]{32}$")
 _ID = re.compile(r"^video_([0-9a-f]{32})([0-9a-f]{24})$")
+_IN_FLIGHT = ("queued", "in_progress")
 
 
-def owner_of(authorization: str | None) -> str:
-    """A digest of the request's API key (its bearer token; "" without one): whose jobs it sees."""
+def owner_of(client: str, authorization: str | None) -> str:
+    """Whose jobs a request sees: its client's (the name its key has, :func:`~omni_serve.api.auth.check_auth`);
+    on a graph with no key, a digest of its bearer token (any token: jobs stay apart by it, unchecked)."""
+    if client != ANONYMOUS:
+        return f"client:{client}"
     _, _, token = (authorization or "").strip().partition(" ")
-    return hashlib.sha256(token.strip().encode()).hexdigest()
+    return f"token:{hashlib.sha256(token.strip().encode()).hexdigest()}"
+
+
+def actor_name(app: str, key: str) -> str:
+    """The name of the jobs actor ``key`` (32 hex digits) of the Serve application ``app``."""
+    return f"{ACTOR_PREFIX}{app}:{key}"
+
+
+def actor_key_in(name: object, app: str) -> str | None:
+    """The key of a jobs actor of ``app`` named ``name``; None for any other actor (another app's too)."""
+    prefix = actor_name(app, "")
+    if not isinstance(name, str) or not name.startswith(prefix):
+        return None
+    key = name[len(prefix) :]
+    return key if _KEY.match(key) else None
 
 
 def new_job_id(actor_key: str) -> str:
@@ -75,6 +112,17 @@ def actor_key_of(video_id: str) -> str | None:
     """The jobs actor key a job id names; None for an id this server never makes."""
     match = _ID.match(video_id)
     return match.group(1) if match else None
+
+
+def mp4_bound(params: VideoParams) -> int:
+    """An upper bound of a job's MP4 in bytes: its frames' 4:2:0 samples (what the stage's H.264 encodes,
+    omni_serve.media.encode; uniform noise codes to about 70% of them at its CRF 18) and the headers."""
+    return params.width * params.height * params.num_frames * 3 // 2 + MP4_OVERHEAD
+
+
+def jobs_graph(graph: GraphConfig) -> dict[str, Any]:
+    """The graph a jobs actor is built with: no keys (it never checks one, and its args should not carry them)."""
+    return graph.model_dump(mode="json", exclude={"api_key", "api_keys"})
 
 
 def reply(job: dict[str, Any] | None = None, error: APIError | None = None, **more: Any) -> dict[str, Any]:
@@ -100,11 +148,24 @@ class VideoJobs:
         self.graph = load_graph(graph)
         self.limits = self.graph.videos
         transport: StageTransport = stages if isinstance(stages, StageTransport) else RemoteStages(stages)
-        self.serving = Serving(Orchestrator(self.graph, transport), RequestMetrics())
+        # A job's stage calls may stay silent as long as the job may take (the module docstring).
+        orchestrator = Orchestrator(self.graph, transport, self.limits.job_timeout_s)
+        self.serving = Serving(orchestrator, RequestMetrics())
         self.jobs: dict[str, VideoJob] = {}
         self.results: dict[str, Any] = {}  # job id -> the video's ObjectRef (the MP4 as a uint8 array)
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.waiting: list[str] = []  # the queued jobs not yet handed to the stage, first come first
+        self.running = 0  # jobs handed to the stage (at most limits.max_running)
+        self._changed = asyncio.Event()  # set (and replaced) when a job leaves the queue or the stage, or limits change
         self._sweeper: asyncio.Task[None] | None = None
+
+    def reconfigure(self, graph: dict[str, Any]) -> None:
+        """The ingress's new run-time settings (omni_serve.graph.settings): the limits of jobs admitted after."""
+        self.graph = load_graph(graph)
+        self.limits = self.graph.videos
+        self.serving.orchestrator.stage_timeout_s = self.limits.job_timeout_s
+        self._sweep()
+        self._wake()  # max_running may have grown
 
     # ---- the routes' calls -------------------------------------------------------------------
 
@@ -112,11 +173,13 @@ class VideoJobs:
         self._sweep()
         if self._sweeper is None:
             self._sweeper = asyncio.create_task(self._sweep_every(SWEEP_S))
-        if len(self.jobs) >= self.limits.max_jobs:
-            return reply(error=_full(f"this server holds {len(self.jobs)} video jobs, its limit (videos.max_jobs)"))
-        held = self.bytes_held()
-        if held >= self.limits.max_bytes:
-            return reply(error=_full(f"this server holds {held} bytes of videos, its limit (videos.max_bytes)"))
+        held = sum(1 for j in self.jobs.values() if j.status != "failed")
+        if held >= self.limits.max_jobs:
+            return reply(error=_full(f"this server holds {held} video jobs, its limit (videos.max_jobs)"))
+        needs, used = mp4_bound(job.params), self.bytes_held()
+        if used + needs > self.limits.max_bytes:
+            why = f"this server holds or reserved {used} bytes of videos and this one may take {needs}"
+            return reply(error=_full(f"{why}, past its limit (videos.max_bytes)"))
         self.jobs[job.id] = job
         self.tasks[job.id] = asyncio.create_task(self._run(job, request))
         return reply(job.json())
@@ -148,33 +211,55 @@ class VideoJobs:
         self._forget(video_id)
         return reply(deleted(video_id))
 
-    def list(self, owner: str) -> list[dict[str, Any]]:
+    def page(self, owner: str, limit: int, descending: bool, after: list[Any] | None = None) -> list[list[Any]]:
+        """The first ``limit`` of the owner's jobs in (created_at, id) order past ``after`` (a job's position,
+        :meth:`position`), as positions: a list call merges every actor's and then asks for those jobs only."""
         self._sweep()
-        return [job.json() for job in self.jobs.values() if job.owner == owner]
+        cursor = tuple(after) if after is not None else None
+        mine = [(job.created_at, job.id) for job in self.jobs.values() if job.owner == owner]
+        if cursor is not None:
+            mine = [p for p in mine if (p < cursor if descending else p > cursor)]
+        return [list(p) for p in sorted(mine, reverse=descending)[:limit]]
+
+    def position(self, video_id: str, owner: str) -> list[Any] | None:
+        """Where the owner's job sits in a list ([created_at, id]); None for a job it cannot see."""
+        job = self._job(video_id, owner)
+        return None if job is None else [job.created_at, job.id]
+
+    def listed(self, video_ids: list[str], owner: str) -> list[dict[str, Any]]:
+        """The owner's jobs among ``video_ids`` (a page's: at most 100), in that order."""
+        return [job.json() for video_id in video_ids if (job := self._job(video_id, owner)) is not None]
 
     def stats(self) -> dict[str, Any]:
-        """Jobs by status, running tasks and the bytes of videos held (tests and operators)."""
+        """Jobs by status, tasks, jobs in the stage and waiting here, and the bytes of videos held or reserved."""
         self._sweep()
         statuses = [job.status for job in self.jobs.values()]
         counts = {status: statuses.count(status) for status in ("queued", "in_progress", "completed", "failed")}
-        return {**counts, "jobs": len(self.jobs), "tasks": len(self.tasks), "bytes": self.bytes_held()}
+        return {
+            **counts,
+            "jobs": len(self.jobs),
+            "tasks": len(self.tasks),
+            "running": self.running,
+            "waiting": len(self.waiting),
+            "bytes": self.bytes_held(),
+        }
 
     # ---- the job ----------------------------------------------------------------------------
 
     async def _run(self, job: VideoJob, request: OmniRequest) -> None:
         video: Any = None
         try:
-            async for output in self.serving.outputs(request, "videos"):
-                if output.progress is not None:  # the engine admitted it (0), then its steps
-                    job.status = "in_progress"
-                    job.progress = max(job.progress, min(99, int(output.progress * 100)))
-                if output.video is not None:
-                    video = output.video
-            if video is None:
-                raise APIError(500, "the graph finished without a video", type="server_error", code="no_video")
+            await self._turn(job)
+            try:
+                video = await self._render(job, request)
+            finally:
+                self.running -= 1
+                self._wake()
             size = await _size_of(video)
-            if self.bytes_held() + size > self.limits.max_bytes:
-                raise _full(f"its {size}-byte video would pass the server's limit (videos.max_bytes)")
+            if size > mp4_bound(job.params):  # kept all the same: a job admitted never fails for max_bytes
+                logger.warning(
+                    "video job %s: its MP4 (%d bytes) passed its bound %d", job.id, size, mp4_bound(job.params)
+                )
             self.results[job.id] = video
             job.result_bytes = size
             job.status, job.progress = "completed", 100
@@ -188,6 +273,56 @@ class VideoJobs:
         job.ended = time.time()
         job.completed_at = int(job.ended)
         job.expires_at = math.ceil(job.ended + self.limits.ttl_s)
+        self._drop_failed_beyond(self.limits.max_jobs)
+
+    async def _turn(self, job: VideoJob) -> None:
+        """Wait in this actor's queue until ``job`` is first and the stage has room for it (max_running)."""
+        self.waiting.append(job.id)
+        try:
+            while self.waiting[0] != job.id or self.running >= self.limits.max_running:
+                await self._changed.wait()
+        finally:
+            self.waiting.remove(job.id)  # its turn, or deleted while it waited: the next one may go
+            self._wake()
+        self.running += 1  # no await since the check: nobody took the room meanwhile
+
+    def _wake(self) -> None:
+        """Every waiting job checks again whether its turn came."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _render(self, job: VideoJob, request: OmniRequest) -> Any:
+        """The job's video (its ObjectRef) within job_timeout_s; a stage that refuses it as overloaded never took
+        it (Serve's queue was full): the job stays queued and asks again after the stage's Retry-After."""
+        timeout_s = self.limits.job_timeout_s
+        request.deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return await self._attempt(job, request)
+            except APIError as err:
+                if err.code == "timeout":
+                    raise APIError(
+                        504,
+                        f"the job took longer than videos.job_timeout_s ({timeout_s:g} s)",
+                        type="timeout_error",
+                        code="timeout",
+                    ) from None
+                wait_s = max(1.0, float(err.retry_after_s or 1))
+                if err.code != "overloaded" or time.monotonic() + wait_s >= request.deadline:
+                    raise
+            await asyncio.sleep(wait_s)
+
+    async def _attempt(self, job: VideoJob, request: OmniRequest) -> Any:
+        video: Any = None
+        async for output in self.serving.outputs(request, "videos"):
+            if output.progress is not None:  # the engine admitted it (0), then its steps
+                job.status = "in_progress"
+                job.progress = max(job.progress, min(99, int(output.progress * 100)))
+            if output.video is not None:
+                video = output.video
+        if video is None:
+            raise APIError(500, "the graph finished without a video", type="server_error", code="no_video")
+        return video
 
     # ---- bookkeeping ------------------------------------------------------------------------
 
@@ -197,11 +332,19 @@ class VideoJobs:
         return job if job is not None and secrets.compare_digest(job.owner, owner) else None
 
     def bytes_held(self) -> int:
-        return sum(job.result_bytes for job in self.jobs.values() if job.id in self.results)
+        """The completed jobs' videos, and the bound of each job in flight (its video is not there yet)."""
+        done = sum(job.result_bytes for job in self.jobs.values() if job.id in self.results)
+        return done + sum(mp4_bound(job.params) for job in self.jobs.values() if job.status in _IN_FLIGHT)
 
     def _forget(self, video_id: str) -> None:
         self.jobs.pop(video_id, None)
         self.results.pop(video_id, None)  # the last reference: Ray frees the video
+
+    def _drop_failed_beyond(self, kept: int) -> None:
+        """Failed jobs hold no slot; the oldest go past ``kept`` of them (each holds its prompt)."""
+        failed = sorted((job.ended or 0.0, video_id) for video_id, job in self.jobs.items() if job.status == "failed")
+        for _, video_id in failed[: max(0, len(failed) - kept)]:
+            self._forget(video_id)
 
     def _sweep(self) -> None:
         cutoff = time.time() - self.limits.ttl_s

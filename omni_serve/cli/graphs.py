@@ -41,6 +41,7 @@ from typing import Any
 
 import yaml
 
+from omni_serve.api.hosts import is_loopback
 from omni_serve.engines.vllm_omni.args import NOT_DEPLOY_KEYS
 from omni_serve.types import SamplingParams
 
@@ -78,6 +79,13 @@ DECODER_RATIO = 0.5
 
 # Serve defaults the deploy config has no word for; the graph header says so.
 HTTP_OPTIONS = {"host": "0.0.0.0", "port": 8000, "request_timeout_s": 600}
+# Off loopback, the ingress starts only with an API key (omni_serve.api.hosts.check_exposure): the header says how.
+KEY_HEADER = (
+    "# Serve listens on every interface (0.0.0.0): the ingress starts only with an API key, which clients send as",
+    "# 'Authorization: Bearer KEY'. Give it OMNI_SERVE_API_KEY where Ray starts (`OMNI_SERVE_API_KEY=KEY serve run",
+    "# ...` on a new cluster, `ray start` on each node) or in the ingress's runtime_env env_vars, or args.api_key;",
+    "# args.allow_unauthenticated: true serves it open on purpose (docs/api.md, Security).",
+)
 STAGE_TIMEOUT_S = 540  # below request_timeout_s (omni_serve.graph.config.check_timeouts): the client gets the 504
 # OpenAI's voice names -> the model's speakers (female / male voices to the closest timbre): a choice per
 # model, not declared anywhere.
@@ -601,6 +609,7 @@ def header(config: dict[str, Any], command: str, deploy_path: Path | None, outpu
         "# Stages with fractional num_gpus share a GPU as in the deploy config; each one's vLLM",
         "# gpu_memory_utilization equals its fraction. Needs: pip install 'omni_serve[vllm]' on the nodes.",
         *notes(config),
+        *(() if is_loopback(config["http_options"]["host"]) else KEY_HEADER),
         *(_placement_header(app, output) or [f"#   serve run {output or 'THIS_FILE.yaml'}"]),
     ]
     return "\n".join(lines) + "\n"
@@ -633,7 +642,22 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--platform", default="cuda", help="platform section of the deploy config to apply")
     sub.add_parser("list", help="every registered vLLM-Omni pipeline: its graph's stages, or why it has none")
     args = parser.parse_args(argv)
+    try:
+        return _command(args, argv)
+    except ModuleNotFoundError as err:
+        # `make serve` installs no vLLM-Omni: say how to get it, not a traceback (other missing modules are bugs).
+        if (err.name or "").split(".")[0] not in ("vllm_omni", "vllm"):
+            raise
+        sys.stderr.write(
+            f"omni_serve.cli.graphs: reads vLLM-Omni's declarations, and {sys.executable} has no module named "
+            f"'{err.name}': `make install-vllm-omni PYTHON={sys.executable}` installs it (CPU; on GPU nodes: "
+            "pip install 'omni_serve[vllm]')\n"
+        )
+        return 2
 
+
+def _command(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """The parsed command run: a listing, or a graph written (a refused pipeline: 2, its reason on stderr)."""
     if args.command == "list":
         for key, what in listing():
             sys.stdout.write(f"{key}: {what}\n")

@@ -7,12 +7,20 @@
 #     mode 600, its owner only (Serve's proxy, the same user, talks to it).
 # Ray has no setting for these (ray/serve/_private/haproxy_templates.py); it has one for the binary,
 # RAY_SERVE_HAPROXY_BINARY_PATH, which omni_serve.cli.run points here, with OMNI_SERVE_HAPROXY_BINARY
-# naming the real one. A config without the stats line to rewrite (a changed template) fails the start
-# loudly rather than leaving the page open.
+# naming the real one. Each of the three rewrites must have happened: a config without one of those lines
+# (a changed template) fails the start loudly, naming the line, rather than leaving its port or socket open.
 set -eu
 real="${OMNI_SERVE_HAPROXY_BINARY:?OMNI_SERVE_HAPROXY_BINARY must name the real haproxy binary}"
 stats="${RAY_SERVE_HAPROXY_STATS_PORT:-8404}"
 metrics="${RAY_SERVE_HAPROXY_METRICS_PORT:-9101}"
+# rewritten PATTERN WHAT CONFIG: the rewritten config has a line matching PATTERN, else stop before HAProxy runs.
+rewritten() {
+  if ! grep -q "$1" "$3.loopback"; then
+    echo "omni_serve haproxy_loopback.sh: no $2 in $3 to keep to this machine (Serve's template changed?);" \
+      "not starting HAProxy" >&2
+    exit 1
+  fi
+}
 previous=""
 for arg do
   shift
@@ -20,10 +28,9 @@ for arg do
     sed -e "s/^\([[:space:]]*bind \)\*:${stats}\$/\1127.0.0.1:${stats}/" \
         -e "s/^\([[:space:]]*bind \):${metrics}\$/\1127.0.0.1:${metrics}/" \
         -e "s/^\([[:space:]]*stats socket .*\) mode 666 /\1 mode 600 /" "$arg" > "$arg.loopback"
-    if ! grep -q "^[[:space:]]*bind 127.0.0.1:${stats}\$" "$arg.loopback"; then
-      echo "omni_serve haproxy_loopback.sh: no 'bind *:${stats}' stats line in $arg to keep on loopback" >&2
-      exit 1
-    fi
+    rewritten "^[[:space:]]*bind 127.0.0.1:${stats}\$" "the stats line 'bind *:${stats}'" "$arg"
+    rewritten "^[[:space:]]*bind 127.0.0.1:${metrics}\$" "the metrics line 'bind :${metrics}'" "$arg"
+    rewritten "^[[:space:]]*stats socket .* mode 600 " "the admin socket line 'stats socket ... mode 666 ...'" "$arg"
     arg="$arg.loopback"
   fi
   set -- "$@" "$arg"

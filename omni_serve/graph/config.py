@@ -18,6 +18,7 @@ from omni_serve.types import Modality, SamplingParams
 EngineFamily = Literal["transformers", "vllm", "vllm_omni", "diffusers", "vllm_omni_diffusion"]
 
 INGRESS_NAME = "ingress"
+DEFAULT_CLIENT = "default"  # the client whose key api_key (or OMNI_SERVE_API_KEY) is
 
 # The ingress ends a request this long before Serve's request_timeout_s, so the client gets the
 # API's 504 error object instead of Serve's plain-text 408 (or a stream cut short).
@@ -104,11 +105,32 @@ class RealtimeConfig(BaseModel):
     max_buffered_audio_s: float = Field(
         120.0, gt=0, description="Uncommitted input audio a session may hold; an append beyond it is refused."
     )
+    max_sessions_per_client: int | None = Field(
+        None,
+        ge=1,
+        description="Sessions one client holds at once on one ingress replica (a client: its address, and the "
+        "client its API key names when the graph sets keys); one more is refused (error event, close 1008). None "
+        "(the default): no quota but max_sessions, since behind Serve's HAProxy ingress every connection comes "
+        "from HAProxy's address and only keys of their own tell clients apart (docs/realtime.md).",
+    )
+    idle_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="A session whose client sent no event for this long, with no response running, is closed "
+        "(error event, close 1008): an idle session holds its room and one of the ingress's max_ongoing_requests.",
+    )
     max_items: int = Field(256, ge=2, description="Conversation items a session may hold.")
+    max_session_config_bytes: int = Field(
+        256 << 10,
+        ge=4 << 10,
+        description="The session's settings (instructions, tools, ...) as session.updated carries them; an update "
+        "beyond it is refused. They go into every response's prompt: 256 KiB of text is more than the Qwen3-Omni "
+        "thinker's whole context (65,536 tokens) reads.",
+    )
     max_session_bytes: int = Field(
         32 << 20,
         ge=1 << 20,
-        description="Bytes one session holds: its input audio buffer, its items' audio and text, its instructions. "
+        description="Bytes one session holds: its input audio buffer, its items' audio and text, its settings. "
         "Beyond it the audio the thinker no longer reads (assistant audio, user audio older than "
         "media_input.max_parts turns) is dropped, oldest first; what still does not fit is refused.",
     )
@@ -122,7 +144,8 @@ class RealtimeConfig(BaseModel):
         8 << 20,
         gt=0,
         description="Bytes a session moves per second (bursts of max_session_bytes): each client event as "
-        "received, the user audio each response carries to the graph, the audio an item retrieval sends back. "
+        "received, the user audio each response carries to the graph, the item a retrieval and the settings a "
+        "session.updated send back. "
         "Beyond it the event is refused. Bounds the ingress's parsing, coding and object-store work per session.",
     )
     audio_realtime_factor: float = Field(
@@ -153,9 +176,9 @@ class RealtimeConfig(BaseModel):
     )
     allowed_origins: list[str] = Field(
         default_factory=list,
-        description="Browser Origins (e.g. 'https://app.example') allowed to open a session besides the server's "
-        "own (same-origin: the Origin's host and port those of the request's Host); '*' allows any. Clients that "
-        "send no Origin (not browsers) are not concerned.",
+        description="The graph's allowed_origins by its older name (when only sessions checked the Origin), "
+        "kept working: joined with it, the one list for every route and the websocket. A run-time setting "
+        "(the ingress's user_config realtime.allowed_origins changes it in place).",
     )
 
     @model_validator(mode="after")
@@ -163,6 +186,11 @@ class RealtimeConfig(BaseModel):
         if self.max_event_bytes > self.max_session_bytes:  # the byte budget holds max_session_bytes at most
             raise ValueError(
                 f"max_event_bytes ({self.max_event_bytes}) must not exceed max_session_bytes ({self.max_session_bytes})"
+            )
+        if self.max_session_config_bytes > self.max_session_bytes:  # the settings are bytes the session holds
+            raise ValueError(
+                f"max_session_config_bytes ({self.max_session_config_bytes}) must not exceed max_session_bytes "
+                f"({self.max_session_bytes})"
             )
         return self
 
@@ -175,20 +203,34 @@ class VideoJobsConfig(BaseModel):
     max_jobs: int = Field(
         16,
         ge=1,
-        description="Jobs one ingress replica holds at once (queued, running, and finished until they "
-        "expire or are deleted); a create beyond it is refused with 429.",
+        description="Jobs one ingress replica holds at once (queued, running, and completed until they "
+        "expire or are deleted; failed ones do not count); a create beyond it is refused with 429.",
     )
     max_bytes: int = Field(
         1 << 30,
         ge=1,
-        description="Bytes of finished videos one ingress replica holds in the object store; "
-        "a create while they reach it is refused with 429, and a job whose video would pass it fails.",
+        description="Bytes of videos one ingress replica holds in the object store, counting each job in flight "
+        "at its frames' raw size (an upper bound of its MP4) until its video is there; a create that would pass "
+        "it is refused with 429 (a job admitted never fails for it).",
     )
     ttl_s: float = Field(
         3600.0,
         gt=0,
         description="A finished (or failed) job and its video expire this long after it ended "
         "(its expires_at); then every route answers 404 for it.",
+    )
+    job_timeout_s: float = Field(
+        3600.0,
+        gt=0,
+        description="Seconds a job may take from when it leaves the jobs' own queue until its video (its stage "
+        "calls' silence limit too: a video stage may say nothing until its MP4); then it fails with 504's "
+        "timeout. Not stage_timeout_s, and not Serve's request_timeout_s (a job has no HTTP request).",
+    )
+    max_running: int = Field(
+        2,
+        ge=1,
+        description="Jobs one ingress replica hands to the video stage at once; the rest wait in its own queue "
+        "(status queued), as do jobs the stage refuses as overloaded, until job_timeout_s.",
     )
 
 
@@ -199,14 +241,34 @@ class GraphConfig(BaseModel):
     stages: list[StageConfig] = Field(min_length=1, description="The stages; order is only cosmetic.")
     api_key: str | None = Field(
         None,
-        description="If set (or OMNI_SERVE_API_KEY is), requests need 'Authorization: Bearer <key>'. A graph "
-        "Serve binds to a non-loopback address without one logs a warning naming this setting.",
+        description="If set (or OMNI_SERVE_API_KEY is), requests need 'Authorization: Bearer <key>': the key of "
+        "the client 'default' (omni_serve.api.auth). A graph Serve binds to a non-loopback address without a "
+        "key does not start, unless allow_unauthenticated is set.",
+    )
+    allow_unauthenticated: bool = Field(
+        False,
+        description="Serve without an API key though Serve binds to a non-loopback address, on purpose (anyone "
+        "who reaches the port runs the model; a warning at every start). False: such an ingress refuses to start.",
+    )
+    api_keys: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="Clients and their keys (a name -> a key or a list of keys), beside api_key: a request's key "
+        "names its client, which owns its video jobs; a client given new keys under its name (old and new listed "
+        "while its users move) keeps its jobs.",
     )
     allowed_hosts: list[str] | None = Field(
         None,
         description="Host names requests may carry (Starlette TrustedHostMiddleware rules: names without the port, "
         "'*.example.com' for subdomains, '*' any); others get 400. None: only loopback names when Serve's "
         "http_options.host is a loopback address (DNS rebinding protection), else any.",
+    )
+    allowed_origins: list[str] = Field(
+        default_factory=list,
+        description="Browser Origins (e.g. 'https://app.example') whose pages may send requests that act (any "
+        "method but GET/HEAD/OPTIONS, every route) and open realtime sessions, besides the server's own pages "
+        "(same-origin: the Origin's host and port those of the request's Host); others get 403. '*' allows any; "
+        "'null' may not be listed. Clients that send no Origin (not browsers) are not concerned. Joined with "
+        "realtime.allowed_origins, its older name.",
     )
     max_request_bytes: int = Field(1 << 20, ge=1024, description="Request bodies above this size get 413.")
     stage_timeout_s: float = Field(
@@ -248,10 +310,38 @@ class GraphConfig(BaseModel):
         "scales, and takes its resources, as the `ingress` deployment.",
     )
 
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _keys_as_lists(cls, clients: Any) -> Any:
+        if not isinstance(clients, dict):
+            return clients
+        return {name: [keys] if isinstance(keys, str) else keys for name, keys in clients.items()}
+
+    @model_validator(mode="after")
+    def _one_client_a_key(self) -> GraphConfig:
+        seen: dict[str, str] = {}
+        for name, keys in self.clients().items():
+            if not name or not keys or not all(keys):
+                raise ValueError(f"api_keys.{name:.40}: a non-empty client name and one or more non-empty keys")
+            for key in keys:
+                if seen.setdefault(key, name) != name:
+                    raise ValueError(f"api_keys.{name:.40}: a key of client '{seen[key]:.40}' too (a key names one)")
+        return self
+
     @field_validator("voice_aliases")
     @classmethod
     def _lower_aliases(cls, aliases: dict[str, str]) -> dict[str, str]:
         return {alias.lower(): voice.lower() for alias, voice in aliases.items()}
+
+    @model_validator(mode="after")
+    def _one_origin_list(self) -> GraphConfig:
+        """``allowed_origins`` and ``realtime.allowed_origins`` become one list, in both places: the HTTP routes
+        read the first, realtime admission the second (omni_serve.api.hosts: why one list)."""
+        joined = list(dict.fromkeys([*self.allowed_origins, *self.realtime.allowed_origins]))
+        if "null" in joined:
+            raise ValueError("allowed_origins: 'null' is any sandboxed page's or file's Origin; it may not be listed")
+        self.allowed_origins = self.realtime.allowed_origins = joined
+        return self
 
     @model_validator(mode="after")
     def _check_graph(self) -> GraphConfig:
@@ -303,6 +393,14 @@ class GraphConfig(BaseModel):
     @property
     def entry(self) -> StageConfig:
         return next(s for s in self.stages if not s.inputs)
+
+    def clients(self) -> dict[str, list[str]]:
+        """The graph's clients and their keys: ``api_keys``, with ``api_key`` among the client ``default``'s."""
+        clients = {name: list(keys) for name, keys in self.api_keys.items()}
+        default = clients.get(DEFAULT_CLIENT, [])
+        if self.api_key is not None and self.api_key not in default:
+            clients[DEFAULT_CLIENT] = [self.api_key, *default]
+        return clients
 
     def deployment(self, stage: str) -> str:
         """The Serve deployment that runs ``stage``'s engine."""

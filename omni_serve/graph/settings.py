@@ -6,9 +6,11 @@ A deployment's ``user_config`` is not: Serve hands a changed one to each running
 in place, as it applies ``num_replicas``, ``max_ongoing_requests`` or ``autoscaling_config``. The settings
 an operator changes on a live graph are taken there, each overriding the ``args`` value of the same name:
 
-- the ingress (:class:`IngressSettings`): ``api_key`` (rotate a key), ``stage_timeout_s`` and ``realtime``
-  (its limits, merged key by key over the args'; sessions opened after the change get them), all but the two
-  that size the replica's session table and VAD threads when it starts;
+- the ingress (:class:`IngressSettings`): ``api_key`` and ``api_keys`` (rotate a key: a client given new keys
+  under its name keeps its video jobs, :mod:`omni_serve.api.auth`), ``stage_timeout_s``, ``realtime`` (its
+  limits, merged key by key over the args'; sessions opened after the change get them), all but the two that
+  size the replica's session table and VAD threads when it starts, and ``videos`` (the jobs' limits, merged
+  key by key too; the replica hands them to its jobs actor, and jobs admitted after the change get them);
 - a stage (:class:`StageSettings`): ``min_step_s``, its engine's step pacing (:mod:`omni_serve.pacing`), for
   the families whose steps run in the replica's own process (``transformers``, ``diffusers``; the others pace
   inside their engine processes, set when those start, and refuse it), and ``handoff_padding_bytes``, the
@@ -42,10 +44,14 @@ class IngressSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     api_key: str | None = Field(None, min_length=1, description="Overrides args.api_key (a key rotated in place).")
+    api_keys: dict[str, str | list[str]] | None = Field(
+        None, description="Replaces args.api_keys, the whole ring (a client's keys rotated in place)."
+    )
     stage_timeout_s: float | None = Field(None, gt=0, description="Overrides args.stage_timeout_s.")
     realtime: dict[str, Any] | None = Field(
         None, description="Merged key by key over args.realtime (but max_sessions and audio_workers)."
     )
+    videos: dict[str, Any] | None = Field(None, description="Merged key by key over args.videos.")
 
 
 class StageSettings(BaseModel):
@@ -87,6 +93,8 @@ def ingress_graph(args: dict[str, Any], user_config: Any, request_timeout_s: flo
                 "when it starts; set it in the graph's args, which restarts the replicas"
             )
         update["realtime"] = {**args.get("realtime", {}), **update["realtime"]}
+    if "videos" in update:
+        update["videos"] = {**args.get("videos", {}), **update["videos"]}
     try:
         graph = GraphConfig.model_validate({**args, **update})
     except ValidationError as err:

@@ -12,24 +12,27 @@ checks it against what the model can make (Wan 2.2: 4k + 1) and refuses the rest
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
 from omni_serve.api.openai.errors import APIError, bad_request
-from omni_serve.api.openai.messages import _Strict
+from omni_serve.api.openai.messages import FORM, _Strict, not_blank
 from omni_serve.types import ChatMessage, VideoParams
 
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 MAX_SIDE = 4096
 MAX_SECONDS = 600.0
 JobStatus = Literal["queued", "in_progress", "completed", "failed"]
+VIDEO_BODIES = "application/json or multipart/form-data"  # what the create takes (a 415 names both)
 
 
 class VideoCreateRequest(_Strict):
     """The create form's fields (values arrive as strings; pydantic converts them)."""
 
+    model_config = FORM
     prompt: str = Field(min_length=1, description="What to film.")
     model: str | None = None
     seconds: float | None = Field(
@@ -43,6 +46,11 @@ class VideoCreateRequest(_Strict):
     negative_prompt: str | None = Field(None, description="What to steer away from (with guidance_scale > 1).")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Same seed, same video.")
     user: str | None = None  # accepted for client compatibility; not used
+
+    @field_validator("prompt")
+    @classmethod
+    def _something_to_film(cls, prompt: str) -> str:
+        return not_blank(prompt)
 
     @field_validator("size")
     @classmethod
@@ -94,7 +102,7 @@ class VideoJob:
     """One job's state as the API reports it (the result itself is an ObjectRef the jobs actor holds)."""
 
     id: str
-    owner: str  # a digest of the API key that created it: another key sees no such job
+    owner: str  # the client that created it (omni_serve.api.video_jobs.owner_of): another sees no such job
     model: str
     prompt: str
     params: VideoParams
@@ -140,11 +148,35 @@ def deleted(video_id: str) -> dict[str, Any]:
 
 
 def not_found(video_id: str) -> APIError:
-    """The one answer for a job that does not exist, expired, was deleted, is another key's, or was lost."""
+    """The one answer for a job that does not exist, expired, was deleted, is another client's, or was lost."""
     return APIError(
         404,
-        f"no video '{video_id:.80}' (it expired, was deleted, or its ingress replica stopped)",
+        f"no video '{video_id:.80}' (it expired, was deleted, or was lost with the ingress replica or jobs actor "
+        "that ran it)",
         type="invalid_request_error",
         param="video_id",
         code="video_not_found",
     )
+
+
+def list_query(query: Mapping[str, str]) -> tuple[int, bool, str | None]:
+    """The list's ``limit`` (1-100, 20), whether ``order`` is ``desc`` (the default; or ``asc``) and ``after``
+    (a job id), read by the route after the key is checked: a bad one is a 400 naming it."""
+    raw = query.get("limit", "20")
+    if not raw.strip().isdigit() or not 1 <= int(raw) <= 100:
+        raise bad_request(f"limit: an integer in [1, 100] (got '{raw:.20}')", "limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"order: 'asc' or 'desc' (got '{order:.20}')", "order")
+    return int(raw), order == "desc", query.get("after")
+
+
+def video_list(page: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """OpenAI's list of ``Video`` objects."""
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": has_more,
+    }

@@ -187,8 +187,12 @@ def test_item_floods_are_bounded_in_bytes(graph: Any, solo: tuple[str, bytes]) -
 
 def test_a_replica_refuses_sessions_beyond_max_sessions(graph: Any, solo: tuple[str, bytes]) -> None:
     """``max_sessions`` open (the victim's among them), the next is refused with an error event and close 1013;
-    the victim, meanwhile, replies as alone."""
+    the victim, meanwhile, replies as alone. One client holds them all: ``max_sessions_per_client`` is unset by
+    default (behind the HAProxy ingress every client has HAProxy's address; its own quota is tested in
+    process, tests/test_realtime_limits.py)."""
     import websockets
+
+    assert LIMITS.max_sessions_per_client is None
 
     async def run() -> tuple[dict[str, Any], int, tuple[str, bytes]]:
         victim = asyncio.ensure_future(victim_reply(graph, await session(graph)))
@@ -247,3 +251,49 @@ def test_malformed_json_gets_an_error_event_and_the_session_goes_on(graph: Any, 
     errors = beside_victim(graph, solo, abuse)
     assert [e["type"] for e in errors] == ["invalid_request_error"] * 5, errors
     assert all("JSON" in e["message"] for e in errors), errors
+
+
+def test_odd_event_types_get_an_error_event_and_the_session_goes_on(graph: Any, solo: tuple[str, bytes]) -> None:
+    """A ``type`` of any JSON type but a string, a ``session`` that is no object, an event that is no object:
+    each an ``error`` event (it once closed the socket with 1011), and the session still answers."""
+    odd: list[Any] = [{"type": []}, {"type": 1}, {"type": None}, {"type": {}}]
+    odd += [{"type": "session.update", "session": []}, [], 1]
+
+    async def abuse() -> list[dict[str, Any]]:
+        async with opened(graph) as s:
+            errors = [await s.error_for(json.dumps(event)) for event in odd]
+            events = await s.reply("Still there?", output_modalities=["text"], max_output_tokens=4)
+            assert events[-1]["response"]["status"] in ("completed", "incomplete"), events[-1]
+            return errors
+
+    errors = beside_victim(graph, solo, abuse)
+    assert [e["param"] for e in errors] == ["type"] * 4 + ["session", None, None], errors
+    assert [e["code"] for e in errors[:4]] == ["unknown_event"] * 4, errors
+
+
+def test_session_updated_echoes_are_bounded_and_paid_from_the_bytes_budget(graph: Any, solo: tuple[str, bytes]) -> None:
+    """The review's 2 MB of tools is refused (``max_session_config_bytes``); with 200 kB of tools stored, a flood
+    of 41-byte empty updates is echoed within the session's ``bytes_per_second`` (its burst, and its rate for
+    the time the flood took), the rest refused; the victim's reply stays its own."""
+    tools = [{"type": "function", "name": f"f{i}", "description": "d" * 2000} for i in range(100)]
+    big = [{"type": "function", "name": f"f{i}", "description": "d" * 20_000} for i in range(100)]
+    flood = 400
+
+    async def abuse() -> tuple[dict[str, Any], list[dict[str, Any]], float]:
+        async with opened(graph) as s:
+            too_big = await s.error_for({"type": "session.update", "session": {"tools": big}})
+            await s.send({"type": "session.update", "session": {"tools": tools}})
+            await s.until("session.updated")
+            started = time.perf_counter()
+            for _ in range(flood):
+                await s.send('{"type":"session.update","session":{}}')
+            answers = [await s.recv() for _ in range(flood)]
+            return too_big, answers, time.perf_counter() - started
+
+    too_big, answers, elapsed = beside_victim(graph, solo, abuse)
+    assert (too_big["code"], too_big["param"]) == ("session_config_too_large", "session"), too_big
+    echoes = [a for a in answers if a["type"] == "session.updated"]
+    refused = [a["error"] for a in answers if a["type"] == "error"]
+    assert echoes and refused and {e["code"] for e in refused} == {"rate_limit_exceeded"}, refused
+    echoed = sum(len(json.dumps(e)) for e in echoes)
+    assert echoed <= LIMITS.max_session_bytes + LIMITS.bytes_per_second * elapsed, (echoed, elapsed)

@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from starlette.datastructures import Address
 from starlette.websockets import WebSocketState
 
 from omni_serve.api.openai.chat import ChatCompletionRequest, SamplingRequest
 from omni_serve.api.realtime import vad
 from omni_serve.api.realtime.connection import serve_session
 from omni_serve.api.realtime.session import Session
+from omni_serve.api.realtime.settings import Settings
 from omni_serve.api.sampling import StageSampling
 from omni_serve.graph.config import RealtimeConfig, load_graph
 from omni_serve.types import StageOutput
@@ -238,7 +242,8 @@ class FakeSocket:
     """What serve_session uses of Starlette's WebSocket; ``reads=False`` plays a client that never reads
     (its socket takes ``window`` bytes, then every send waits, as a full TCP window makes it)."""
 
-    def __init__(self, *, reads: bool = True, window: int = 1 << 16):
+    def __init__(self, *, reads: bool = True, window: int = 1 << 16, client: str = "192.0.2.1"):
+        self.client = Address(client, 50000)  # the peer's address, as Starlette gives it
         self.headers: dict[str, str] = {}
         self.query_params: dict[str, str] = {}
         self.application_state = WebSocketState.CONNECTING
@@ -329,3 +334,195 @@ def test_a_replica_holds_at_most_max_sessions() -> None:
     assert [e["type"] for e in refused.sent] == ["error"] and refused.sent[0]["error"]["code"] == "too_many_sessions"
     assert [e["type"] for e in admitted.sent] == ["session.created"]
     assert all(s.sent[0]["type"] == "session.created" for s in held)
+
+
+# ---- the session's settings: bounded, counted, and echoed within the byte budget -------------------------
+
+
+def tools(nbytes: int) -> list[dict[str, Any]]:
+    """Function tools whose descriptions add up to about ``nbytes``."""
+    return [{"type": "function", "name": f"f{i}", "description": "d" * (nbytes // 100)} for i in range(100)]
+
+
+def session_update(**fields: Any) -> str:
+    return json.dumps({"type": "session.update", "session": {"type": "realtime", **fields}})
+
+
+EMPTY_UPDATE = json.dumps({"type": "session.update", "session": {}})  # 41 bytes
+
+
+def test_the_stored_settings_are_bounded_and_counted_in_the_held_bytes() -> None:
+    """``max_session_config_bytes`` bounds the settings as ``session.updated`` carries them (a refused update
+    leaves the session as it was); what they hold counts in the session's held bytes."""
+    limits = RealtimeConfig(bytes_per_second=1e12)
+
+    async def run() -> tuple[list[dict[str, Any]], list[int]]:
+        events, send = recorder()
+        session = Session(graph(replying, limits), send)
+        held = [session.held_bytes()]
+        await session.handle(session_update(tools=tools(200_000)))
+        held.append(session.held_bytes())
+        await session.handle(session_update(tools=tools(2_000_000)))  # the review's 2 MB of tools
+        await session.handle(session_update(instructions="i" * (256 << 10)))
+        held.append(session.held_bytes())
+        return events, held
+
+    events, held = asyncio.run(run())
+    updated = [e for e in events if e["type"] == "session.updated"]
+    assert len(updated) == 1 and len(json.dumps(updated[0]["session"])) > 200_000
+    assert [(e["code"], e["param"]) for e in errors(events)] == [("session_config_too_large", "session")] * 2
+    assert "realtime.max_session_config_bytes" in errors(events)[0]["message"]
+    assert held[1] - held[0] >= 200_000 and held[2] == held[1], held
+
+
+def test_session_updated_echoes_are_paid_from_the_bytes_budget_and_serialized_once_per_change() -> None:
+    """A 41-byte empty update is answered with the whole session: each echo's bytes are spent from
+    ``bytes_per_second`` (past it the update is refused, unapplied), so what a client makes the server send is
+    bounded as what it sends is; the session is serialized once per change, not once per echo."""
+    limits = RealtimeConfig(bytes_per_second=1.0, max_session_bytes=2 * MIB, max_event_bytes=MIB)  # ~no refill
+    serialized = 0
+    real_json = Settings.json
+
+    def counting_json(self: Settings, session_id: str, model: str) -> dict[str, Any]:
+        nonlocal serialized
+        serialized += 1
+        return real_json(self, session_id, model)
+
+    async def run() -> list[dict[str, Any]]:
+        events, send = recorder()
+        session = Session(graph(replying, limits), send)
+        await session.handle(session_update(tools=tools(200_000)))
+        for _ in range(20):
+            await session.handle(EMPTY_UPDATE)
+        return events
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Settings, "json", counting_json)
+        events = asyncio.run(run())
+    echoed = sum(len(json.dumps(e)) for e in events if e["type"] == "session.updated")
+    assert echoed <= 2 * MIB, echoed  # the bucket's burst: max_session_bytes
+    refused = errors(events)
+    assert refused and {e["code"] for e in refused} == {"rate_limit_exceeded"}, refused
+    assert len(refused) + len([e for e in events if e["type"] == "session.updated"]) == 21
+    assert serialized == 2, serialized  # the session's first settings, and the update's
+
+
+# ---- a long reply: its audio kept in time linear in its length ------------------------------------------------
+
+
+def test_a_long_replys_audio_is_kept_chunk_by_chunk_without_recounting_or_copying_it_whole() -> None:
+    """Each audio chunk of a reply is added to the item once: the session's held bytes are not recounted over
+    every item per chunk, and the reply's audio so far is not copied per chunk (that made a reply of N chunks
+    cost N^2 / 2 chunk copies: 10 minutes of audio in 0.1 s chunks, ~86 GB of copying)."""
+    import numpy as np
+
+    import omni_serve.api.realtime.conversation as conversation
+
+    chunks, samples = 6000, 2400  # 10 minutes at 24 kHz in 0.1 s chunks: 28.8 MB of pcm16
+    chunk = np.full(samples, 0.25, dtype=np.float32)
+    counted = 0
+    real_nbytes = conversation.Conversation.nbytes
+
+    def counting_nbytes(self: conversation.Conversation) -> int:
+        nonlocal counted
+        counted += 1
+        return real_nbytes(self)
+
+    async def speaking(request: Any, route: str) -> AsyncIterator[StageOutput]:
+        yield StageOutput(stage="thinker", text="la", finished=True)
+        for _ in range(chunks):
+            yield StageOutput(stage="code2wav", audio=chunk, sample_rate=RATE)
+
+    async def run() -> tuple[list[str], float, Session]:
+        kinds: list[str] = []
+        session = Session(graph(speaking, speaks=True), lambda e: kinds.append(e if isinstance(e, str) else e["type"]))
+        await session.handle(json.dumps({"type": "response.create", "response": {"output_modalities": ["audio"]}}))
+        started = time.perf_counter()
+        await settle(session)
+        return kinds, time.perf_counter() - started, session
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(conversation.Conversation, "nbytes", counting_nbytes)
+        kinds, elapsed, session = asyncio.run(run())
+    assert kinds.count("response.output_audio.delta") == chunks and kinds[-1] == "response.done"
+    (reply,) = session.conversation.items
+    assert len(reply.parts[0].audio) == chunks * samples * 2
+    assert counted < 10, counted  # once per max_session_bytes of room spent, not once per chunk
+    # Linear: 0.8 s on this 2-core machine (each chunk encoded, base64-encoded, sent); copying the reply whole per
+    # chunk took 228 s.
+    assert elapsed < 20, elapsed
+
+
+# ---- room: idle sessions end, and no one client takes a replica's sessions -------------------------------
+
+
+def test_a_session_whose_client_sends_nothing_for_idle_timeout_s_is_closed() -> None:
+    """Each client event restarts the idle clock, and so does a running response (the client is listening);
+    ``idle_timeout_s`` after the last of them the session ends: an ``error`` event, close 1008."""
+    limits = RealtimeConfig(idle_timeout_s=0.5)
+
+    async def slow_reply(request: Any, route: str) -> AsyncIterator[StageOutput]:
+        await asyncio.sleep(1.0)  # longer than the idle timeout: the client waits for it, it is not idle
+        async for output in replying(request, route):
+            yield output
+
+    async def run() -> tuple[FakeSocket, float]:
+        socket = FakeSocket()
+        session = asyncio.ensure_future(serve_session(socket, graph(slow_reply, limits), None, None))  # type: ignore[arg-type]
+        await socket.answered.wait()
+        for _ in range(3):  # 0.9 s of events, 0.3 s apart: never idle
+            await asyncio.sleep(0.3)
+            socket.client_sends(EMPTY_UPDATE)
+        socket.client_sends(CREATE)
+        started = time.monotonic()
+        await asyncio.wait_for(session, 30)
+        return socket, time.monotonic() - started
+
+    socket, lasted = asyncio.run(run())
+    kinds = [e["type"] for e in socket.sent]
+    assert kinds.count("session.updated") == 3 and statuses_of(socket.sent) == ["completed"], kinds
+    assert kinds[-1] == "error" and socket.sent[-1]["error"]["code"] == "session_idle_timeout", socket.sent[-1]
+    assert "realtime.idle_timeout_s" in socket.sent[-1]["error"]["message"]
+    assert socket.closed is not None and socket.closed[0] == 1008, socket.closed
+    assert 1.5 <= lasted < 10, lasted  # the reply's 1 s, then the idle 0.5 s
+
+
+def statuses_of(events: list[dict[str, Any]]) -> list[str]:
+    return [e["response"]["status"] for e in events if e["type"] == "response.done"]
+
+
+def test_a_client_holds_at_most_max_sessions_per_client() -> None:
+    """A client (its address, when the graph sets no key) holds ``max_sessions_per_client`` sessions; one more is
+    refused with an ``error`` event and close 1008; another client is admitted, and the first is again once one
+    of its sessions ended."""
+    limits = RealtimeConfig(max_sessions_per_client=2)
+
+    async def run() -> tuple[FakeSocket, FakeSocket, FakeSocket]:
+        shared = graph(replying, limits)
+        held = [FakeSocket(client="192.0.2.1") for _ in range(2)]
+        running = [asyncio.create_task(serve_session(s, shared, None, None)) for s in held]  # type: ignore[arg-type]
+        for socket in held:
+            await socket.answered.wait()
+        refused = FakeSocket(client="192.0.2.1")
+        refused_session = serve_session(refused, shared, None, None)  # type: ignore[arg-type]
+        with contextlib.suppress(asyncio.TimeoutError):  # the hang guard: an admitted session waits for its client
+            await asyncio.wait_for(refused_session, 10)
+        other = FakeSocket(client="192.0.2.2")
+        other.client_leaves()
+        await serve_session(other, shared, None, None)  # type: ignore[arg-type]
+        held[0].client_leaves()
+        await running[0]
+        again = FakeSocket(client="192.0.2.1")
+        again.client_leaves()
+        await serve_session(again, shared, None, None)  # type: ignore[arg-type]
+        held[1].client_leaves()
+        await running[1]
+        return refused, other, again
+
+    refused, other, again = asyncio.run(run())
+    assert refused.closed is not None and refused.closed[0] == 1008, refused.closed
+    assert [e["type"] for e in refused.sent] == ["error"], refused.sent
+    error = refused.sent[0]["error"]
+    assert error["code"] == "too_many_client_sessions" and "realtime.max_sessions_per_client" in error["message"]
+    assert [e["type"] for e in other.sent] == ["session.created"]
+    assert [e["type"] for e in again.sent] == ["session.created"]

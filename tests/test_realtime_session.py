@@ -55,10 +55,15 @@ async def replying(request: Any, route: str) -> AsyncIterator[StageOutput]:
     yield StageOutput(stage="thinker", text="hello", finished=True, usage=Usage(prompt_tokens=3, completion_tokens=1))
 
 
-def recorder() -> tuple[list[dict[str, Any]], Callable[[dict[str, Any]], None]]:
+def decoded(event: dict[str, Any] | str) -> dict[str, Any]:
+    """A server event as the client reads it (the session sends some as their JSON text)."""
+    return json.loads(event) if isinstance(event, str) else event
+
+
+def recorder() -> tuple[list[dict[str, Any]], Callable[[dict[str, Any] | str], None]]:
     """The events a session sends, and the send that records them."""
     events: list[dict[str, Any]] = []
-    return events, events.append
+    return events, lambda event: events.append(decoded(event))
 
 
 def statuses(events: list[dict[str, Any]]) -> list[str]:
@@ -90,8 +95,8 @@ def test_a_cancel_while_the_response_finishes_does_not_cut_off_response_done() -
         events: list[dict[str, Any]] = []
         cancels: list[asyncio.Task[None]] = []
 
-        def send(event: dict[str, Any]) -> None:
-            events.append(event)
+        def send(sent: dict[str, Any] | str) -> None:
+            events.append(event := decoded(sent))
             if event["type"] == "response.output_text.done":  # the response is sending its closing events
                 cancels.append(asyncio.ensure_future(session.responses.cancel("client_cancelled")))
 
@@ -281,8 +286,8 @@ def test_a_call_cut_off_by_a_cancel_is_incomplete_and_is_no_call_in_the_next_pro
     async def run() -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
 
-        def send(event: dict[str, Any]) -> None:
-            events.append(event)
+        def send(sent: dict[str, Any] | str) -> None:
+            events.append(event := decoded(sent))
             if event["type"] == "response.function_call_arguments.delta":
                 asyncio.ensure_future(session.handle(json.dumps({"type": "response.cancel"})))
 
@@ -393,3 +398,88 @@ def test_openai_fields_that_would_change_the_reply_are_refused_by_name_and_the_r
     assert all(e["type"] == "invalid_request_error" for e in errors)
     assert [e["type"] for e in events if e["type"] == "session.updated"] == ["session.updated"]
     assert statuses(events) == ["completed"]  # no refused response.create started a response
+
+
+# ---- any JSON at all: an error event, and the session goes on -------------------------------------------------
+
+ODD = [[], [1], {}, {"a": 1}, 0, -1.5, None, True, "x", "x" * 600]
+TEMPLATES: list[dict[str, Any]] = [
+    {"type": "session.update", "event_id": "e", "session": {
+        "type": "realtime", "instructions": "Hi.", "output_modalities": ["text"], "max_output_tokens": 5,
+        "tools": [TOOL], "tool_choice": {"type": "function", "name": "get_weather"}, "parallel_tool_calls": True,
+        "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}, "turn_detection": None,
+                            "transcription": {"language": "en", "prompt": "p"}},
+                  "output": {"voice": "v", "speed": 1.0}}}},
+    {"type": "conversation.item.create", "previous_item_id": None, "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}},
+    {"type": "conversation.item.truncate", "item_id": "i", "content_index": 0, "audio_end_ms": 0},
+    {"type": "conversation.item.delete", "item_id": "i"},
+    {"type": "conversation.item.retrieve", "item_id": "i"},
+    {"type": "response.create", "response": {
+        "output_modalities": ["text"], "conversation": "none", "metadata": {"k": "v"}, "seed": 1,
+        "stage_sampling": {"thinker": {"temperature": 0.5}}, "tools": [TOOL], "tool_choice": "auto"}},
+    {"type": "response.cancel", "response_id": "r"},
+    {"type": "input_audio_buffer.append", "audio": "AAAA"},
+    {"type": "input_audio_buffer.commit"},
+]  # fmt: skip
+
+
+def paths(value: Any, at: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every place in a JSON value: the value itself, each key of an object, each element of an array."""
+    inner: list[tuple[Any, ...]] = []
+    if isinstance(value, dict):
+        inner = [p for k, v in value.items() for p in paths(v, (*at, k))]
+    elif isinstance(value, list):
+        inner = [p for j, v in enumerate(value) for p in paths(v, (*at, j))]
+    return [at, *inner]
+
+
+def replaced(value: Any, at: tuple[Any, ...], new: Any) -> Any:
+    if not at:
+        return new
+    copy = dict(value) if isinstance(value, dict) else list(value)
+    copy[at[0]] = replaced(value[at[0]], at[1:], new)
+    return copy
+
+
+def test_any_json_value_in_any_place_of_an_event_gets_an_error_event_or_an_answer_and_the_session_goes_on() -> None:
+    """Each client event's every field (the event itself, its ``type``, ``session``, ``item`` and what they hold)
+    replaced in turn by values of every JSON type: no event kills the session (an exception out of ``handle``
+    closes the socket with 1011), a refused one is an ``error`` event, and the session still answers."""
+    limits = RealtimeConfig(events_per_second=1e9)
+    events_sent = [json.dumps(replaced(t, at, odd)) for t in TEMPLATES for at in paths(t) for odd in ODD]
+    events_sent += ["[]", "[1]", "1", '"x"', "null", "true", '{"type": {"type": "session.update"}}']
+
+    async def run() -> list[dict[str, Any]]:
+        events, send = recorder()
+        session = Session(graph(replying, limits), send)
+        for raw in events_sent:
+            await session.handle(raw)
+            await settle(session)
+        await session.handle(json.dumps({"type": "response.cancel"}))
+        events.clear()
+        await session.handle(CREATE)
+        await settle(session)
+        return events
+
+    events = asyncio.run(run())
+    assert len(events_sent) > 700
+    assert not [e for e in events if e["type"] == "error"], events
+    assert statuses(events) == ["completed"]
+
+
+def test_an_event_whose_type_is_no_string_is_an_unknown_event() -> None:
+    async def run() -> list[dict[str, Any]]:
+        events, send = recorder()
+        session = Session(graph(replying), send)
+        for kind in ([], 1, None, {}, ["session.update"]):
+            await session.handle(json.dumps({"type": kind, "event_id": "e"}))
+        await session.handle(json.dumps({"type": "session.update", "session": []}))
+        await session.handle(json.dumps(["session.update"]))
+        return events
+
+    events = asyncio.run(run())
+    errors = [e["error"] for e in events]
+    assert [e["code"] for e in errors[:5]] == ["unknown_event"] * 5, errors
+    assert [e["param"] for e in errors[:6]] == ["type"] * 5 + ["session"], errors
+    assert all(e["event_id"] == "e" for e in errors[:5]) and len(errors) == 7, errors

@@ -4,7 +4,8 @@ A refused connection is accepted first and gets one ``error`` event saying why, 
 for a rule it broke, 1013 "try again later" for a full replica), so a client reads the reason
 instead of a bare failed handshake.
 
-Room: a replica holds at most ``realtime.max_sessions`` sessions. Serve counts each open websocket
+Room: a replica holds at most ``realtime.max_sessions`` sessions, one client at most
+``realtime.max_sessions_per_client`` of them (:func:`client_of`). Serve counts each open websocket
 as one of the ingress's ``max_ongoing_requests`` for its whole life, idle or not (a websocket is one
 ASGI call), so sessions and HTTP requests share that bound; ``max_sessions`` below it keeps room for
 HTTP requests on the replica.
@@ -12,12 +13,13 @@ HTTP requests on the replica.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from starlette.websockets import WebSocket
 
-from omni_serve.api.auth import api_key_matches
+from omni_serve.api.auth import KeyRing, api_key_matches
 from omni_serve.api.hosts import origin_allowed
 from omni_serve.api.openai.errors import APIError
 from omni_serve.graph.config import RealtimeConfig
@@ -42,6 +44,29 @@ class Sessions:
     def __init__(self, limit: int):
         self.limit = limit
         self.open: dict[OpenSession, Callable[[], int]] = {}  # each open session -> the bytes its client has not taken
+        self.clients: Counter[str] = Counter()  # each client (client_of) -> its open sessions
+
+    def add(self, session: OpenSession, client: str, unsent: Callable[[], int]) -> None:
+        self.open[session] = unsent
+        self.clients[client] += 1
+
+    def remove(self, session: OpenSession, client: str) -> None:
+        if self.open.pop(session, None) is not None:
+            self.clients[client] -= 1
+            if not self.clients[client]:
+                del self.clients[client]
+
+    def over_quota(self, client: str, per_client: int | None) -> APIError | None:
+        """Why ``client`` may not open one more session: it holds ``per_client`` already (or None)."""
+        if per_client is None or self.clients[client] < per_client:
+            return None
+        return APIError(
+            429,
+            f"this client holds {per_client} sessions on this replica (realtime.max_sessions_per_client): "
+            "end one first",
+            type="rate_limit_error",
+            code="too_many_client_sessions",
+        )
 
     def full(self) -> APIError | None:
         if len(self.open) < self.limit:
@@ -63,8 +88,22 @@ class Sessions:
         }
 
 
+def client_of(websocket: WebSocket, ring: KeyRing | None) -> str:
+    """Who opens the session, for ``max_sessions_per_client``: the peer's address (its host: one client's
+    connections come from many ports) and, when the graph sets keys, the client its key names: clients behind
+    one address with keys of their own are told apart, and one key shared by many does not make them one."""
+    host = websocket.client.host if websocket.client is not None else ""
+    if ring is None:
+        return host
+    protocols = [p.strip() for p in websocket.headers.get("sec-websocket-protocol", "").split(",")]
+    offered = [websocket.headers.get("authorization") or ""]
+    offered += [f"Bearer {p[len(KEY_PROTOCOL) :]}" for p in protocols if p.startswith(KEY_PROTOCOL)]
+    name = next((n for n in map(ring.client, offered) if n is not None), "")  # "": refused by its key anyway
+    return f"{host} {name}"
+
+
 def refusal(
-    websocket: WebSocket, model: str, limits: RealtimeConfig, api_key: str | None, unavailable: str | None = None
+    websocket: WebSocket, model: str, limits: RealtimeConfig, api_key: KeyRing | None, unavailable: str | None = None
 ) -> APIError | None:
     """Why this connection may not open a session to the graph serving ``model`` (auth, Origin, model), or None.
 

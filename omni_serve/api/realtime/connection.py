@@ -1,4 +1,5 @@
-"""A session's websocket: admission, the loop that feeds it client events, its time limit, and its outbox.
+"""A session's websocket: admission, the loop that feeds it client events, its time limits (its whole life, and
+how long it may stay idle), and its outbox.
 
 Events are handled one at a time in arrival order. What the session sends goes through its
 :class:`Outbox`: one writer task takes the events to the socket in order, so no producer (the event
@@ -22,12 +23,14 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
+from omni_serve.api.auth import KeyRing
 from omni_serve.api.openai.errors import APIError
 from omni_serve.api.realtime import events as ev
-from omni_serve.api.realtime.admission import POLICY_VIOLATION, TRY_AGAIN_LATER, refusal
+from omni_serve.api.realtime.admission import POLICY_VIOLATION, TRY_AGAIN_LATER, client_of, refusal
 from omni_serve.api.realtime.session import Session
 from omni_serve.api.realtime.session_graph import SessionGraph
 
+FIRST = asyncio.FIRST_COMPLETED
 CLOSE_WAIT_S = 2.0  # how long the last events and the close frame may take to go out before the session is dropped
 
 
@@ -44,10 +47,11 @@ class Outbox:
         self.overflowed = asyncio.Event()  # the client stopped taking its events: the session must end
         self._writer = asyncio.create_task(self._write())
 
-    def put(self, event: dict[str, Any]) -> None:
+    def put(self, event: dict[str, Any] | str) -> None:
+        """Queue one event: a dict, or its JSON text (serialized already)."""
         if self.overflowed.is_set():
             return  # the session is ending: nothing more goes out but its last error
-        self._append(json.dumps(event, separators=(",", ":")))
+        self._append(event if isinstance(event, str) else json.dumps(event, separators=(",", ":")))
         if self.unsent > self.limit:
             self.overflowed.set()
 
@@ -87,7 +91,7 @@ class Outbox:
 
 
 async def serve_session(
-    websocket: WebSocket, graph: SessionGraph, api_key: str | None, serve_limit_s: float | None
+    websocket: WebSocket, graph: SessionGraph, api_key: KeyRing | None, serve_limit_s: float | None
 ) -> None:
     """Run one session on ``websocket`` until the client leaves or a limit ends it.
 
@@ -105,6 +109,9 @@ async def serve_session(
     outbox = Outbox(send_text, graph.limits.max_unsent_bytes)
     refused = refusal(websocket, graph.model, graph.limits, api_key, graph.unavailable)
     code = POLICY_VIOLATION
+    client = client_of(websocket, api_key)
+    if refused is None:  # a client over its own quota (1008): waiting for room on the replica would not help it
+        refused = graph.sessions.over_quota(client, graph.limits.max_sessions_per_client)
     if refused is None and (refused := graph.sessions.full()) is not None:
         code = TRY_AGAIN_LATER
     if refused is not None:  # accepted first, so the client reads why in an error event, then the close
@@ -112,13 +119,13 @@ async def serve_session(
         await _close(websocket, outbox, code, refused.message)
         return
     session = Session(graph, outbox.put)
-    graph.sessions.open[session] = lambda: outbox.unsent
+    graph.sessions.add(session, client, lambda: outbox.unsent)
     ending: APIError | None = None
     try:
-        session.send("session.created", session=session.session_json())
+        session.send_session("session.created")
         ending = await _events(websocket, session, outbox, serve_limit_s)
     finally:
-        graph.sessions.open.pop(session, None)
+        graph.sessions.remove(session, client)
         await session.close()
         if ending is not None:
             outbox.put_last(ev.error_event(ending, None))
@@ -137,29 +144,33 @@ async def _events(
     else:
         limit_name = "realtime.max_session_minutes"
     ends = time.monotonic() + limit_s
+    expired = APIError(
+        400,
+        f"the session reached its maximum duration of {limit_s:.0f} s ({limit_name})",
+        type="invalid_request_error",
+        code="session_expired",
+    )
     overflow = asyncio.ensure_future(outbox.overflowed.wait())
     try:
         while True:
             receive = asyncio.ensure_future(websocket.receive())
-            done, _ = await asyncio.wait(
-                {receive, overflow}, timeout=max(0.0, ends - time.monotonic()), return_when=asyncio.FIRST_COMPLETED
-            )
-            if receive not in done:
-                receive.cancel()
-                if overflow in done:
-                    return APIError(
-                        400,
-                        f"the client has not read {outbox.unsent} bytes of events (realtime.max_unsent_bytes): "
-                        "the session is closed",
-                        type="invalid_request_error",
-                        code="client_not_reading",
-                    )
-                return APIError(
-                    400,
-                    f"the session reached its maximum duration of {limit_s:.0f} s ({limit_name})",
-                    type="invalid_request_error",
-                    code="session_expired",
-                )
+            while True:
+                wait_s, ending = _time_left(session, ends, expired)
+                if ending is None:
+                    done, _ = await asyncio.wait({receive, overflow}, timeout=wait_s, return_when=FIRST)
+                    if receive in done:
+                        break
+                    if overflow in done:
+                        ending = APIError(
+                            400,
+                            f"the client has not read {outbox.unsent} bytes of events (realtime.max_unsent_bytes): "
+                            "the session is closed",
+                            type="invalid_request_error",
+                            code="client_not_reading",
+                        )
+                if ending is not None:
+                    receive.cancel()
+                    return ending
             message = receive.result()
             if message["type"] == "websocket.disconnect":
                 return None
@@ -169,6 +180,25 @@ async def _events(
         return None
     finally:
         overflow.cancel()
+
+
+def _time_left(session: Session, ends: float, expired: APIError) -> tuple[float, APIError | None]:
+    """How long to wait for the client's next event, or why the session ends now: its maximum duration, or
+    ``idle_timeout_s`` without a client event or a response (a client waiting for its reply is not idle)."""
+    now, idle_s = time.monotonic(), session.limits.idle_timeout_s
+    if now >= ends:
+        return 0.0, expired
+    since = session.idle_since()
+    if since is None:  # a response runs: look again in idle_timeout_s
+        return min(ends, now + idle_s) - now, None
+    if now >= since + idle_s:
+        return 0.0, APIError(
+            400,
+            f"no client event for {idle_s:g} s (realtime.idle_timeout_s): the session is closed",
+            type="invalid_request_error",
+            code="session_idle_timeout",
+        )
+    return min(ends, since + idle_s) - now, None
 
 
 async def _close(websocket: WebSocket, outbox: Outbox, code: int, reason: str) -> None:

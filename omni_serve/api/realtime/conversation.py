@@ -62,11 +62,11 @@ def pcm16_bytes(text: str, param: str, max_bytes: int) -> bytes:
     return data
 
 
-def pcm16_ms(pcm: bytes) -> int:
+def pcm16_ms(pcm: bytes | bytearray) -> int:
     return len(pcm) // 2 * 1000 // PCM_RATE
 
 
-def wav_file(pcm: bytes) -> bytes:
+def wav_file(pcm: bytes | bytearray) -> bytes:
     """pcm16 24 kHz mono as a WAV file: its 44-byte header and the same samples (nothing re-encoded)."""
     rate, width = PCM_RATE, 2
     header = struct.pack(
@@ -80,8 +80,14 @@ def wav_file(pcm: bytes) -> bytes:
 class Part:
     type: str
     text: str = ""  # text, or the audio's transcript
-    audio: bytes = b""  # pcm16 24 kHz
+    audio: bytes | bytearray = b""  # pcm16 24 kHz (a reply's grows in place: add_audio)
     dropped_ms: int = 0  # the length of audio dropped to keep the session in its bytes (the text stays)
+
+    def add_audio(self, pcm: bytes) -> None:
+        """Append a reply's chunk in place: ``bytes +=`` would copy the whole reply so far per chunk."""
+        if not isinstance(self.audio, bytearray):
+            self.audio = bytearray(self.audio)
+        self.audio += pcm
 
     @property
     def audio_ms(self) -> int:
@@ -124,7 +130,7 @@ class ConversationItem:
             if part.type in ("input_audio", "output_audio", "audio"):
                 body["transcript"] = part.text or None
                 if with_audio:
-                    body["audio"] = b64(part.audio)
+                    body["audio"] = b64(bytes(part.audio))
             else:
                 body["text"] = part.text
             content.append(body)

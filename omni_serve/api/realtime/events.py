@@ -12,6 +12,7 @@ a newer API still connects. Server events are plain dicts built by :func:`server
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Annotated, Any, Literal, get_args
 
@@ -273,7 +274,8 @@ def parse_client_event(data: Any) -> ClientEvent:
     """One decoded JSON value as a client event; an :class:`APIError` naming the field otherwise."""
     if not isinstance(data, dict):
         raise bad_request("an event is a JSON object")
-    model = _BY_TYPE.get(data.get("type"))  # type: ignore[arg-type]
+    kind = data.get("type")
+    model = _BY_TYPE.get(kind) if isinstance(kind, str) else None  # a list or an object is unhashable: not a type
     if model is None:
         shown = f"{data.get('type')!r:.80}" if "type" in data else "missing"
         raise APIError(
@@ -287,6 +289,12 @@ def parse_client_event(data: Any) -> ClientEvent:
 
 def server_event(kind: str, **fields: Any) -> dict[str, Any]:
     return {"type": kind, "event_id": f"event_{uuid.uuid4().hex[:20]}", **fields}
+
+
+def server_event_text(kind: str, name: str, value: str) -> str:
+    """A server event as JSON text, its field ``name`` the JSON text ``value`` (serialized once, sent as is)."""
+    head = json.dumps(server_event(kind), separators=(",", ":"))
+    return f'{head[:-1]},"{name}":{value}}}'
 
 
 def error_event(error: APIError, client_event_id: str | None) -> dict[str, Any]:

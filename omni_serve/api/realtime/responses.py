@@ -24,6 +24,7 @@ short); ``cancelled`` with the reason; ``failed`` with the error.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -57,7 +58,7 @@ class Session(Protocol):
 
     def check_room(self) -> None: ...
 
-    def fit(self) -> None: ...
+    def grow(self, n: int) -> None: ...
 
 
 @dataclass
@@ -99,6 +100,7 @@ class Responses:
     def __init__(self, session: Session):
         self.session = session
         self.active: Response | None = None
+        self.ended = time.monotonic()  # when the last response ended (the session's idle clock)
 
     async def create(self, params: ev.ResponseParams) -> None:
         s, graph = self.session.settings, self.session.graph
@@ -167,6 +169,8 @@ class Responses:
                 where = self._where(response, item)
                 if output.text:
                     part.text += output.text
+                    if response.in_conversation:
+                        session.grow(len(output.text))
                     kind = "response.output_audio_transcript.delta" if audio else "response.output_text.delta"
                     session.send(kind, **where, delta=output.text)
                 if output.audio is not None and audio:
@@ -202,7 +206,7 @@ class Responses:
                 output_item.status = "completed" if status == "completed" else "incomplete"
             self._finish(response, status, details)
         finally:
-            self.active = None
+            self.active, self.ended = None, time.monotonic()
 
     def _say(self, response: Response, part: Part, where: dict[str, Any], pcm: bytes) -> None:
         """One ``response.output_audio.delta`` (none for no bytes: a resampler may hold a chunk's last samples)."""
@@ -211,8 +215,8 @@ class Responses:
         self.session.spoke = True
         self.session.send("response.output_audio.delta", **where, delta=b64(pcm))
         if response.in_conversation:  # kept for conversation.item.retrieve / .truncate
-            part.audio += pcm
-            self.session.fit()
+            part.add_audio(pcm)
+            self.session.grow(len(pcm))
 
     def _add_output(self, response: Response, item: ConversationItem) -> None:
         """An output item of the response (and the conversation's, unless the response is out of it)."""
@@ -317,6 +321,6 @@ class Responses:
             response.task.cancel()
         await asyncio.gather(response.task, return_exceptions=True)
         if self.active is response:  # cancelled before its relay ran: it sent only response.created
-            self.active = None
+            self.active, self.ended = None, time.monotonic()
             details = {"type": "cancelled", "reason": reason}
             self.session.send("response.done", response=self.response_json(response, "cancelled", details))

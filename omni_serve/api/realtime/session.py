@@ -12,7 +12,9 @@ dispatches it. No stage knows about sessions.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +36,8 @@ from omni_serve.api.realtime.session_graph import SessionGraph
 from omni_serve.api.realtime.settings import Settings, update
 from omni_serve.api.realtime.transcription import Transcriptions
 
-Send = Callable[[dict[str, Any]], None]  # queues one server event (the connection's outbox)
+# Queues one server event (the connection's outbox): a dict, or the JSON text of one already serialized.
+Send = Callable[[dict[str, Any] | str], None]
 
 
 class Session:
@@ -45,7 +48,11 @@ class Session:
         self.id = new_id("sess")
         self.settings = Settings(modalities=["audio"] if graph.speaks else ["text"])
         if not graph.takes_audio:  # no audio to detect turns in (session.updated says so)
-            self.settings.turn = None
+            self.settings = dataclasses.replace(self.settings, turn=None)
+        # The settings as session.updated carries them, serialized once per change (an echo costs no CPU).
+        self._settings_text = self._serialized(self.settings)
+        self._room = 0  # what grow() may add before the held bytes are counted again (none yet: count first)
+        self._heard = time.monotonic()  # the client's last event (idle_timeout_s)
         self.conversation = Conversation()
         self.audio = InputAudio(self.limits, graph.vad, self.settings.turn)
         self.responses = Responses(self)
@@ -64,6 +71,13 @@ class Session:
     def session_json(self) -> dict[str, Any]:
         return self.settings.json(self.id, self.graph.model)
 
+    def send_session(self, kind: str) -> None:
+        """``session.created`` or ``.updated``: the settings' serialized text, not serialized again."""
+        self.send_event(ev.server_event_text(kind, "session", self._settings_text))
+
+    def _serialized(self, settings: Settings) -> str:
+        return json.dumps(settings.json(self.id, self.graph.model), separators=(",", ":"))
+
     # ---- budgets: what the session spends per second and what it holds -------------------------
     def spend_bytes(self, n: int) -> None:
         """Move ``n`` more bytes now (an event received, the audio a response carries), or refuse."""
@@ -77,16 +91,25 @@ class Session:
             )
 
     def held_bytes(self) -> int:
-        """What the session holds: its input audio buffer, its items' audio and text, its instructions."""
-        return len(self.audio.buffer) + self.conversation.nbytes() + len(self.settings.instructions)
+        """What the session holds: its input audio buffer, its items' audio and text, its settings (instructions,
+        tools, ...: counted as their serialized text, which the session keeps for its echoes)."""
+        return len(self.audio.buffer) + self.conversation.nbytes() + len(self._settings_text)
+
+    def idle_since(self) -> float | None:
+        """Since when (``time.monotonic``) neither the client sent an event nor a response ran; None while one runs."""
+        if self.responses.active is not None:
+            return None
+        return max(self._heard, self.responses.ended)
 
     def pending_transcriptions(self) -> int:
         return len(self.transcriptions.tasks)
 
     def make_room(self, n: int) -> None:
         """Room for ``n`` more bytes: the audio the thinker no longer reads dropped first, else refused."""
-        over = self.held_bytes() + n - self.limits.max_session_bytes
-        if over > 0 and over > self.conversation.drop_unread_audio(over, self.graph.max_audio_parts):
+        held = self.held_bytes()
+        over = held + n - self.limits.max_session_bytes
+        freed = self.conversation.drop_unread_audio(over, self.graph.max_audio_parts) if over > 0 else 0
+        if over > freed:
             raise APIError(
                 400,
                 f"the session would hold more than {self.limits.max_session_bytes} bytes "
@@ -94,12 +117,22 @@ class Session:
                 type="invalid_request_error",
                 code="session_memory_full",
             )
+        self._room = self.limits.max_session_bytes - (held - freed + n)
 
     def fit(self) -> None:
         """After the server added to the conversation (a reply's audio, a transcript): back within the bytes."""
-        over = self.held_bytes() - self.limits.max_session_bytes
-        if over > 0:
-            self.conversation.drop_unread_audio(over, self.graph.max_audio_parts)
+        held = self.held_bytes()
+        over = held - self.limits.max_session_bytes
+        freed = self.conversation.drop_unread_audio(over, self.graph.max_audio_parts) if over > 0 else 0
+        self._room = self.limits.max_session_bytes - (held - freed)
+
+    def grow(self, n: int) -> None:
+        """The server added ``n`` bytes (a reply's audio chunk): spent from the room counted last, and counted
+        again (:meth:`fit`) only once that is spent, not over every item per chunk. Whatever else adds bytes
+        counts them first (:meth:`make_room`, :meth:`fit`), which counts the room again."""
+        self._room -= n
+        if self._room < 0:
+            self.fit()
 
     def check_room(self) -> None:
         if len(self.conversation.items) >= self.limits.max_items:
@@ -114,6 +147,7 @@ class Session:
     async def handle(self, raw: str | bytes) -> None:
         """One client message: rate-limited, parsed, dispatched; what is wrong with it becomes an ``error`` event."""
         event_id: str | None = None
+        self._heard = time.monotonic()
         try:
             if len(raw) > self.limits.max_event_bytes:
                 raise APIError(
@@ -148,8 +182,8 @@ class Session:
 
     async def _dispatch(self, event: ev.ClientEvent, event_id: str | None) -> None:
         if isinstance(event, ev.SessionUpdate):
-            await update(self, event.session)
-            self.send("session.updated", session=self.session_json())
+            self._apply(await update(self, event.session))
+            self.send_session("session.updated")
         elif isinstance(event, ev.BufferAppend):
             if not self.graph.takes_audio:  # its items would fail every later response at the entry stage
                 raise bad_request("input_audio_buffer.append: this graph takes no audio input", "audio")
@@ -185,7 +219,7 @@ class Session:
             self.send("conversation.item.deleted", item_id=event.item_id)
         elif isinstance(event, ev.ItemRetrieve):
             item = self.conversation.find(event.item_id)
-            self.spend_bytes(sum(len(p.audio) for p in item.parts))  # its audio goes out again, base64-encoded
+            self.spend_bytes(item.nbytes())  # its audio (base64-encoded) and text go out again
             self.send("conversation.item.retrieved", item=item.json(with_audio=True))
         elif isinstance(event, ev.ResponseCreate):
             await self.responses.create(event.response or ev.ResponseParams())
@@ -196,6 +230,27 @@ class Session:
             await self.responses.cancel("client_cancelled")
         elif isinstance(event, ev.OutputAudioClear):
             pass  # WebRTC/SIP only in OpenAI's API; over a websocket the client owns playback
+
+    def _apply(self, settings: Settings) -> None:
+        """Hold the settings an update made, if their bytes allow: they stay within ``max_session_config_bytes``,
+        are bytes the session holds, and their echo (``session.updated`` carries them whole, however little the
+        update changed) is bytes the session moves: a 41-byte update costs its echo's bytes of the budget."""
+        text = self._settings_text if settings is self.settings else self._serialized(settings)
+        limit = self.limits.max_session_config_bytes
+        if len(text) > limit:
+            raise APIError(
+                400,
+                f"session: the settings would be {len(text)} bytes as session.updated carries them, over "
+                f"{limit} (realtime.max_session_config_bytes): send fewer or shorter tools or instructions",
+                type="invalid_request_error",
+                param="session",
+                code="session_config_too_large",
+            )
+        self.spend_bytes(len(text))
+        self.make_room(len(text) - len(self._settings_text))
+        if settings.turn is not self.settings.turn:
+            self.audio.set_turn(settings.turn)
+        self.settings, self._settings_text = settings, text
 
     # ---- input audio and turns ------------------------------------------------------------------
     async def _append(self, pcm: bytes, event_id: str | None) -> None:

@@ -1,21 +1,23 @@
 """A session's settings (``session.updated`` shows them whole) and the ``session.update`` that changes them.
 
-An update is validated whole before any of it applies: a refused update leaves the session as it was.
+Settings are a value: an update makes new settings (or returns the same object when it sets nothing), checked
+whole against the graph; the session applies them only once its bytes allow them too, so a refused update
+leaves the session as it was, and the serialized settings it keeps stay those of the object it holds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from omni_serve.api.openai.errors import bad_request
 from omni_serve.api.realtime import events as ev
-from omni_serve.api.realtime.input_audio import InputAudio
 from omni_serve.api.realtime.session_graph import SessionGraph
 from omni_serve.api.realtime.tools import ToolChoice, Tools, choice_json, tool_calling
 
 
-@dataclass
+@dataclass(frozen=True)
 class Settings:
     instructions: str = ""
     modalities: list[str] = field(default_factory=lambda: ["audio"])
@@ -58,14 +60,12 @@ class Session(Protocol):
 
     graph: SessionGraph
     settings: Settings
-    audio: InputAudio
     spoke: bool
 
-    def make_room(self, n: int) -> None: ...
 
-
-async def update(session: Session, config: ev.SessionConfig) -> None:
-    """Apply ``session.update``: checked against the graph and the session's bytes first, then applied."""
+async def update(session: Session, config: ev.SessionConfig) -> Settings:
+    """The session's settings with ``session.update`` applied, checked against the graph (the session's own
+    object when the update sets nothing); the session checks their bytes, then holds them."""
     s, graph = session.settings, session.graph
     if config.model is not None and config.model != graph.model:
         raise bad_request(f"session.model: this server serves '{graph.model}'", "session.model")
@@ -86,21 +86,27 @@ async def update(session: Session, config: ev.SessionConfig) -> None:
     tools = s.tools if config.tools is None else config.tools
     choice = config.tool_choice if "tool_choice" in config.model_fields_set else s.tool_choice
     parallel = s.parallel_tool_calls if config.parallel_tool_calls is None else config.parallel_tool_calls
-    tool_calling(tools, choice, parallel, "session.")  # checked as chat checks a request's tools
-    if config.instructions is not None:  # instructions are bytes the session holds
-        session.make_room(len(config.instructions) - len(s.instructions))
-    # Validated whole: now applied.
+    tools_set = config.tools is not None or "tool_choice" in config.model_fields_set
+    if tools_set or config.parallel_tool_calls is not None:  # else checked when set: an empty update costs nothing
+        tool_calling(tools, choice, parallel, "session.")  # checked as chat checks a request's tools
+    # Validated whole: the new settings.
+    changes: dict[str, Any] = {}
     if config.instructions is not None:
-        s.instructions = config.instructions
+        changes["instructions"] = config.instructions
     if modalities is not None:
-        s.modalities = list(modalities)
+        changes["modalities"] = list(modalities)
     if voice is not None:
-        s.voice = voice
+        changes["voice"] = voice
     if config.max_output_tokens is not None:
-        s.max_output_tokens = config.max_output_tokens
-    s.tools, s.tool_choice, s.parallel_tool_calls = tools, choice, parallel
+        changes["max_output_tokens"] = config.max_output_tokens
+    if config.tools is not None:
+        changes["tools"] = config.tools
+    if "tool_choice" in config.model_fields_set:
+        changes["tool_choice"] = choice
+    if config.parallel_tool_calls is not None:
+        changes["parallel_tool_calls"] = parallel
     if audio.input is not None and "transcription" in audio.input.model_fields_set:
-        s.transcription = audio.input.transcription
+        changes["transcription"] = audio.input.transcription
     if turn_set and audio.input is not None:
-        s.turn = audio.input.turn_detection
-        session.audio.set_turn(s.turn)
+        changes["turn"] = audio.input.turn_detection
+    return dataclasses.replace(s, **changes) if changes else s

@@ -29,6 +29,11 @@ def msg(content: Any, role: str = "user", **extra: Any) -> dict[str, Any]:
     return {"messages": [{"role": role, "content": content, **extra}]}
 
 
+def tool(**function: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": "lookup", **function}}
+
+
+RESERVED_SCHEMA = {"type": "object", "properties": {"q": {"type": "string", "description": "<|image_pad|>"}}}
 JSON = {"content-type": "application/json"}
 
 # (id, request kwargs for httpx, expected status, text that must appear in message or param)
@@ -68,6 +73,14 @@ CORPUS: list[tuple[str, dict[str, Any], int, str]] = [
     ("empty messages", {"json": chat(messages=[])}, 400, "messages"),
     ("messages not a list", {"json": chat(messages={"role": "user"})}, 400, "messages"),
     ("tool without its function", {"json": chat(tools=[{"type": "function"}])}, 400, "tools.0.function"),
+    # A tool's text reaches the template as a message's does: a reserved multimodal token in it is a 400 (not a 500).
+    (
+        "tool description with a reserved token",
+        {"json": chat(tools=[tool(description="x <|audio_pad|> y")])},
+        400,
+        "tools.0",
+    ),
+    ("tool schema with a reserved token", {"json": chat(tools=[tool(parameters=RESERVED_SCHEMA)])}, 400, "tools.0"),
     ("response_format of no known type", {"json": chat(response_format={"type": "xml"})}, 400, "response_format"),
     ("unknown model", {"json": chat(model="gpt-5")}, 404, "model"),
     (
@@ -163,6 +176,18 @@ CORPUS: list[tuple[str, dict[str, Any], int, str]] = [
     ("five stop strings", {"json": chat(stop=["a", "b", "c", "d", "e"])}, 400, "stop"),
     ("empty stop string", {"json": chat(stop="")}, 400, "stop"),
     ("repetition_penalty zero", {"json": chat(repetition_penalty=0)}, 400, "repetition_penalty"),
+    # --- strict types, as OpenAI's: no coercion of strings or numbers into booleans, of booleans into numbers ---
+    ("logprobs a string", {"json": chat(logprobs="yes")}, 400, "logprobs"),
+    ("logprobs a number", {"json": chat(logprobs=1)}, 400, "logprobs"),
+    ("temperature a boolean", {"json": chat(temperature=True)}, 400, "temperature"),
+    ("max_tokens numeric string", {"json": chat(max_tokens="4")}, 400, "max_tokens"),
+    ("seed a float", {"json": chat(seed=3.0)}, 400, "seed"),
+    (
+        "stream_options flag a string",
+        {"json": chat(stream=True, stream_options={"include_usage": "true"})},
+        400,
+        "include_usage",
+    ),
     # --- messages ---
     ("message without role", {"json": chat(messages=[{"content": "hi"}])}, 400, "role"),
     ("unknown role", {"json": chat(**msg("hi", role="function"))}, 400, "role"),
@@ -193,6 +218,8 @@ CORPUS: list[tuple[str, dict[str, Any], int, str]] = [
     ("audio not an object", {"json": chat(modalities=["text", "audio"], audio="wav")}, 400, "audio"),
     ("unknown voice", {"json": chat(modalities=["text", "audio"], audio={"voice": "nobody"})}, 400, "nobody"),
     ("unknown speaker", {"json": chat(modalities=["text", "audio"], speaker="nobody")}, 400, "speaker"),
+    ("unknown speaker, text reply", {"json": chat(speaker="nobody")}, 400, "speaker"),  # refused, never ignored
+    ("unknown voice, text reply", {"json": chat(audio={"voice": "nobody"})}, 400, "audio.voice"),
     ("voice and speaker differ", {"json": chat(modalities=["audio"], voice="ethan", speaker="chelsie")}, 400, "voices"),
     # --- stage_sampling ---
     ("stage_sampling unknown stage", {"json": chat(stage_sampling={"vocoder": {}})}, 400, "vocoder"),

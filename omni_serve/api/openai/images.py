@@ -10,6 +10,7 @@ stage, which answers 400 naming the field.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections.abc import AsyncIterator
@@ -20,6 +21,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from omni_serve.api.openai.errors import APIError
+from omni_serve.api.openai.messages import FORM, not_blank
 from omni_serve.media.encode import b64, data_url, encode_png
 from omni_serve.types import ChatMessage, ImageParams, StageOutput
 
@@ -38,7 +40,8 @@ def checked_size(size: str) -> str:
 
 
 class ImageGenerationRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Strict types, as every JSON body's (messages._Strict says why).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     prompt: str = Field(min_length=1, description="What to draw.")
     model: str | None = None
@@ -61,6 +64,11 @@ class ImageGenerationRequest(BaseModel):
     )
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Same seed, same image.")
     user: str | None = None  # accepted for client compatibility; ignored
+
+    @field_validator("prompt")
+    @classmethod
+    def _something_to_draw(cls, prompt: str) -> str:
+        return not_blank(prompt)
 
     @field_validator("response_format", mode="before")
     @classmethod
@@ -102,6 +110,7 @@ class ImageEditRequest(ImageGenerationRequest):
     does: by reference, checked here by its bytes (format, size) and decoded only by the stage.
     """
 
+    model_config = FORM
     size: str = Field("auto", description="'WIDTHxHEIGHT', or 'auto' (the source image's size).")
 
     @field_validator("size")
@@ -125,7 +134,11 @@ def content_parts(images: list[np.ndarray]) -> list[dict[str, Any]]:
 
 @dataclass
 class ImagesReply:
-    """The ``ImagesResponse`` of one generation request (never streamed)."""
+    """The ``ImagesResponse`` of one generation request (never streamed).
+
+    PNG encoding is CPU work (up to 4 x 2048^2 images: seconds): it runs in a worker thread, so the ingress
+    event loop every other request shares keeps answering meanwhile.
+    """
 
     media_type = "application/json"
 
@@ -136,7 +149,7 @@ class ImagesReply:
         generated: list[np.ndarray] = []
         async for output in outputs:
             generated.extend(output.images)
-        return generation_response(int(time.time()), generated)
+        return await asyncio.to_thread(generation_response, int(time.time()), generated)
 
     def stream(self, outputs: AsyncIterator[StageOutput]) -> AsyncIterator[bytes]:
         raise TypeError("image replies are JSON, never streamed")

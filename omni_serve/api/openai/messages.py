@@ -28,8 +28,23 @@ def _valid_unicode(text: str, what: str) -> str:
     return text
 
 
+def not_blank(text: str) -> str:
+    """``text`` if it has something besides whitespace (a prompt or a text to speak of spaces says nothing)."""
+    if not text.strip():
+        raise ValueError("must not be empty or whitespace only")
+    return text
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A JSON body's model: unknown fields are refused by name, and types are strict as OpenAI's are ("yes" is no
+    boolean, "1" no number, 1 no boolean); an integer is a number, so a float field takes 2 as 2.0 (pydantic's
+    strict float, and JSON's). A form's model relaxes the types (:data:`FORM`): a form's values are strings."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# The config of a model read from a multipart form: every value arrives as a string, parsed by type.
+FORM = ConfigDict(extra="forbid", strict=False)
 
 
 class TextPart(_Strict):

@@ -29,6 +29,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 from omni_serve.api.openai.chat import FINISH_REASON_HEADER
 from omni_serve.api.openai.errors import APIError
+from omni_serve.api.openai.messages import not_blank
 from omni_serve.media.encode import (
     AUDIO_MEDIA_TYPES,
     EMPTY_AUDIO_SAMPLE_RATE,
@@ -43,9 +44,14 @@ if TYPE_CHECKING:
 
 SpeechFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 
+# vLLM-Omni's limit on a speech request's instructions (its serving_speech's _TTS_MAX_INSTRUCTIONS_LENGTH).
+MAX_INSTRUCTIONS = 500
+MAX_NEW_TOKENS = 4096  # and on max_new_tokens (_TTS_MAX_NEW_TOKENS_MAX)
+
 
 class SpeechRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Strict types, as every JSON body's (messages._Strict says why).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     input: str = Field(min_length=1, max_length=4096, description="The text to speak.")
@@ -66,7 +72,9 @@ class SpeechRequest(BaseModel):
         "end (X-Finish-Reason only where the end is known by then; a reply cut short later ends in a broken body). "
         "false: the status waits for the talker's end; the body still streams as decoded (vLLM-Omni's field).",
     )
-    instructions: str | None = Field(None, max_length=4096, description="Sent to the model as a system message.")
+    instructions: str | None = Field(
+        None, description=f"Sent to the model as a system message; at most {MAX_INSTRUCTIONS} characters (vLLM-Omni's)."
+    )
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Same seed, same audio (vLLM-Omni's field).")
     # vLLM-Omni's voice-mode fields of a TTS model (Qwen3-TTS): the model's prompt builder validates them (a TTS
     # graph's entry stage); a graph whose entry stage takes a conversation refuses them (the ingress).
@@ -84,13 +92,28 @@ class SpeechRequest(BaseModel):
         None, description="Base: clone the speaker embedding only (no ref_text, no in-context reference codes)."
     )
     max_new_tokens: int | None = Field(
-        None, ge=1, description="The talker's codec frames at most (vLLM-Omni's field; the model's bounds apply)."
+        None,
+        ge=1,
+        le=MAX_NEW_TOKENS,
+        description="The talker's codec frames at most (vLLM-Omni's field and bound; the model's bounds apply too).",
     )
     stage_sampling: dict[str, dict[str, Any]] | None = Field(
         None,
         description="Per-stage sampling overrides keyed by stage name, as chat completions takes them "
         "(e.g. {'talker': {'temperature': 0.0}}); a stage that samples nothing for speech refuses them.",
     )
+
+    @field_validator("input")
+    @classmethod
+    def _something_to_say(cls, text: str) -> str:
+        return not_blank(text)
+
+    @field_validator("instructions")
+    @classmethod
+    def _instructions_limit(cls, text: str | None) -> str | None:
+        if text is not None and len(text) > MAX_INSTRUCTIONS:
+            raise ValueError(f"too long: {len(text)} characters, at most {MAX_INSTRUCTIONS}")
+        return text
 
     @field_validator("ref_audio")
     @classmethod

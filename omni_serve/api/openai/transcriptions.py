@@ -21,24 +21,42 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from omni_serve import types
 from omni_serve.api.openai.chat import FINISH_REASON_HEADER, sse
 from omni_serve.api.openai.errors import APIError
-from omni_serve.api.openai.messages import _Strict
+from omni_serve.api.openai.messages import FORM, _Strict
 from omni_serve.types import ChatMessage, FinishReason, StageOutput, Usage
 
 TranscriptionFormat = Literal["json", "text", "verbose_json"]
 
 
+# ISO 639-1's two-letter language codes (what OpenAI's and vLLM's transcription `language` takes).
+ISO_639_1 = frozenset(
+    """aa ab ae af ak am an ar as av ay az ba be bg bh bi bm bn bo br bs ca ce ch co cr cs cu cv cy da de dv dz ee
+    el en eo es et eu fa ff fi fj fo fr fy ga gd gl gn gu gv ha he hi ho hr ht hu hy hz ia id ie ig ii ik io is it iu
+    ja jv ka kg ki kj kk kl km kn ko kr ks ku kv kw ky la lb lg li ln lo lt lu lv mg mh mi mk ml mn mr ms mt my na nb
+    nd ne ng nl nn no nr nv ny oc oj om or os pa pi pl ps pt qu rm rn ro ru rw sa sc sd se sg si sk sl sm sn so sq sr
+    ss st su sv sw ta te tg th ti tk tl tn to tr ts tt tw ty ug uk ur uz ve vi vo wa wo xh yi yo za zh zu""".split()
+)
+
+
+def _iso_639_1(code: str) -> str:
+    if code.lower() not in ISO_639_1:
+        raise ValueError(f"{code[:16]!r} is not an ISO-639-1 language code (two letters, e.g. 'en')")
+    return code.lower()
+
+
 # What the thinker's ASR instruction takes (this route's form and realtime's input_audio_transcription).
-Language = Annotated[str, Field(pattern=r"^[a-zA-Z]{2,3}(-[a-zA-Z]{2})?$", description="ISO-639-1, e.g. 'en'.")]
+Language = Annotated[str, AfterValidator(_iso_639_1), Field(description="ISO-639-1, e.g. 'en'.")]
 Prompt = Annotated[str, Field(max_length=4096, description="Text the speech continues or its vocabulary.")]
 
 
 class TranscriptionRequest(_Strict):
     """The form's fields but ``file``."""
+
+    model_config = FORM
 
     model: str | None = None
     language: Language | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -214,6 +215,9 @@ class ThinkerEngine(HFEngine):
     def merge_handoffs(self, first: HandoffPayload, later: HandoffPayload) -> HandoffPayload:
         return qwen3_omni.merge_thinker_chunks([first, later])
 
+    def _reserved_in(self, text: str) -> bool:
+        return bool(self.reserved_ids.intersection(self.tokenizer.encode(text, add_special_tokens=False)))
+
     def _prompt(self, request: StageRequest) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         """Prompt ids [1, T]; with media also the processor's encoder inputs for ``generate`` and
         what the talker's RoPE needs of them (:func:`qwen3_omni.rope_inputs`)."""
@@ -221,10 +225,13 @@ class ThinkerEngine(HFEngine):
         for message in request.messages or []:  # the template adds no reserved token; the text must not either
             parts = [message.content] if isinstance(message.content, str) else message.content
             for text in (p if isinstance(p, str) else p.text for p in parts if isinstance(p, str | TextPart)):
-                if self.reserved_ids.intersection(self.tokenizer.encode(text, add_special_tokens=False)):
+                if self._reserved_in(text):
                     raise InvalidStageInput("messages: the prompt contains reserved multimodal tokens", field)
-        turns = template_messages(request.messages or [])
         tools = request.tools.tools if request.tools else None
+        for i, tool in enumerate(tools or []):  # the template writes each tool's name, description and schema
+            if self._reserved_in(json.dumps(tool, ensure_ascii=False)):
+                raise InvalidStageInput(f"tools.{i}: the tool contains reserved multimodal tokens", f"tools.{i}")
+        turns = template_messages(request.messages or [])
         try:
             text = self.tokenizer.apply_chat_template(turns, tools=tools, add_generation_prompt=True, tokenize=False)
         except Exception as err:  # jinja2 raises TemplateError for conversations the template refuses

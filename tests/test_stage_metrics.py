@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from omni_serve.api.openai.chat import ChatCompletionRequest, ChatReply
 from omni_serve.graph.orchestrator import Orchestrator
@@ -140,10 +141,17 @@ def test_no_metrics_unless_asked() -> None:
     assert "metrics" not in asyncio.run(reply(None).json(walk(log)))
 
 
-@pytest.mark.parametrize("sent, asked", [(True, True), ("true", True), (False, False), (None, False)])
+@pytest.mark.parametrize("sent, asked", [(True, True), (False, False), (None, False)])
 def test_the_request_field(sent: Any, asked: bool) -> None:
     body = {"messages": [{"role": "user", "content": "Hi"}], "return_stage_metrics": sent}
     assert bool(ChatCompletionRequest.model_validate(body).return_stage_metrics) is asked
+
+
+def test_the_request_field_is_a_strict_boolean() -> None:
+    """A string is refused, not coerced (#51: booleans strict, as OpenAI's are)."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "return_stage_metrics": "true"}
+    with pytest.raises(ValidationError, match="return_stage_metrics"):
+        ChatCompletionRequest.model_validate(body)
 
 
 def test_the_orchestrator_records_every_stage_call_and_output() -> None:

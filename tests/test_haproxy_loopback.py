@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_serve.cli.run import HAPROXY_LOOPBACK, real_haproxy_binary
+from omni_serve.cli.run import HAPROXY_LOOPBACK, haproxy_environment, real_haproxy_binary
 
 STATS, METRICS = 22993, 22994
 
@@ -117,3 +117,24 @@ def test_the_real_binary_is_never_the_wrapper(monkeypatch: pytest.MonkeyPatch) -
     bundled = real_haproxy_binary()
     assert Path(bundled) != HAPROXY_LOOPBACK and os.access(bundled, os.X_OK)
     assert os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"] == str(HAPROXY_LOOPBACK)  # left as it was
+
+
+@pytest.mark.parametrize("given", [None, "7"])
+def test_a_new_proxy_has_haproxys_startup_time_to_be_ready(monkeypatch: pytest.MonkeyPatch, given) -> None:
+    """Serve kills a proxy that is not ready within its ready check (5 s by default), while HAProxy's manager is
+    ready only once HAProxy took its admin socket, which Serve waits up to 30 s for: on a loaded machine the first
+    proxy was killed and `make serve` failed. A local cluster's ready check waits longer; an operator's value stays."""
+    from ray.serve._private.constants import RAY_SERVE_HAPROXY_STARTUP_TIMEOUT_S
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
+    for name in ("RAY_SERVE_HAPROXY_BINARY_PATH", "OMNI_SERVE_HAPROXY_BINARY"):  # haproxy_environment sets them
+        monkeypatch.setenv(name, os.environ.get(name, ""))  # and the test restores them
+    monkeypatch.delenv("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", raising=False)
+    if given is None:
+        monkeypatch.delenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", raising=False)
+    else:
+        monkeypatch.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", given)
+    haproxy_environment()
+    ready_s = float(os.environ["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"])
+    assert ready_s == float(given) if given else ready_s > RAY_SERVE_HAPROXY_STARTUP_TIMEOUT_S

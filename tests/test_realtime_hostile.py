@@ -159,7 +159,10 @@ def test_event_floods_are_bounded_per_second(graph: Any, solo: tuple[str, bytes]
 
 def test_item_floods_are_bounded_in_bytes(graph: Any, solo: tuple[str, bytes]) -> None:
     """Items of 4 MiB of audio, 40 MiB in all: the session holds at most max_session_bytes, every item is
-    added or refused with an error event, and the ingress's memory grows by about that much at most."""
+    added or refused with an error event, and the ingress's memory grows by about that much at most. Which
+    items are refused depends on the machine's speed: past max_session_bytes the session drops user audio
+    the thinker no longer reads rather than refuse, and the byte budget refills while each answer is awaited
+    (a loaded machine refused none; the bound on what is held is the check)."""
     rss_before = ingress_rss()
     audio = silence_b64(4 * 2**20 / (RATE * 2))
 
@@ -178,7 +181,7 @@ def test_item_floods_are_bounded_in_bytes(graph: Any, solo: tuple[str, bytes]) -
 
     answers, held, rss = beside_victim(graph, solo, abuse)
     refused = [a["error"] for a in answers if a["type"] == "error"]
-    assert refused and {e["code"] for e in refused} <= {"session_memory_full", "rate_limit_exceeded"}, refused
+    assert {e["code"] for e in refused} <= {"session_memory_full", "rate_limit_exceeded"}, refused
     assert len(refused) + len(of(answers, "conversation.item.done")) == 10
     assert max(held) <= LIMITS.max_session_bytes, held
     # What the session holds, the flood's JSON and base64 in flight, and allocator slack: not the 40 MiB sent.

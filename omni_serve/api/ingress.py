@@ -774,4 +774,3 @@ class Ingress:
         for gone in set(self._peer_video_jobs) - set(actors):  # their names went with them
             del self._peer_video_jobs[gone]
         return actors
-

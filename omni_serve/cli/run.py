@@ -95,6 +95,12 @@ def haproxy_environment() -> None:
         # Serve's HAProxy ingress keeps a stopping ingress replica draining 30 s so that load balancers
         # in front notice; a local cluster stops whole, so nobody is left to notice.
         os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
+        # Serve's controller gives a new proxy 5 s to answer its ready check, then kills it, and serve.start()
+        # fails with the killed actor; but HAProxy's manager answers only once HAProxy has taken its admin
+        # socket, which Serve waits up to 30 s for (RAY_SERVE_HAPROXY_STARTUP_TIMEOUT_S). On a loaded machine
+        # (seen: make serve beside the test suite) the first start died so, HAProxy SIGKILLed with its manager.
+        # No upstream issue found; the ready check gets HAProxy's startup time and as much again.
+        os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
         if "RAY_ADDRESS" not in os.environ:  # our cluster: its HAProxy keeps stats and admin to this machine
             os.environ["OMNI_SERVE_HAPROXY_BINARY"] = real_haproxy_binary()
             os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"] = str(HAPROXY_LOOPBACK)

@@ -188,35 +188,58 @@ def test_item_floods_are_bounded_in_bytes(graph: Any, solo: tuple[str, bytes]) -
     assert rss - rss_before < 2 * LIMITS.max_session_bytes + (64 << 20), (rss_before, rss)
 
 
-def test_a_replica_refuses_sessions_beyond_max_sessions(graph: Any, solo: tuple[str, bytes]) -> None:
-    """``max_sessions`` open (the victim's among them), the next is refused with an error event and close 1013;
-    the victim, meanwhile, replies as alone. One client holds them all: ``max_sessions_per_client`` is unset by
-    default (behind the HAProxy ingress every client has HAProxy's address; its own quota is tested in
-    process, tests/test_realtime_limits.py)."""
+def test_a_replica_refuses_sessions_beyond_max_sessions_and_one_client_beyond_its_quota(
+    graph: Any, solo: tuple[str, bytes]
+) -> None:
+    """Behind the HAProxy ingress, clients from 127.0.0.2 and 127.0.0.3 are two clients (HAProxy forwards each
+    one's address): one takes its ``max_sessions_per_client``, its next is refused with an error event and close
+    1008 while the replica has room, the other fills the replica to ``max_sessions`` (the victim's among them),
+    and the next, from a third address, is refused with close 1013. The victim, meanwhile, replies as alone."""
     import websockets
 
-    assert LIMITS.max_sessions_per_client is None
+    quota, room = LIMITS.max_sessions_per_client, LIMITS.max_sessions
+    assert quota is not None and 1 < quota < room - 1  # room for the victim, one full client, and another
 
-    async def run() -> tuple[dict[str, Any], int, tuple[str, bytes]]:
-        victim = asyncio.ensure_future(victim_reply(graph, await session(graph)))
+    async def session_from(source: str) -> Any:
+        ws = await websockets.connect(realtime_url(graph), max_size=None, local_addr=(source, 0))
+        s = Raw(ws)
+        await s.until("session.created")
+        return s
+
+    async def refused_from(source: str) -> tuple[dict[str, Any], int]:
+        ws = await websockets.connect(realtime_url(graph), max_size=None, local_addr=(source, 0))
+        refused = json.loads(await ws.recv())
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            await ws.recv()
+        assert closed.value.rcvd is not None
+        return refused, closed.value.rcvd.code
+
+    async def run() -> tuple[tuple[dict[str, Any], int], tuple[dict[str, Any], int], dict[str, Any], Any]:
+        victim = asyncio.ensure_future(victim_reply(graph, await session_from("127.0.0.1")))
         held = []
         try:
-            held = [await session(graph) for _ in range(LIMITS.max_sessions - 1)]
-            ws = await websockets.connect(realtime_url(graph), max_size=None)
-            refused = json.loads(await ws.recv())
-            with pytest.raises(websockets.ConnectionClosed) as closed:
-                await ws.recv()
+            held += [await session_from("127.0.0.2") for _ in range(quota)]
+            over_quota = await refused_from("127.0.0.2")
+            held += [await session_from("127.0.0.3") for _ in range(room - 1 - quota)]
+            full = await refused_from("127.0.0.4")
+            stats = await asyncio.to_thread(realtime_stats, graph)
             reply = await victim
         finally:
             for s in held:
                 await s.ws.close()
-        assert closed.value.rcvd is not None
-        return refused, closed.value.rcvd.code, reply
+        return over_quota, full, stats, reply
 
     wait_until(lambda: realtime_stats(graph)["sessions"] == 0, 60, "no session open before the test")
-    refused, code, reply = asyncio.run(run())
-    assert refused["type"] == "error" and refused["error"]["code"] == "too_many_sessions", refused
-    assert code == 1013
+    (over_quota, over_quota_code), (full, full_code), stats, reply = asyncio.run(run())
+    assert over_quota["type"] == "error" and over_quota["error"]["code"] == "too_many_client_sessions", over_quota
+    assert over_quota_code == 1008
+    assert full["type"] == "error" and full["error"]["code"] == "too_many_sessions", full
+    assert full_code == 1013
+    # The replica's own count: each address a client of its own (the victim's may have ended by then).
+    assert {k: v for k, v in stats["clients"].items() if k != "127.0.0.1"} == {
+        "127.0.0.2": quota,
+        "127.0.0.3": room - 1 - quota,
+    }, stats
     assert reply == solo
 
 

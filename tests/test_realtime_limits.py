@@ -526,3 +526,41 @@ def test_a_client_holds_at_most_max_sessions_per_client() -> None:
     assert error["code"] == "too_many_client_sessions" and "realtime.max_sessions_per_client" in error["message"]
     assert [e["type"] for e in other.sent] == ["session.created"]
     assert [e["type"] for e in again.sent] == ["session.created"]
+
+
+@pytest.mark.parametrize("per_client", ["default", None])
+def test_by_default_one_client_holds_16_of_a_replicas_sessions_and_null_lifts_the_quota(per_client: Any) -> None:
+    """The default quota (16, half of ``max_sessions``) refuses a 17th session from one address while the
+    replica has room, another address is admitted meanwhile, and the replica counts each client's sessions;
+    ``max_sessions_per_client: null`` leaves ``max_sessions`` alone to bound a client."""
+    limits = RealtimeConfig() if per_client == "default" else RealtimeConfig(max_sessions_per_client=None)
+    assert limits.max_sessions_per_client == (16 if per_client == "default" else None) and limits.max_sessions == 32
+
+    async def run() -> tuple[FakeSocket, FakeSocket, dict[str, Any]]:
+        shared = graph(replying, limits)
+        held = [FakeSocket(client="192.0.2.1") for _ in range(16)]
+        running = [asyncio.create_task(serve_session(s, shared, None, None)) for s in held]  # type: ignore[arg-type]
+        for socket in held:
+            await socket.answered.wait()
+        seventeenth = FakeSocket(client="192.0.2.1")
+        opened = asyncio.create_task(serve_session(seventeenth, shared, None, None))  # type: ignore[arg-type]
+        await asyncio.wait_for(seventeenth.answered.wait(), 10)
+        other = FakeSocket(client="192.0.2.2")
+        other_session = asyncio.create_task(serve_session(other, shared, None, None))  # type: ignore[arg-type]
+        await asyncio.wait_for(other.answered.wait(), 10)
+        stats = shared.sessions.stats()
+        for socket in [*held, seventeenth, other]:
+            socket.client_leaves()
+        await asyncio.wait_for(asyncio.gather(*running, opened, other_session), 30)
+        return seventeenth, other, stats
+
+    seventeenth, other, stats = asyncio.run(run())
+    assert [e["type"] for e in other.sent[:1]] == ["session.created"]
+    if per_client == "default":
+        assert [e["type"] for e in seventeenth.sent] == ["error"], seventeenth.sent
+        assert seventeenth.sent[0]["error"]["code"] == "too_many_client_sessions"
+        assert seventeenth.closed is not None and seventeenth.closed[0] == 1008, seventeenth.closed
+        assert stats["clients"] == {"192.0.2.1": 16, "192.0.2.2": 1}, stats
+    else:
+        assert [e["type"] for e in seventeenth.sent[:1]] == ["session.created"], seventeenth.sent
+        assert stats["clients"] == {"192.0.2.1": 17, "192.0.2.2": 1}, stats

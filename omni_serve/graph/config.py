@@ -106,12 +106,12 @@ class RealtimeConfig(BaseModel):
         120.0, gt=0, description="Uncommitted input audio a session may hold; an append beyond it is refused."
     )
     max_sessions_per_client: int | None = Field(
-        None,
+        16,
         ge=1,
         description="Sessions one client holds at once on one ingress replica (a client: its address, and the "
-        "client its API key names when the graph sets keys); one more is refused (error event, close 1008). None "
-        "(the default): no quota but max_sessions, since behind Serve's HAProxy ingress every connection comes "
-        "from HAProxy's address and only keys of their own tell clients apart (docs/realtime.md).",
+        "client its API key names when the graph sets keys); one more is refused (error event, close 1008). "
+        "Half of max_sessions' default, so one client cannot take a replica's every session; null: no quota "
+        "but max_sessions, for clients that share one address and key (docs/realtime.md, who a client is).",
     )
     idle_timeout_s: float = Field(
         300.0,

@@ -79,9 +79,11 @@ class Sessions:
         )
 
     def stats(self) -> dict[str, Any]:
-        """Per open session: the bytes it holds, the bytes its client has not taken, its pending transcriptions."""
+        """Per open session: the bytes it holds, the bytes its client has not taken, its pending transcriptions;
+        per client (:func:`client_of`), the sessions it holds."""
         return {
             "sessions": len(self.open),
+            "clients": dict(sorted(self.clients.items())),
             "held_bytes": sorted(s.held_bytes() for s in self.open),
             "unsent_bytes": sorted(unsent() for unsent in self.open.values()),
             "pending_transcriptions": sorted(s.pending_transcriptions() for s in self.open),
@@ -91,7 +93,12 @@ class Sessions:
 def client_of(websocket: WebSocket, ring: KeyRing | None) -> str:
     """Who opens the session, for ``max_sessions_per_client``: the peer's address (its host: one client's
     connections come from many ports) and, when the graph sets keys, the client its key names: clients behind
-    one address with keys of their own are told apart, and one key shared by many does not make them one."""
+    one address with keys of their own are told apart, and one key shared by many does not make them one.
+
+    The address is the one the replica's server gives: behind Serve's HAProxy, the client's own, which the
+    HAProxy ``omni_serve.cli.run`` starts writes into X-Forwarded-For (``cli/haproxy_loopback.sh``) and the
+    replica's uvicorn takes from a loopback peer (its ``FORWARDED_ALLOW_IPS`` default); docs/realtime.md says
+    who a client is where that does not hold (Serve's own HAProxy, another node's, a load balancer)."""
     host = websocket.client.host if websocket.client is not None else ""
     if ring is None:
         return host

@@ -5,6 +5,9 @@
     python benchmarks/hostile_soak.py --url http://127.0.0.1:8000    # an omni_serve already running here
     python benchmarks/hostile_soak.py --video-url http://127.0.0.1:8001   # and a burst of video jobs on a video
                                                                      # graph running beside it (graphs/tiny_video.yaml)
+    python benchmarks/hostile_soak.py --only none --only realtime --only schemas --only cross-site
+                                                                     # one soak phase each, in turn: which abuser
+                                                                     # costs the victims what ("none": victims alone)
 
 The abusers are tests/hostile.py's (tests/test_hostile_soak.py runs the same soak, shorter, and asserts
 everything but the timings): a realtime client sending the largest ``session.update`` it may (tools up
@@ -19,6 +22,11 @@ baseline; on a cluster it started, the stage calls around one round of cross-sit
 running), the soak (``--seconds``; the victims asked again and again, one request at a time), settle
 (stages idle, sessions closed, memory steady), the victims once more.
 
+With ``--only`` (repeatable; a comma-separated set of ``tests/hostile.py``'s ``ABUSERS``, or ``none``) the soak
+runs once per value, one after the other on the same graph, each phase timed and reported on its own; without
+it, one phase with every abuser. Each phase also reports where the CPU went: every Serve replica's, the proxy's,
+HAProxy's, Ray's own processes' and this process's (the clients') CPU seconds over the phase, from psutil.
+
 Prints each victim's quiet and soak p50/p90 and their ratio (#51's target: soak p50 within 1.5 x quiet;
 reported, never a pass/fail: it depends on the machine), byte identity, every check's findings, and
 every replica's RSS (with its children's) before and after. Exit status 1 when a victim's reply changed,
@@ -32,6 +40,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -44,22 +53,25 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.bench import _fixed, report  # noqa: E402
+from benchmarks.bench import _graph_edit, parse_paces, report  # noqa: E402
 from benchmarks.soak import ray_processes  # noqa: E402
 from tests import hostile  # noqa: E402
 
 TARGET_RATIO = 1.5  # #51: the victim's soak p50 within this of its quiet p50
 
 
-def soak_edit(graph: str, grammar_cache_mb: int) -> Callable[[dict[str, Any]], None]:
+def soak_edit(
+    graph: str, grammar_cache_mb: int, pace: dict[str, float] | None = None
+) -> Callable[[dict[str, Any]], None]:
     """One replica a deployment (a stage's handle sees all its calls; the victims share the abusers' ingress
-    replica), and each stage's compiled-grammar cache bounded at ``grammar_cache_mb`` (vLLM's
+    replica), each stage's compiled-grammar cache bounded at ``grammar_cache_mb`` (vLLM's
     ``VLLM_XGRAMMAR_CACHE_MB``): at the default 512 MiB the new-schema chats fill it through the whole soak by
-    design, and at a small bound a cache that is not bounded shows as growth."""
+    design, and at a small bound a cache that is not bounded shows as growth; and ``pace``'s stages paced
+    (``min_step_s``, omni_serve.pacing)."""
     from omni_serve.cli.launch import load_graph_file
 
     names = {d["name"]: 1 for d in load_graph_file(graph)["applications"][0]["deployments"]}
-    fixed = _fixed(names)
+    fixed = _graph_edit(names, pace=pace)
 
     def mutate(config: dict[str, Any]) -> None:
         fixed(config)
@@ -73,7 +85,7 @@ def soak_edit(graph: str, grammar_cache_mb: int) -> Callable[[dict[str, Any]], N
 
 
 @contextlib.contextmanager
-def private_graph(graph: str, port: int, grammar_cache_mb: int) -> Iterator[str]:
+def private_graph(graph: str, port: int, grammar_cache_mb: int, pace: dict[str, float] | None) -> Iterator[str]:
     """``graph`` on a private Ray cluster (never one already running), edited by :func:`soak_edit`; Serve, then
     Ray, stopped on leaving."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -85,7 +97,7 @@ def private_graph(graph: str, port: int, grammar_cache_mb: int) -> Iterator[str]
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="serve", log_to_driver=False)
     try:
-        deploy_graph_file(graph, ray.get_runtime_context().gcs_address, port, soak_edit(graph, grammar_cache_mb))
+        deploy_graph_file(graph, ray.get_runtime_context().gcs_address, port, soak_edit(graph, grammar_cache_mb, pace))
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, replaced=True)
         yield url
@@ -96,20 +108,80 @@ def private_graph(graph: str, port: int, grammar_cache_mb: int) -> Iterator[str]
             ray.shutdown()
 
 
+def process_label(process: Any) -> str | None:
+    """What a process of the machine is to the soak (None: not the server's, nor this benchmark's)."""
+    import psutil
+
+    if process.pid == os.getpid():
+        return "bench (the clients)"
+    try:
+        title = " ".join(process.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+    if replica := re.match(r"ray::(?:ServeReplica:[^:]+:|SERVE_REPLICA::[^#]+#)([\w-]+)", title):
+        return replica.group(1)
+    if actor := re.match(r"ray::(\w+)", title):
+        return {"ProxyActor": "proxy", "ServeController": "controller"}.get(actor.group(1), f"ray {actor.group(1)}")
+    if "haproxy" in title.split(" ", 1)[0]:
+        return "haproxy"
+    if re.search(r"(raylet|gcs_server|ray/dashboard|ray/_private)", title):
+        return "ray (raylet, gcs, agents)"
+    return None
+
+
+def cpu_seconds() -> dict[int, tuple[str, float]]:
+    """pid -> (label, user + system CPU seconds so far) of every process :func:`process_label` names."""
+    import psutil
+
+    found = {}
+    for process in psutil.process_iter():
+        label = process_label(process)
+        if label is None:
+            continue
+        try:
+            times = process.cpu_times()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        found[process.pid] = (label, times.user + times.system)
+    return found
+
+
+def machine_busy_s() -> float:
+    import psutil
+
+    times = psutil.cpu_times()
+    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
+
+
+def cpu_rows(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], busy_s: float, wall_s: float
+) -> list[dict[str, Any]]:
+    """CPU seconds each kind of process used between two :func:`cpu_seconds` (a process started meanwhile counts
+    from 0), most first; the machine's busy seconds and what no process named here used, last."""
+    used: dict[str, float] = {}
+    for pid, (label, seconds) in after.items():
+        used[label] = used.get(label, 0.0) + seconds - before.get(pid, (label, 0.0))[1]
+    rows = [{"process": k, "cpu_s": v, "cores": v / wall_s} for k, v in sorted(used.items(), key=lambda kv: -kv[1])]
+    rows.append({"process": "anything else", "cpu_s": busy_s - sum(used.values()), "cores": None})
+    rows.append({"process": "the machine", "cpu_s": busy_s, "cores": busy_s / wall_s})
+    return rows
+
+
 def pct(values: list[float], q: int) -> float | None:
     if not values:
         return None
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
-def victim_rows(victims: list[hostile.Seeded]) -> list[dict[str, Any]]:
+def victim_rows(victims: list[hostile.Seeded], phase: str = "soak") -> list[dict[str, Any]]:
     rows = []
     for v in victims:
-        quiet, soak = v.seconds["quiet"], v.seconds["soak"]
+        quiet, soak = v.seconds["quiet"], v.seconds.get(phase, [])
         q50, s50 = pct(quiet, 50), pct(soak, 50)
         ratio = s50 / q50 if q50 and s50 else None
         rows.append(
             {
+                "phase": phase,
                 "victim": v.name,
                 "quiet_n": len(quiet),
                 "quiet_p50_s": q50,
@@ -133,6 +205,14 @@ def wait(check: Callable[[], bool], timeout_s: float, what: str) -> None:
         time.sleep(0.5)
 
 
+def abuser_set(text: str) -> tuple[str, ...]:
+    names = tuple(n for n in text.split(",") if n and n != "none")
+    unknown = set(names) - set(hostile.ABUSERS)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"no such abuser {', '.join(sorted(unknown))} (of {hostile.ABUSERS})")
+    return names
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="a running omni_serve (127.0.0.1 only) instead of starting --graph")
@@ -141,8 +221,21 @@ def main() -> int:
     parser.add_argument("--video-url", help="a running video graph (127.0.0.1) for the burst of video jobs")
     parser.add_argument("--video-jobs", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=90, help="how long every abuser runs at once")
+    parser.add_argument(
+        "--only",
+        action="append",
+        type=abuser_set,
+        help=f"a soak phase of only these abusers (comma-separated: {', '.join(hostile.ABUSERS)}; or none); "
+        "repeat for phases one after the other (default: one phase, every abuser)",
+    )
     parser.add_argument("--quiet-runs", type=int, default=5, help="each victim's replies before the abuse")
     parser.add_argument("--grammar-cache-mb", type=int, default=16, help="the started graph's stages' bound")
+    parser.add_argument(
+        "--pace",
+        type=parse_paces,
+        help="the started graph's stages paced: min_step_s per stage, e.g. thinker=0.05,talker=0.1,code2wav=0.1 "
+        "(each stage's steps as if on an accelerator of its own; above the CPU's own step time, only queueing shows)",
+    )
     parser.add_argument("--rss-tolerance-mib", type=float, default=64, help="per replica, after the settle")
     parser.add_argument("--out", default="benchmarks/results_hostile_soak.json")
     args = parser.parse_args()
@@ -152,7 +245,7 @@ def main() -> int:
     with (
         contextlib.nullcontext(args.url)
         if args.url
-        else private_graph(args.graph, args.port, args.grammar_cache_mb) as url
+        else private_graph(args.graph, args.port, args.grammar_cache_mb, args.pace) as url
     ):
         return soak(args, url, driver=not args.url)
 
@@ -196,13 +289,30 @@ def soak(args: argparse.Namespace, url: str, driver: bool) -> int:
     settle()
     pids = replicas()
     rss_before = hostile.replica_rss(pids)
-    print(f"soak: {args.seconds:g} s, every abuser at once, beside the victims", flush=True)
-    result = hostile.run_soak(url, card, limits, args.seconds, victims, args.video_jobs, args.video_url)
-    settle()
+    failures: dict[str, list[str]] = {}
+    rows: list[dict[str, Any]] = []
+    cpu: dict[str, list[dict[str, Any]]] = {}
+    summaries: list[str] = []
+    ran = {"realtime": False, "videos": False}
+    for abusers in args.only or [hostile.ABUSERS]:
+        phase = "soak" if not args.only else f"soak: {','.join(abusers) or 'none'}"
+        print(f"{phase}: {args.seconds:g} s, {', '.join(abusers) or 'no abuser'} beside the victims", flush=True)
+        cpu_before, busy_before, started = cpu_seconds(), machine_busy_s(), time.monotonic()
+        result = hostile.run_soak(
+            url, card, limits, args.seconds, victims, args.video_jobs, args.video_url, abusers, phase
+        )
+        wall_s = time.monotonic() - started
+        cpu[phase] = cpu_rows(cpu_before, cpu_seconds(), machine_busy_s() - busy_before, wall_s)
+        rows += victim_rows(victims, phase)
+        summaries.append(f"{phase}: {hostile.summary(result, phase)}")
+        ran["realtime"] |= result.realtime is not None
+        ran["videos"] |= result.videos is not None
+        for check, found in result.failures(limits).items():
+            failures.setdefault(check, []).extend(found)
+        settle()
     rss_after = hostile.replica_rss(pids)
     for victim in victims:
         victim.take("after")
-    failures = result.failures(limits)
     tolerance = int(args.rss_tolerance_mib * 2**20)
     failures["memory"] = [
         f"{k}: +{v / 2**20:.0f} MiB" for k, v in hostile.grown(rss_before, rss_after, tolerance).items()
@@ -212,21 +322,25 @@ def soak(args: argparse.Namespace, url: str, driver: bool) -> int:
     ]
     if calls is not None and findings["cross_site_stage_calls"]["after"] != calls:
         failures["cross_site"].append(f"a cross-site post ran a stage: {findings['cross_site_stage_calls']}")
-    rows = victim_rows(victims)
     report(args, rows, cols=list(rows[0]))
+    for phase, table in cpu.items():
+        print(f"\nCPU seconds in {phase} ({args.seconds:g} s; 'cores': CPU seconds per second)")
+        print("| process | CPU s | cores |\n|---|---|---|")
+        for row in table:
+            cores = "" if row["cores"] is None else f"{row['cores']:.2f}"
+            print(f"| {row['process']} | {row['cpu_s']:.1f} | {cores} |")
     print("\n| replica | RSS before MiB | RSS after MiB | delta |\n|---|---|---|---|")
     for label in sorted(rss_before):
         a, b = rss_before[label] / 2**20, rss_after.get(label, 0) / 2**20
         print(f"| {label} | {a:.0f} | {b:.0f} | {b - a:+.0f} |")
-    print(f"\n{hostile.summary(result)}")
+    print("\n" + "\n".join(summaries))
     print("\nchecks (latency aside):")
-    ran = {"realtime": result.realtime is not None, "videos": result.videos is not None}
     for check, found in failures.items():
-        said = "not run (the graph has no such route)" if not ran.get(check, True) else "held"
+        said = "held" if ran.get(check, True) else "not run (not among the abusers run, or no such route)"
         print(f"  {check}: {said if not found else '; '.join(found)[:600]}")
     with open(args.out) as f:
         saved = json.load(f)
-    saved.update(rss_before=rss_before, rss_after=rss_after, failures=failures, findings=findings)
+    saved.update(rss_before=rss_before, rss_after=rss_after, failures=failures, findings=findings, cpu=cpu)
     with open(args.out, "w") as f:
         json.dump(saved, f, indent=2, default=str)
     return 1 if any(failures.values()) else 0

@@ -437,7 +437,7 @@ class Seeded:
             if isinstance(err, httpx.TimeoutException) or self.solo is None:
                 raise
             reply = f"failed: {type(err).__name__}: {err}"[:200]
-        self.seconds[phase].append(time.perf_counter() - started)
+        self.seconds.setdefault(phase, []).append(time.perf_counter() - started)
         n = len(self.seconds[phase])
         if self.solo is None:
             assert not isinstance(reply, str) and (reply[0] or reply[1]), (
@@ -778,6 +778,10 @@ async def _until(deadline: float, what: str, hung: list[str], step: Callable[[],
             hung.append(f"{what}: {type(err).__name__} {err}"[:160])
 
 
+# The soak's abusers by name (benchmarks/hostile_soak.py --only runs some of them alone).
+ABUSERS = ("realtime", "cross-site", "schemas", "video")
+
+
 def run_soak(
     base_url: str,
     card: dict[str, Any],
@@ -786,12 +790,16 @@ def run_soak(
     targets: list[Seeded],
     video_jobs: int = 8,
     video_url: str | None = None,
+    abusers: tuple[str, ...] = ABUSERS,
+    phase: str = "soak",
 ) -> Soak:
-    """Every abuser at once for ``seconds``, the victims asked again and again meanwhile (in a thread of their
-    own, one request at a time): a realtime client, a page posting forms cross-site, chats with a new schema
-    each, a burst of video jobs where the graph makes video (or on the video graph at ``video_url``)."""
+    """Every abuser at once (``abusers``: those of :data:`ABUSERS` to run) for ``seconds``, the victims asked
+    again and again meanwhile (in a thread of their own, one request at a time, timed under ``phase``): a
+    realtime client, a page posting forms cross-site, chats with a new schema each, a burst of video jobs where
+    the graph makes video (or on the video graph at ``video_url``)."""
     import asyncio
 
+    assert set(abusers) <= set(ABUSERS), f"no such abuser: {set(abusers) - set(ABUSERS)}"
     soak = Soak(targets)
     model, routes = card["id"], card["routes"]
     until = time.monotonic() + seconds
@@ -800,7 +808,7 @@ def run_soak(
         while time.monotonic() < until:
             for victim in targets:
                 try:
-                    victim.take("soak")
+                    victim.take(phase)
                 except httpx.TimeoutException as err:
                     soak.hung.append(f"victim {victim.name}: {type(err).__name__}")
 
@@ -825,18 +833,17 @@ def run_soak(
                 answer = await client.post("/v1/chat/completions", json=body, headers={"Origin": base_url})
                 soak.schemas[answer.status_code] += 1
 
-            jobs: list[Any] = [
-                asyncio.to_thread(ask_victims),
-                _until(until, "cross-site form", soak.hung, post_form),
-            ]
-            if "/v1/chat/completions" in routes:
+            jobs: list[Any] = [asyncio.to_thread(ask_victims)]
+            if "cross-site" in abusers:
+                jobs.append(_until(until, "cross-site form", soak.hung, post_form))
+            if "schemas" in abusers and "/v1/chat/completions" in routes:
                 jobs.append(_until(until, "new-schema chat", soak.hung, new_schema))
-            if "/v1/realtime" in routes:
+            if "realtime" in abusers and "/v1/realtime" in routes:
                 ws_url = f"{base_url.replace('http', 'ws', 1)}/v1/realtime?model={model}"
                 jobs.append(realtime_abuse(ws_url, limits, until))
-            if video_url:
+            if "video" in abusers and video_url:
                 jobs.append(video_burst(video_url, model_card(video_url)["id"], video_jobs, until))
-            elif "/v1/videos" in routes:
+            elif "video" in abusers and "/v1/videos" in routes:
                 jobs.append(video_burst(base_url, model, video_jobs, until))
             results = await asyncio.gather(*jobs)
             for result in results:
@@ -849,9 +856,9 @@ def run_soak(
     return soak
 
 
-def summary(soak: Soak) -> str:
+def summary(soak: Soak, phase: str = "soak") -> str:
     """One paragraph of what each client of the soak did and got (timings aside)."""
-    parts = [f"{v.name}: {len(v.seconds['soak'])} replies, {len(v.differed)} differed" for v in soak.victims]
+    parts = [f"{v.name}: {len(v.seconds.get(phase, []))} replies, {len(v.differed)} differed" for v in soak.victims]
     statuses: Counter[int] = Counter()
     for (_, _, status), n in soak.forms.items():
         statuses[status] += n

@@ -105,3 +105,47 @@ def test_vllm_logprobs_become_openais_with_the_top_tokens_in_rank_order() -> Non
     assert (entry.token, entry.logprob, entry.top) == ("c", -2.0, [("a", -0.5), ("b", -1.0)])
     (floor,) = from_vllm([5], [{5: lp("a", float("-inf"), 1)}], top=0)
     assert (floor.logprob, floor.top) == (-9999.0, [])  # vLLM's floor for -inf
+
+
+def test_another_requests_decoding_goes_on_while_a_grammar_compiles(monkeypatch) -> None:
+    """A new grammar is compiled off the engine's worker thread (as vLLM's structured-output manager compiles in
+    a thread pool and steps the others): while one request's compile runs, another request decodes to its end.
+    Before, the compile ran in the request's job on the worker, and every request behind it waited for it."""
+    import asyncio
+    import threading
+
+    from omni_serve.engines import transformers as te
+    from omni_serve.types import ChatMessage, SamplingParams, StageRequest
+
+    engine: Any = te.create("thinker", {"model_stage": "thinker"})
+    asyncio.run(engine.start())
+    compiling, release = threading.Event(), threading.Event()
+    real_compile = engine.grammars.compile
+
+    def slow_compile(spec: StructuredOutputs, param: str) -> Any:  # a large schema on a full vocabulary
+        compiling.set()
+        release.wait(300)  # a hang guard: the test releases it
+        return real_compile(spec, param)
+
+    monkeypatch.setattr(engine.grammars, "compile", slow_compile)
+    hello = [ChatMessage(role="user", content="Hello there")]
+    constrained = SamplingParams(max_tokens=6, structured_outputs=StructuredOutputs(json_object=True))
+
+    async def collect(request: StageRequest) -> list[Any]:
+        return [out async for out in engine.stream(request, None)]
+
+    async def scenario() -> tuple[list[Any], bool, list[Any]]:
+        first = asyncio.create_task(collect(StageRequest("constrained", constrained, messages=hello)))
+        assert await asyncio.to_thread(compiling.wait, 300), "the compile never started"
+        try:  # a hang guard, no timing: before the fix the other request could not end until the release
+            other = await asyncio.wait_for(
+                collect(StageRequest("other", SamplingParams(max_tokens=4), messages=hello)), 120
+            )
+            during = not release.is_set()
+        finally:
+            release.set()
+        return other, during, await first
+
+    other, during, first = asyncio.run(scenario())
+    assert during and other[-1].finished and other[-1].usage.completion_tokens == 4
+    assert first[-1].finished and "".join(o.text for o in first).lstrip().startswith("{")

@@ -15,6 +15,12 @@ new schema would grow the replica for good. The bound is vLLM's setting, ``VLLM_
 default, 512 MiB), so one number bounds the cache of both engine families; past it xgrammar evicts the
 least recently used grammars.
 
+A grammar is compiled off the engine's worker thread (:meth:`GrammarCompiler.submit`, on a thread of its own),
+as vLLM's structured-output manager compiles in a thread pool while the scheduler keeps the request waiting
+for it (``WAITING_FOR_FSM``) and steps the others: a request with a new schema waits for its grammar, while
+the requests before and after it decode. On the worker, a compile of a large schema against a full vocabulary
+(a second or more) held up every other request's steps.
+
 xgrammar ships with vLLM (it is not a dependency of omni_serve): without it, structured outputs are
 refused with a 400 naming the field (:func:`grammar_available`).
 """
@@ -25,6 +31,7 @@ import importlib.util
 import json
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from omni_serve.types import InvalidStageInput, StructuredOutputs
@@ -53,6 +60,7 @@ class GrammarCompiler:
         self.limit_bytes = cache_limit_bytes() if limit_bytes is None else limit_bytes
         self._compiler: Any = None
         self._lock = threading.Lock()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")  # never the engine's
 
     def _get(self) -> Any:
         with self._lock:
@@ -68,6 +76,10 @@ class GrammarCompiler:
     def cache_bytes(self) -> int:
         """What the cached compiled grammars hold now (0 before the first compile)."""
         return 0 if self._compiler is None else int(self._compiler.get_cache_size_bytes())
+
+    def submit(self, spec: StructuredOutputs, param: str) -> Future:
+        """:meth:`compile` on the compiler's own thread: the compiled grammar, or the 400, comes in the future."""
+        return self._thread.submit(self.compile, spec, param)
 
     def compile(self, spec: StructuredOutputs, param: str) -> Any:
         """The compiled grammar of ``spec``; a constraint xgrammar refuses is a 400 naming ``param``."""

@@ -60,6 +60,10 @@ class Session:
         self.spoke = False  # the voice is fixed once audio went out (OpenAI's rule)
         self._events = TokenBucket(self.limits.events_per_second, 2 * self.limits.events_per_second)
         self._bytes = TokenBucket(self.limits.bytes_per_second, self.limits.max_session_bytes)
+        # session.updated resends what the client already has: at most one largest settings a second (bursts
+        # of two). bytes_per_second alone let 41-byte empty updates pull 8 MiB/s of echoes through the ingress.
+        config = self.limits.max_session_config_bytes
+        self._echoes = TokenBucket(config, 2 * config)
 
     # ---- sending ------------------------------------------------------------------------------
     def send(self, kind: str, **fields: Any) -> None:
@@ -234,7 +238,8 @@ class Session:
     def _apply(self, settings: Settings) -> None:
         """Hold the settings an update made, if their bytes allow: they stay within ``max_session_config_bytes``,
         are bytes the session holds, and their echo (``session.updated`` carries them whole, however little the
-        update changed) is bytes the session moves: a 41-byte update costs its echo's bytes of the budget."""
+        update changed) is bytes the session moves: a 41-byte update costs its echo's bytes of the budget, and of
+        the echoes' own (``max_session_config_bytes`` a second)."""
         text = self._settings_text if settings is self.settings else self._serialized(settings)
         limit = self.limits.max_session_config_bytes
         if len(text) > limit:
@@ -245,6 +250,14 @@ class Session:
                 type="invalid_request_error",
                 param="session",
                 code="session_config_too_large",
+            )
+        if not self._echoes.take(len(text)):
+            raise APIError(
+                429,
+                f"this session's session.updated echoes would pass {limit} bytes per second "
+                "(realtime.max_session_config_bytes): this update was dropped",
+                type="rate_limit_error",
+                code="rate_limit_exceeded",
             )
         self.spend_bytes(len(text))
         self.make_room(len(text) - len(self._settings_text))

@@ -149,9 +149,12 @@ class ThinkerEngine(HFEngine):
         if not request.messages:
             raise InvalidStageInput(f"stage {self.stage_name}: the thinker needs chat messages", "messages")
         calls = await self._tool_calls(request)
+        sampling = calls.constrained(request.sampling) if calls is not None else request.sampling
+        # Compiled before the request takes the worker: the others' steps go on meanwhile (grammar.py).
+        grammar = await self._grammar(sampling, calls) if request.reply is None else None
 
         def job(emit: Emit, cancelled: threading.Event) -> None:
-            self._generate(request, calls, emit, cancelled)
+            self._generate(request, sampling, calls, grammar, emit, cancelled)
 
         async with contextlib.aclosing(self._run(request.request_id, job)) as batches:
             async for batch in batches:
@@ -250,8 +253,16 @@ class ThinkerEngine(HFEngine):
         return ids, generate_inputs, qwen3_omni.rope_inputs(inputs)
 
     def _generate(
-        self, request: StageRequest, calls: ToolCallStream | None, emit: Emit, cancelled: threading.Event
+        self,
+        request: StageRequest,
+        s: SamplingParams,
+        calls: ToolCallStream | None,
+        grammar: Any,
+        emit: Emit,
+        cancelled: threading.Event,
     ) -> None:
+        """The reply to ``request`` under sampling ``s`` (its tool calls' constraint applied), ``grammar``
+        the compiled structured-output grammar (None: unconstrained)."""
         import torch
         from transformers import LogitsProcessorList
         from transformers.generation.streamers import BaseStreamer
@@ -272,7 +283,6 @@ class ThinkerEngine(HFEngine):
             self._speak(request, input_ids, emit)
             return
 
-        s = calls.constrained(request.sampling) if calls is not None else request.sampling
         vocab = int(self.thinker.lm_head.out_features)
         outside = sorted(t for t in s.logit_bias or {} if not 0 <= t < vocab)
         if outside:
@@ -283,8 +293,8 @@ class ThinkerEngine(HFEngine):
         text = _TextStream(self.tokenizer, s.stop, set(eos), s.skip_special_tokens)
         generated: list[int] = []
         processors = LogitsProcessorList()
-        if s.structured_outputs is not None:
-            processors.append(self._grammar(s, calls, end_ids(self.eos_ids, stop_ids, False)))
+        if grammar is not None:
+            processors.append(grammar_processor(grammar, end_ids(self.eos_ids, stop_ids, False)))
         recorder = LogprobRecorder(self.thinker.lm_head, self.tokenizer, s.logprobs) if s.logprobs is not None else None
 
         def so_far() -> Usage:
@@ -359,8 +369,11 @@ class ThinkerEngine(HFEngine):
         payload = self._handoff(out, prompt_len, kept, rope) if whole else None
         emit(("final", tail, reason, so_far(), payload, tail_calls))
 
-    def _grammar(self, s: SamplingParams, calls: ToolCallStream | None, ends: list[int]) -> Any:
-        """The logits processor of ``s.structured_outputs``: a forced tool call's, or the client's constraint."""
+    async def _grammar(self, s: SamplingParams, calls: ToolCallStream | None) -> Any:
+        """The compiled grammar of ``s.structured_outputs`` (a forced tool call's, or the client's constraint),
+        compiled on the compiler's thread; None without one."""
+        if s.structured_outputs is None:
+            return None
         forced = calls is not None and calls.request.structured_outputs is not None
         param = "tool_choice" if forced else "response_format"
         if not grammar_available():
@@ -369,8 +382,7 @@ class ThinkerEngine(HFEngine):
                 "(it comes with vLLM)",
                 param,
             )
-        assert s.structured_outputs is not None
-        return grammar_processor(self.grammars.compile(s.structured_outputs, param), ends)
+        return await asyncio.wrap_future(self.grammars.submit(s.structured_outputs, param))
 
     def _rows_sender(self, input_ids: Any, rope: dict[str, Any], gate: _RowGate) -> Callable[..., None]:
         """A forward hook on the thinker that hands each forward's rows to ``gate``: the prompt's payload with

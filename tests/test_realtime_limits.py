@@ -491,6 +491,15 @@ def statuses_of(events: list[dict[str, Any]]) -> list[str]:
     return [e["response"]["status"] for e in events if e["type"] == "response.done"]
 
 
+async def holding(shared: Any, client: str, n: int) -> tuple[list[FakeSocket], list[asyncio.Task]]:
+    """``n`` sessions of ``client`` admitted and held open (their client never leaves until told)."""
+    held = [FakeSocket(client=client) for _ in range(n)]
+    running = [asyncio.create_task(serve_session(s, shared, None, None)) for s in held]  # type: ignore[arg-type]
+    for socket in held:
+        await socket.answered.wait()
+    return held, running
+
+
 def test_a_client_holds_at_most_max_sessions_per_client() -> None:
     """A client (its address, when the graph sets no key) holds ``max_sessions_per_client`` sessions; one more is
     refused with an ``error`` event and close 1008; another client is admitted, and the first is again once one
@@ -499,10 +508,7 @@ def test_a_client_holds_at_most_max_sessions_per_client() -> None:
 
     async def run() -> tuple[FakeSocket, FakeSocket, FakeSocket]:
         shared = graph(replying, limits)
-        held = [FakeSocket(client="192.0.2.1") for _ in range(2)]
-        running = [asyncio.create_task(serve_session(s, shared, None, None)) for s in held]  # type: ignore[arg-type]
-        for socket in held:
-            await socket.answered.wait()
+        held, running = await holding(shared, "192.0.2.1", 2)
         refused = FakeSocket(client="192.0.2.1")
         refused_session = serve_session(refused, shared, None, None)  # type: ignore[arg-type]
         with contextlib.suppress(asyncio.TimeoutError):  # the hang guard: an admitted session waits for its client
@@ -538,10 +544,7 @@ def test_by_default_one_client_holds_16_of_a_replicas_sessions_and_null_lifts_th
 
     async def run() -> tuple[FakeSocket, FakeSocket, dict[str, Any]]:
         shared = graph(replying, limits)
-        held = [FakeSocket(client="192.0.2.1") for _ in range(16)]
-        running = [asyncio.create_task(serve_session(s, shared, None, None)) for s in held]  # type: ignore[arg-type]
-        for socket in held:
-            await socket.answered.wait()
+        held, running = await holding(shared, "192.0.2.1", 16)
         seventeenth = FakeSocket(client="192.0.2.1")
         opened = asyncio.create_task(serve_session(seventeenth, shared, None, None))  # type: ignore[arg-type]
         await asyncio.wait_for(seventeenth.answered.wait(), 10)

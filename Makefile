@@ -82,7 +82,7 @@ test: install-test
 	$(LINT_IMPORTS)
 	$(call say,types (mypy omni_serve; its settings are in pyproject.toml))
 	$(PYTHON) -m mypy --cache-dir $(MYPY_CACHE) omni_serve
-	$(call say,tests: the cluster lane; beside it, at a lower CPU priority, the multinode lane then the local lane (tests/lanes.py); about 37-40 min in all on a 2-core machine (2026-11-29; the README: Tests))
+	$(call say,tests: the cluster lane; beside it, at a lower CPU priority, the multinode lane then the local lane (tests/lanes.py); 27-58 min in all on a 2-core machine, measured (the README: Tests))
 	$(PYTHON) -m tests.lanes -q -m "not gpu and not oracle" -p no:cacheprovider --durations=25
 
 lint:

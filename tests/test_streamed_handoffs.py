@@ -24,7 +24,8 @@ import soundfile as sf
 
 from omni_serve.engines import transformers as te
 from omni_serve.engines.base import StageEngine
-from omni_serve.graph.channel import MAX_BUFFERED_CHUNKS, Channels, ProducerFailed
+from omni_serve.api.errors import from_failure
+from omni_serve.graph.channel import MAX_BUFFERED_CHUNKS, ChannelReader, Channels, ChunksLost, ProducerFailed
 from omni_serve.graph.config import GraphConfig, GraphConfigError, load_graph
 from omni_serve.graph.flow import MAX_QUEUED_OUTPUTS
 from omni_serve.graph.orchestrator import OmniRequest, Orchestrator, StageFailed
@@ -253,13 +254,49 @@ def test_a_consumer_retried_before_its_first_output_reads_every_chunk_again() ->
         await channels.write("k", [0, 1], first=True)
         assert await channels.take("k") == ([0, 1], False)
         await channels.write("k", [2])
-        assert channels.rewind("k")  # the replica died before any output: the retry starts over
-        assert await channels.take("k") == ([0, 1, 2], False)
+        retry = channels.rewind("k")  # the replica died before any output: the retry starts over
+        assert retry == 1
+        assert await channels.take("k", retry) == ([0, 1, 2], False)
         channels.ack("k")  # its first output: what it took is freed, no retry from here
-        assert not channels.rewind("k")
+        assert channels.rewind("k") is None
         await channels.write("k", [3], end=True)
-        assert await channels.take("k") == ([3], True)
-        assert not channels.rewind("k")
+        assert await channels.take("k", retry) == ([3], True)
+        assert channels.rewind("k") is None
+
+    asyncio.run(go())
+
+
+def test_a_take_the_lost_attempt_left_on_its_way_never_takes_the_retrys_chunks() -> None:
+    """Ray still runs a take whose caller died with its node. It must fail once the call is retried, and
+    the retry read every chunk: CI once saw the dead talker's take steal them, and the retried talker,
+    finding its stream ended and empty, answered 400 (tests/test_autoscaling_cluster.py)."""
+
+    async def go() -> None:
+        channels = Channels()
+        await channels.write("k", [0], first=True)
+        assert await channels.take("k") == ([0], False)
+        waiting = asyncio.ensure_future(channels.take("k"))  # the dead attempt's next take, waiting here
+        await asyncio.sleep(0)
+        retry = channels.rewind("k")
+        await channels.write("k", [1], end=True)
+        with pytest.raises(ChunksLost, match="replaced by a retry"):
+            await waiting
+        with pytest.raises(ChunksLost):  # one that reaches the actor only now
+            await channels.take("k", 0)
+        assert await channels.take("k", retry) == ([0, 1], True)
+
+    asyncio.run(go())
+
+
+def test_a_stream_that_ends_before_its_first_chunk_is_a_loss_a_503_not_bad_input() -> None:
+    async def go() -> None:
+        channels = Channels()
+        await channels.write("k", [], first=True, end=True)
+        with pytest.raises(ChunksLost) as lost:
+            async for _ in ChannelReader(channels, "k").chunks():
+                pass
+        error = from_failure(StageFailed("talker", lost.value), "r", log=False)
+        assert (error.status, error.code) == (503, "stage_unavailable")
 
     asyncio.run(go())
 

@@ -13,6 +13,9 @@ yields the first handoff chunk; the rest of the chunks reach that running call t
 - **Retried like any call.** Until the consumer's first output the channel keeps what it took, so
   a consumer whose replica died before producing anything is retried on another replica reading
   every chunk again (:meth:`Channels.rewind`); its first output frees them (:meth:`Channels.ack`).
+  The retry reads as a new reader: a take the dead replica had sent still runs here (Ray does not
+  cancel an actor call whose caller died), and it must not take the retry's chunks (it did once: the
+  retried talker found its stream ended and empty, and answered 400), so an earlier reader's take fails.
 - **Ordered and bounded.** The orchestrator writes one request's chunks in order and waits for
   each write; a write returns only while fewer than :data:`MAX_BUFFERED_CHUNKS` chunks and
   :data:`MAX_BUFFERED_CHUNK_BYTES` wait unread, so a consumer that falls behind holds its
@@ -68,6 +71,14 @@ class ProducerFailed(RuntimeError):
     """The upstream stage call ended without its final handoff chunk (failed or cancelled)."""
 
 
+class ChunksLost(ProducerFailed):
+    """The stream ended before any chunk reached this call: a loss somewhere between the stages, not bad input.
+
+    Every streamed call's first chunk is written before the call starts, so an empty stream is never
+    what the upstream produced.
+    """
+
+
 class _Channel:
     def __init__(self) -> None:
         self.items: list[Any] = []
@@ -75,6 +86,7 @@ class _Channel:
         self.taken: list[Any] = []  # taken before the consumer's first output: kept for a retry
         self.taken_bytes = 0
         self.acked = False
+        self.reader = 0  # who may take: the latest attempt of the consumer call (Channels.rewind)
         self.ended = False
         self.failed: str | None = None
         self.closed = False
@@ -170,12 +182,19 @@ class Channels:
         )
         return not channel.closed
 
-    async def take(self, key: str) -> tuple[list[Any], bool]:
-        """Every chunk written since the last take (at least one unless the stream ended), and whether it ended."""
+    async def take(self, key: str, reader: int = 0) -> tuple[list[Any], bool]:
+        """Every chunk written since the last take (at least one unless the stream ended), and whether it ended.
+
+        ``reader`` is the consumer attempt's number (0, then what :meth:`rewind` returned): an earlier one's take fails.
+        """
         channel = self._channels.get(key)
         if channel is None:
             raise ProducerFailed("the channel is closed")
-        await channel.wait_for(lambda: bool(channel.items) or channel.ended or channel.closed)
+        await channel.wait_for(
+            lambda: bool(channel.items) or channel.ended or channel.closed or channel.reader != reader
+        )
+        if channel.reader != reader:
+            raise ChunksLost(f"reader {reader} of the channel was replaced by a retry (reader {channel.reader})")
         if channel.failed is not None or channel.closed:
             raise ProducerFailed(channel.failed or "the channel is closed")
         items, channel.items = channel.items, []
@@ -192,18 +211,20 @@ class Channels:
         if channel is not None:
             channel.acked, channel.taken, channel.taken_bytes = True, [], 0
 
-    def rewind(self, key: str) -> bool:
-        """The consumer's replica died before its first output: its retry reads every chunk again.
+    def rewind(self, key: str) -> int | None:
+        """The consumer's replica died before its first output: its retry reads every chunk again, as a new reader.
 
-        False when that is no longer possible (the consumer had produced output, or its channel is gone).
+        Returns the retry's reader number (for its takes); None when a retry is no longer possible (the
+        consumer had produced output, or its channel is gone).
         """
         channel = self._channels.get(key)
         if channel is None or channel.acked:
-            return False
+            return None
         channel.items, channel.taken = channel.taken + channel.items, []
         channel.unread_bytes, channel.taken_bytes = channel.unread_bytes + channel.taken_bytes, 0
+        channel.reader += 1  # a take the dead attempt still has on its way here fails, and wakes now
         channel.notify()
-        return True
+        return channel.reader
 
     def close(self, key: str) -> None:
         """The consumer call ended: drop what it did not take, and tell a waiting writer to stop."""
@@ -277,15 +298,21 @@ class ChannelReader:
 
     channels: Any  # a ray ActorHandle of Channels, or a Channels in this process
     key: str
+    reader: int = 0  # which attempt of the consumer call reads (Channels.rewind)
 
     async def chunks(self) -> AsyncGenerator[Any, None]:
         """The chunks in order (``ObjectRef`` for a remote channel), until the producer's end.
 
         Each leaves this frame as it is yielded: the consumer's copy is its only holder (a failed take's
-        traceback keeps this frame, and must keep no chunk).
+        traceback keeps this frame, and must keep no chunk). A stream that ends before its first chunk
+        raises :class:`ChunksLost`.
         """
+        first = True
         while True:
-            items, ended = await ask(self.channels, "take", self.key)
+            items, ended = await ask(self.channels, "take", self.key, self.reader)
+            if first and not items:
+                raise ChunksLost("the stream ended before its first chunk reached this call")
+            first = False
             while items:
                 yield items.pop(0)
             if ended:

@@ -244,8 +244,15 @@ class HandoffFeed:
         self._tell("ack")
 
     async def rewind(self) -> bool:
-        """Before a retry: the consumer's next take returns every chunk again (False: not possible)."""
-        return bool(await ask(self.reader.channels, "rewind", self.reader.key))
+        """Before a retry: the retry's takes (through :attr:`reader`, a new reader) return every chunk again.
+
+        False: not possible.
+        """
+        reader = await ask(self.reader.channels, "rewind", self.reader.key)
+        if reader is None:
+            return False
+        self.reader = dataclasses.replace(self.reader, reader=reader)
+        return True
 
     def close(self) -> None:
         """The consumer call ended, or its request did: the channel drops what was not taken (returns at once).

@@ -31,8 +31,8 @@ import torch
 
 from omni_serve.checkpoints.tiny_omni import ensure_tiny_omni
 from omni_serve.media import inputs as media_input
-from omni_serve.models import qwen3_omni
 from omni_serve.models.chat_template import template_messages
+from omni_serve.models.processor_media import processor_media
 from omni_serve.types import ChatMessage, MediaPart, TextPart
 
 TINY_SIZE = {"shortest_edge": 64, "longest_edge": 4096}  # the tiny graphs' mm_processor_kwargs
@@ -141,7 +141,7 @@ def main() -> None:
         text = tokenizer.apply_chat_template(template_messages([message]), add_generation_prompt=True, tokenize=False)
 
         def process(size: dict[str, int], decoded: Any = decoded, text: str = text) -> int:
-            inputs = processor(text=text, return_tensors="pt", size=size, **qwen3_omni.processor_media([decoded]))
+            inputs = processor(text=text, return_tensors="pt", size=size, **processor_media([decoded]))
             return int(inputs["input_ids"].shape[1])
 
         rows.append(

@@ -136,44 +136,6 @@ SAMPLING_EXTENSIONS: tuple[str, ...] = (
 )
 
 
-# --- errors a stage raises that cross to the ingress (pickled by Ray with their fields) -------------
-
-
-class EngineError(RuntimeError):
-    """The engine failed on a request for a reason that is not the client's fault."""
-
-
-class EngineDeadError(EngineError):
-    """The stage's engine can no longer serve (its EngineCore process or worker thread died); maps to 503.
-
-    The replica that raised it fails its health check from then on, so Serve replaces it: a retry
-    later reaches a fresh engine. ``reason`` is a short phrase of the engine family's own words, never
-    an exception's text. Built from ``args`` alone, so Ray's pickling keeps both fields.
-    """
-
-    def __init__(self, stage: str, reason: str):
-        super().__init__(stage, reason)
-        self.stage = stage
-        self.reason = reason
-
-    def __str__(self) -> str:
-        return f"stage {self.stage}: engine dead ({self.reason})"
-
-
-class InvalidStageInput(ValueError):
-    """The request is invalid for this engine (e.g. prompt longer than the context); maps to 400.
-
-    ``param`` names the request field at fault as the client sent it (``messages``,
-    ``input``, ``size``, ``messages.1.content.2``, ...); ``status`` is 400, or 413 for input over
-    a size limit. Both survive Ray's pickling with the exception.
-    """
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.param = param
-        self.status = status
-
-
 class TextPart(BaseModel):
     type: Literal["text"] = "text"
     text: str

@@ -17,7 +17,7 @@ import pytest
 import soundfile as sf
 from PIL import Image
 
-from omni_serve.types import InvalidStageInput
+from omni_serve.exceptions import InvalidStageInput
 
 # --- valid media -------------------------------------------------------------------------------
 

@@ -15,16 +15,9 @@ import torch
 
 from omni_serve.engines import validate_engine_args
 from omni_serve.engines.diffusers import LATENTS_KIND, PROMPT_KIND, DiffusersEngine, create
+from omni_serve.exceptions import EngineError, InvalidStageInput
 from omni_serve.payload import HandoffPayload
-from omni_serve.types import (
-    ChatMessage,
-    EngineError,
-    ImageParams,
-    InvalidStageInput,
-    SamplingParams,
-    StageOutput,
-    StageRequest,
-)
+from omni_serve.types import ChatMessage, ImageParams, SamplingParams, StageOutput, StageRequest
 
 STAGES = ("full", "encode", "denoise", "decode")
 

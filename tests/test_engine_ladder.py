@@ -15,19 +15,11 @@ from typing import Any
 import pytest
 from ray.exceptions import RayTaskError
 
-from omni_serve.api.errors import from_failure
+from omni_serve.api.failure_status import from_failure
 from omni_serve.engines.base import StageEngine
-from omni_serve.graph.orchestrator import StageFailed
+from omni_serve.exceptions import EngineDeadError, EngineError, InvalidStageInput, StageFailed
 from omni_serve.payload import HandoffPayload
-from omni_serve.types import (
-    EngineDeadError,
-    EngineError,
-    FinishReason,
-    InvalidStageInput,
-    SamplingParams,
-    StageOutput,
-    StageRequest,
-)
+from omni_serve.types import FinishReason, SamplingParams, StageOutput, StageRequest
 
 
 class LibraryDead(Exception):

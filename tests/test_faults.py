@@ -27,12 +27,14 @@ import pytest
 import soundfile as sf
 from ray.exceptions import ActorDiedError, ActorUnavailableError, OwnerDiedError, RayTaskError
 
-from omni_serve.api.errors import from_failure
-from omni_serve.graph.orchestrator import IncompleteStageStream, OmniRequest, Orchestrator, StageFailed
+from omni_serve.api.failure_status import from_failure
+from omni_serve.exceptions import IncompleteStageStream, InvalidStageInput, StageFailed
+from omni_serve.graph.orchestrator import Orchestrator
+from omni_serve.graph.request import OmniRequest
 from omni_serve.graph.transport import StageTransport, replica_gone
 from omni_serve.models.qwen3_omni import SAMPLE_RATE
 from omni_serve.payload import HandoffPayload
-from omni_serve.types import ChatMessage, FinishReason, InvalidStageInput, Modality, SamplingParams, StageOutput
+from omni_serve.types import ChatMessage, FinishReason, Modality, SamplingParams, StageOutput
 from tests.conftest import graph_variant, wait_until
 from tests.test_orchestrator import GRAPH  # the same three-stage fake graph
 

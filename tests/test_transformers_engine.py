@@ -16,13 +16,14 @@ from omni_serve.engines import transformers as te
 from omni_serve.engines.base import StageEngine
 from omni_serve.engines.transformers import sampling
 from omni_serve.engines.transformers.worker import MAX_UNTAKEN_OUTPUTS
+from omni_serve.exceptions import InvalidStageInput
+from omni_serve.models import codec
 from omni_serve.models import qwen3_omni as q
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import (
     MAX_TOKENS_LIMIT,
     ChatMessage,
     FinishReason,
-    InvalidStageInput,
     SamplingParams,
     StageOutput,
     StageRequest,
@@ -359,7 +360,7 @@ def test_talker_and_code2wav_are_deterministic_per_seed(engines: dict[str, Stage
     a, b, c = codes(5), codes(5), codes(6)
     np.testing.assert_array_equal(a, b)
     assert a.shape != c.shape or not np.array_equal(a, c)
-    chunks = q.chunk_codec_codes(a, FIRST, CHUNK, 25)
+    chunks = codec.chunk_codec_codes(a, FIRST, CHUNK, 25)
     np.testing.assert_array_equal(speak(engines, chunks), speak(engines, chunks))
 
 
@@ -428,7 +429,7 @@ def test_chained_engines_reproduce_hf_generate(engines: dict[str, StageEngine]) 
     assert text_of(thinker_outs) == ref_text
     assert len(chunks) > 1 and ours.shape == ref_wav.shape
     # Same codes: one decode of all our frames is HF's waveform exactly (HF decodes <= 300 frames at once).
-    single = q.decode_codec_chunk(engines["code2wav"].code2wav, q.chunk_codec_codes(codes_of(chunks), 10**6)[0])
+    single = q.decode_codec_chunk(engines["code2wav"].code2wav, codec.chunk_codec_codes(codes_of(chunks), 10**6)[0])
     np.testing.assert_array_equal(single, ref_wav)
     # Streamed chunks (4, then 5, with 25 frames of context) stay within the measured chunking tolerance.
     err = ours - ref_wav

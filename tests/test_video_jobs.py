@@ -29,17 +29,10 @@ from omni_serve.api.video_jobs import (
     owner_of,
     unpack,
 )
-from omni_serve.graph.orchestrator import OmniRequest
+from omni_serve.exceptions import InvalidStageInput
+from omni_serve.graph.request import OmniRequest
 from omni_serve.graph.transport import StageTransport
-from omni_serve.types import (
-    FinishReason,
-    InvalidStageInput,
-    Modality,
-    SamplingParams,
-    StageOutput,
-    StageRequest,
-    VideoParams,
-)
+from omni_serve.types import FinishReason, Modality, SamplingParams, StageOutput, StageRequest, VideoParams
 
 KEY = "ab" * 16
 PARAMS = VideoParams(width=64, height=64, num_frames=9, fps=8, num_inference_steps=2, guidance_scale=4.0)

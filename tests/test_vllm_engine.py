@@ -18,15 +18,8 @@ from typing import Any, Literal, TypeVar
 import psutil
 import pytest
 
-from omni_serve.types import (
-    SAMPLING_EXTENSIONS,
-    ChatMessage,
-    FinishReason,
-    InvalidStageInput,
-    SamplingParams,
-    StageOutput,
-    StageRequest,
-)
+from omni_serve.exceptions import InvalidStageInput
+from omni_serve.types import SAMPLING_EXTENSIONS, ChatMessage, FinishReason, SamplingParams, StageOutput, StageRequest
 from tests.deps import require
 from tests.test_engine_pacing import assert_paced, measured
 

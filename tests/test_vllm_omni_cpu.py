@@ -36,6 +36,7 @@ require("torchvision", "vLLM's Qwen3-Omni modules need it; make test installs it
 
 from omni_serve.engines import transformers as te  # noqa: E402
 from omni_serve.graph.transport import PAYLOAD_FOLLOWS  # noqa: E402
+from omni_serve.models import codec  # noqa: E402
 from omni_serve.models import qwen3_omni as q  # noqa: E402
 from omni_serve.models.vllm_omni.payload import from_handoff  # noqa: E402
 from omni_serve.payload import HandoffPayload  # noqa: E402
@@ -479,7 +480,7 @@ def test_code2wav_matches_transformers(graph, hf_engines, lag: int) -> None:
     codes = torch.randint(0, 128, (30, 16), generator=torch.Generator().manual_seed(0))
     payload = talker_handoff("c", codes)
     (vllm,) = call_stage(graph, "code2wav", StageRequest("c", greedy(), handoff=payload))
-    chunk = q.chunk_codec_codes(codes.T.numpy(), first_chunk_frames=10**6)[0]
+    chunk = codec.chunk_codec_codes(codes.T.numpy(), first_chunk_frames=10**6)[0]
     (hf,) = run_hf(hf_engines["code2wav"], StageRequest("c", greedy(), handoff=chunk), chunk)
     assert vllm.sample_rate == hf.sample_rate == 24000
     assert lag == hf_lag(hf_engines["code2wav"].code2wav)  # the engine's measurement, HF's vocoder

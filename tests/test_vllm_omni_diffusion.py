@@ -54,14 +54,8 @@ from omni_serve.engines.vllm_omni_diffusion import (
     resolve_image_params,
     unknown_config_fields,
 )
-from omni_serve.types import (
-    ChatMessage,
-    EngineError,
-    ImageParams,
-    InvalidStageInput,
-    SamplingParams,
-    StageRequest,
-)
+from omni_serve.exceptions import EngineError, InvalidStageInput
+from omni_serve.types import ChatMessage, ImageParams, SamplingParams, StageRequest
 from tests.conftest import wait_until
 from tests.deps import require
 

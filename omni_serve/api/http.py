@@ -1,14 +1,77 @@
-"""The wire under every route: a JSON body read within its size limit and parsed into an object, or a clear 4xx."""
+"""The wire under every route: a JSON body or a multipart upload, read within its limit and parsed, or a clear 4xx."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
 
+from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.types import Message
 
-from omni_serve.api.openai.errors import APIError, bad_request
+from omni_serve.api.openai.errors import APIError, bad_request, from_validation
+from omni_serve.media.inputs import check_format
+from omni_serve.types import MediaPart
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+async def read_json(request: Request, limit: int, model: type[Body]) -> Body:
+    """A JSON body (declared as such, within ``limit`` bytes) validated as ``model``."""
+    check_content_type(request.headers.get("content-type"))
+    return validated(model, parse_json_object(await read_body(request, limit)))
+
+
+async def read_upload(request: Request, limit: int, model: type[Body]) -> tuple[Body, dict[str, bytes]]:
+    """A multipart upload (within ``limit`` bytes): its text fields validated as ``model``, and its files."""
+    fields, files = await read_form(request, limit)
+    return validated(model, fields), files
+
+
+async def read_json_or_form(
+    request: Request, limit: int, model: type[Body], refuse_files: Callable[[dict[str, bytes]], None]
+) -> Body:
+    """A body a route takes as JSON or as a multipart form with the same fields (OpenAI's client sends the
+    form), validated as ``model``; a form's files go to ``refuse_files`` (a route that reads none refuses them)."""
+    if check_json_or_form(request.headers.get("content-type")):
+        fields, files = await read_form(request, limit)
+        refuse_files(files)
+        return validated(model, dict(fields))
+    return validated(model, parse_json_object(await read_body(request, limit)))
+
+
+def check_json_or_form(content_type: str | None) -> bool:
+    """Whether the body is a multipart form; a body neither JSON nor a form is a 415 naming both."""
+    media = _media_type(content_type)
+    if media == "multipart/form-data":
+        return True
+    try:
+        check_content_type(media)
+    except APIError:
+        message = f"Content-Type must be application/json or multipart/form-data (got '{media or 'none':.60}')"
+        raise APIError(415, message, type="invalid_request_error") from None
+    return False
+
+
+def validated(model: type[Body], data: dict[str, Any]) -> Body:
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise from_validation(err) from None
+
+
+def upload(data: bytes | None, kind: Literal["audio", "image"], param: str, limit: int) -> tuple[MediaPart, str]:
+    """One uploaded file as a media part (and its format): there, within ``limit`` bytes, in a format a ``kind``
+    part accepts (sniffed). Never decoded here: it travels by reference to the entry stage, which decodes it."""
+    if data is None:
+        raise bad_request(f"{param}: an {kind} file is required (multipart field '{param}')", param)
+    if len(data) > limit:
+        raise APIError(
+            413, f"{param}: {kind} over the limit of {limit} bytes", type="invalid_request_error", param=param
+        )
+    fmt = check_format(data, kind, param)  # InvalidStageInput: the ingress answers it as the 400 it names
+    return MediaPart(type=kind, param=param, data=data), fmt
 
 
 def check_content_type(content_type: str | None) -> None:
@@ -20,7 +83,7 @@ def check_content_type(content_type: str | None) -> None:
     request need a preflight, which this server never grants. The official ``openai`` client, vLLM's
     benchmark client and the playground all send it.
     """
-    media = (content_type or "").split(";", 1)[0].strip().lower()
+    media = _media_type(content_type)
     if media != "application/json" and not media.endswith("+json"):
         shown = media or "none"
         raise APIError(415, f"Content-Type must be application/json (got '{shown:.60}')", type="invalid_request_error")
@@ -38,7 +101,7 @@ async def read_form(request: Request, limit: int) -> tuple[dict[str, str], dict[
     read: Starlette's parser spools files (to disk past 1 MiB) as it reads, so the limit is enforced on
     what it is fed, the whole body, not on each file after the parse.
     """
-    media = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
+    media = _media_type(request.headers.get("content-type"))
     if media != "multipart/form-data":
         shown = media or "none"
         raise APIError(
@@ -55,6 +118,10 @@ async def read_form(request: Request, limit: int) -> tuple[dict[str, str], dict[
             else:
                 files[key] = await value.read()
     return fields, files
+
+
+def _media_type(content_type: str | None) -> str:
+    return (content_type or "").split(";", 1)[0].strip().lower()
 
 
 def _bounded(request: Request, limit: int) -> Request:

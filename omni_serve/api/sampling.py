@@ -13,8 +13,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from omni_serve.api.openai.chat import SamplingRequest
 from omni_serve.api.openai.errors import bad_request, from_validation
+from omni_serve.api.openai.sampling import SamplingRequest
 from omni_serve.engines import honoured_sampling, unhonoured_sampling
 from omni_serve.graph.config import GraphConfig
 from omni_serve.types import SamplingParams

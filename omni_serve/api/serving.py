@@ -12,7 +12,7 @@ failure after that is the reply builder's to report in band (the same error obje
 or it cuts the body short (audio), which a client sees as a broken transfer, never a complete file.
 
 Failures are classified once, where the graph's outputs come out (:meth:`Serving.outputs`), by
-:func:`omni_serve.api.errors.from_failure`; the request metrics record that status.
+:func:`omni_serve.api.failure_status.from_failure`; the request metrics record that status.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from typing import Any, Protocol
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from omni_serve.api.errors import from_failure
+from omni_serve.api.failure_status import from_failure
 from omni_serve.api.openai.errors import APIError
 from omni_serve.graph.metrics import RequestMetrics
-from omni_serve.graph.orchestrator import OmniRequest, Orchestrator
+from omni_serve.graph.orchestrator import Orchestrator
+from omni_serve.graph.request import OmniRequest
 from omni_serve.types import StageOutput
 
 

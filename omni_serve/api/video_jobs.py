@@ -6,7 +6,7 @@ OpenAI's video API is asynchronous: ``POST /v1/videos`` answers at once with a j
 :func:`actor_name`: :data:`ACTOR_PREFIX`, the Serve application's name and a random key) that runs that
 replica's jobs and keeps their state:
 
-- **A job is an ordinary graph request** (:class:`~omni_serve.graph.orchestrator.OmniRequest`), run by
+- **A job is an ordinary graph request** (:class:`~omni_serve.graph.request.OmniRequest`), run by
   the actor's own orchestrator through the same serving template as every route (its outputs timed and
   any failure mapped once to the API error it would have been, which becomes the job's ``error``). It
   needs no HTTP connection: a client that disconnects after the create (or during it) leaves it running.
@@ -57,18 +57,21 @@ import math
 import re
 import secrets
 import time
+import uuid
 from typing import Any
 
 from omni_serve.api.auth import ANONYMOUS
-from omni_serve.api.errors import from_failure
+from omni_serve.api.failure_status import from_failure
 from omni_serve.api.openai.errors import APIError
-from omni_serve.api.openai.videos import VideoJob, deleted, job_error, not_found
+from omni_serve.api.openai.videos import VideoJob, deleted, job_error, not_found, video_list
 from omni_serve.api.serving import Serving
+from omni_serve.exceptions import StageFailed
 from omni_serve.graph.config import GraphConfig, load_graph
 from omni_serve.graph.metrics import RequestMetrics
-from omni_serve.graph.orchestrator import OmniRequest, Orchestrator
+from omni_serve.graph.orchestrator import Orchestrator
+from omni_serve.graph.request import OmniRequest
 from omni_serve.graph.transport import RemoteStages, StageTransport
-from omni_serve.types import VideoParams
+from omni_serve.types import Modality, VideoParams, VideoRules
 
 logger = logging.getLogger("ray.serve")
 
@@ -373,3 +376,173 @@ async def _size_of(video: Any) -> int:
 
     value = await video if isinstance(video, ray.ObjectRef) else video
     return int(value.nbytes)
+
+
+class JobsClient:
+    """An ingress replica's side of the jobs: its own :class:`VideoJobs` actor, started on first use (and again
+    once it died), and the other replicas' actors, found by name, each asked for the jobs its key names."""
+
+    def __init__(self, app: str, graph: GraphConfig, stages: dict[str, Any]):
+        self.app = app  # this Serve application's name: its actors' names carry it
+        self.stages = stages  # the stage deployments' handles: the actor calls the video stage with them
+        self.settings = jobs_graph(graph)  # the actor's graph: the args, with the run-time settings over them
+        self._video_stage = next((s.name for s in graph.stages if s.final_output is Modality.VIDEO), None)
+        self._rules: VideoRules | None = None  # the video stage's, asked once
+        self._own: Any = None  # this replica's actor
+        self._own_key = ""  # its key (32 hex digits: the job ids name it)
+        self._peers: dict[str, Any] = {}  # other replicas' actors, by key
+
+    def reconfigure(self, graph: GraphConfig) -> None:
+        """New run-time settings: the actor's now (in order before any later create), or when it starts."""
+        self.settings = jobs_graph(graph)
+        if self._own is not None:
+            self._own.reconfigure.remote(self.settings)
+
+    async def rules(self) -> VideoRules:
+        """The video stage's defaults and limits (asked once; a stage that cannot answer fails the request)."""
+        if self._rules is None:
+            stage = self._video_stage or ""
+            try:
+                rules = await self.stages[stage].video_rules.remote()
+            except Exception as err:
+                raise from_failure(StageFailed(stage, err), "video_rules") from None
+            if rules is None:
+                raise APIError(500, f"stage '{stage}' makes no video", type="server_error", code="not_a_video_stage")
+            self._rules = rules
+        return self._rules
+
+    async def create(self, job: VideoJob, request: OmniRequest) -> dict[str, Any]:
+        """The job created in this replica's actor; an actor found dead is replaced once, then 503 (never a 500)."""
+        from ray.exceptions import RayActorError
+
+        for _ in range(2):
+            key, jobs = self._own_actor()
+            job.id = new_job_id(key)
+            try:
+                return unpack(await jobs.create.remote(job, request))["job"]
+            except RayActorError:
+                self._died(jobs)
+        raise APIError(
+            503,
+            "this server's video jobs are unavailable, retry later",
+            type="service_unavailable",
+            code="video_jobs_unavailable",
+            retry_after_s=5,
+        )
+
+    async def ask(self, video_id: str, method: str, *args: Any) -> Any:
+        """One call of the actor that runs ``video_id``; a dead actor (its replica stopped) is a 404."""
+        from ray.exceptions import RayActorError
+
+        jobs = await self._actor_of(video_id)
+        try:
+            return await getattr(jobs, method).remote(video_id, *args)
+        except RayActorError:
+            self._peers.pop(actor_key_of(video_id) or "", None)
+            self._died(jobs)
+            raise not_found(video_id) from None
+
+    async def video(self, video_id: str, owner: str) -> memoryview:
+        """The job's MP4, read from the object store by reference (zero-copy from shared memory)."""
+        import ray
+
+        [result] = unpack(await self.ask(video_id, "content", owner))["result"]
+        video = await result if isinstance(result, ray.ObjectRef) else result
+        return memoryview(video).cast("B")
+
+    async def page(self, owner: str, limit: int, descending: bool, after: str | None) -> dict[str, Any]:
+        """OpenAI's list of the owner's jobs on every ingress replica of this application: each actor gives the
+        positions of its first ``limit`` past ``after``; the page's jobs alone are fetched."""
+        cursor = None
+        if after is not None:
+            with contextlib.suppress(APIError):  # an id that expired, or was never this client's: nothing after it
+                cursor = await self.ask(after, "position", owner)
+            if cursor is None:
+                return video_list([], has_more=False)
+        actors = await self._actors()
+        pages = await asyncio.gather(
+            *(actor.page.remote(owner, limit + 1, descending, cursor) for actor in actors.values()),
+            return_exceptions=True,
+        )
+        found = sorted(
+            (tuple(position) for page in pages if isinstance(page, list) for position in page), reverse=descending
+        )
+        shown = [video_id for _, video_id in found[:limit]]
+        by_actor: dict[str, list[str]] = {}
+        for video_id in shown:
+            by_actor.setdefault(actor_key_of(video_id) or "", []).append(video_id)
+        fetched: dict[str, dict[str, Any]] = {}
+        for key, ids in by_actor.items():
+            with contextlib.suppress(Exception):  # an actor that stopped meanwhile: its jobs are gone
+                fetched.update((job["id"], job) for job in await actors[key].listed.remote(ids, owner))
+        return video_list([fetched[i] for i in shown if i in fetched], has_more=len(found) > limit)
+
+    def _own_actor(self) -> tuple[str, Any]:
+        """(key, handle) of this replica's actor, started now if there is none.
+
+        No CPU, on this node, owned by this replica's process (it dies with the replica, and with it the
+        replica's jobs: the module docstring says what that means), named after this Serve application and a
+        key of its own, which every job id carries.
+        """
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if self._own is None:
+            context = ray.get_runtime_context()
+            self._own_key = uuid.uuid4().hex
+            self._own = (
+                ray.remote(VideoJobs)
+                .options(
+                    name=actor_name(self.app, self._own_key),
+                    num_cpus=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(context.get_node_id(), soft=False),
+                    max_concurrency=1000,
+                )
+                .remote(self.settings, self.stages)
+            )
+        return self._own_key, self._own
+
+    def _died(self, handle: Any) -> None:
+        """This replica's actor ``handle`` no longer answers: the next create starts another (its jobs are lost:
+        404 from every replica, their ids naming an actor that no longer exists)."""
+        import ray
+
+        if handle is self._own:
+            logger.warning("video jobs actor %s stopped answering: starting another", self._own_key)
+            self._own = None
+            with contextlib.suppress(Exception):  # unavailable, not dead: its name must not answer for lost jobs
+                ray.kill(handle)
+
+    async def _actor_of(self, video_id: str) -> Any:
+        """The actor that runs ``video_id``: this replica's, or another's found by name; 404 if none."""
+        import ray
+
+        key = actor_key_of(video_id)
+        if key is None:
+            raise not_found(video_id)
+        if self._own is not None and key == self._own_key:
+            return self._own
+        if key not in self._peers:
+            try:
+                self._peers[key] = await asyncio.to_thread(ray.get_actor, actor_name(self.app, key))
+            except ValueError:  # no such actor: its replica stopped (or never existed)
+                raise not_found(video_id) from None
+        return self._peers[key]
+
+    async def _actors(self) -> dict[str, Any]:
+        """Every jobs actor of this Serve application, by key (this replica's included)."""
+        import ray
+
+        names = await asyncio.to_thread(ray.util.list_named_actors)
+        actors: dict[str, Any] = {}
+        for key in (k for k in (actor_key_in(name, self.app) for name in names) if k is not None):
+            if self._own is not None and key == self._own_key:
+                actors[key] = self._own
+            elif key not in self._peers:
+                with contextlib.suppress(ValueError):  # stopped meanwhile
+                    self._peers[key] = await asyncio.to_thread(ray.get_actor, actor_name(self.app, key))
+            if key in self._peers:
+                actors[key] = self._peers[key]
+        for gone in set(self._peers) - set(actors):  # their names went with them
+            del self._peers[gone]
+        return actors

@@ -20,8 +20,9 @@ from typing import Any
 
 from omni_serve.engines import ladder
 from omni_serve.engines.calls import LiveCalls
+from omni_serve.exceptions import InvalidStageInput
 from omni_serve.payload import HandoffPayload
-from omni_serve.types import InvalidStageInput, RequestId, StageOutput, StageRequest, VideoRules
+from omni_serve.types import RequestId, StageOutput, StageRequest, VideoRules
 
 
 class StageEngine(abc.ABC):

@@ -46,15 +46,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from omni_serve import payload as handoffs
 from omni_serve.engines.base import PacedInProcess, StageEngine
+from omni_serve.exceptions import EngineError
 from omni_serve.models.image_params import SEED_MOD, ResolvedImageParams, prompt_of, resolve_image_params
 from omni_serve.pacing import StepPacer, min_step_field
 from omni_serve.payload import HandoffPayload
-from omni_serve.types import (
-    EngineError,
-    FinishReason,
-    StageOutput,
-    StageRequest,
-)
+from omni_serve.types import FinishReason, StageOutput, StageRequest
 
 PipelineStage = Literal["full", "encode", "denoise", "decode"]
 PROMPT_KIND = "qwen_image.prompt_embeds"

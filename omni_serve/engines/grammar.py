@@ -34,7 +34,8 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from omni_serve.types import InvalidStageInput, StructuredOutputs
+from omni_serve.exceptions import InvalidStageInput
+from omni_serve.types import StructuredOutputs
 
 # vLLM's default for VLLM_XGRAMMAR_CACHE_MB (vllm/envs.py).
 DEFAULT_CACHE_MB = 512
@@ -112,7 +113,7 @@ def grammar_processor(compiled: Any, end_ids: list[int]) -> Any:
     import xgrammar as xgr
     from transformers import LogitsProcessor
 
-    from omni_serve.types import EngineError
+    from omni_serve.exceptions import EngineError
 
     class _Grammar(LogitsProcessor):
         def __init__(self) -> None:

@@ -28,8 +28,9 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Protocol
 
+from omni_serve.exceptions import EngineDeadError, EngineError, InvalidStageInput
 from omni_serve.payload import HandoffPayload
-from omni_serve.types import EngineDeadError, EngineError, InvalidStageInput, RequestId, StageOutput, StageRequest
+from omni_serve.types import RequestId, StageOutput, StageRequest
 
 logger = logging.getLogger("ray.serve")
 

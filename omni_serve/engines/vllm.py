@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from omni_serve.engines.base import StageEngine
 from omni_serve.engines.logprobs import from_vllm as logprobs_from_vllm
 from omni_serve.engines.scheduler import SchedulerSnapshot
+from omni_serve.exceptions import EngineError, InvalidStageInput
 from omni_serve.models.chat_template import template_messages
 from omni_serve.models.tool_calls import (
     ToolCallStream,
@@ -37,9 +38,7 @@ from omni_serve.payload import HandoffPayload
 from omni_serve.types import (
     SAMPLING_EXTENSIONS,
     ChatMessage,
-    EngineError,
     FinishReason,
-    InvalidStageInput,
     SamplingParams,
     StageOutput,
     StageRequest,

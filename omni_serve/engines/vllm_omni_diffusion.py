@@ -89,22 +89,13 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from omni_serve.engines.base import StageEngine
+from omni_serve.exceptions import EngineError, InvalidStageInput
 from omni_serve.media.encode import encode_mp4
 from omni_serve.models import image_params, video_params
 from omni_serve.models.image_params import prompt_of
 from omni_serve.pacing import engine_config, min_step_field
 from omni_serve.payload import HandoffPayload
-from omni_serve.types import (
-    EngineError,
-    FinishReason,
-    ImageParams,
-    InvalidStageInput,
-    Modality,
-    StageOutput,
-    StageRequest,
-    VideoParams,
-    VideoRules,
-)
+from omni_serve.types import FinishReason, ImageParams, Modality, StageOutput, StageRequest, VideoParams, VideoRules
 
 logger = logging.getLogger("ray.serve")
 

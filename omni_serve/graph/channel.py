@@ -53,6 +53,8 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
+from omni_serve.exceptions import ChunksLost, ProducerFailed
+
 # Chunks one channel holds unread before a write waits for the consumer (thinker -> talker: one
 # chunk per thinker stream item, a token's rows for the first 8, then 50 ms of them, 100, 200 and at
 # most 400 ms (omni_serve.graph.coalesce), about 27 tokens at 15 ms a token; the real model's rows are
@@ -65,18 +67,6 @@ MAX_BUFFERED_CHUNK_BYTES = 8 << 20
 # How long a closed channel's or window's key stays closed to late calls (the module docstring). Late means
 # behind in one actor's queue, milliseconds; a minute of closes is about 100 bytes a call.
 CLOSED_KEYS_S = 60.0
-
-
-class ProducerFailed(RuntimeError):
-    """The upstream stage call ended without its final handoff chunk (failed or cancelled)."""
-
-
-class ChunksLost(ProducerFailed):
-    """The stream ended before any chunk reached this call: a loss somewhere between the stages, not bad input.
-
-    Every streamed call's first chunk is written before the call starts, so an empty stream is never
-    what the upstream produced.
-    """
 
 
 class _Channel:

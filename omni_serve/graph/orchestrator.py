@@ -51,20 +51,17 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from omni_serve.exceptions import AbortedStageCall, IncompleteStageStream, StageFailed, StageTimeout
 from omni_serve.graph.config import GraphConfig, StageConfig
 from omni_serve.graph.flow import Buffer, Buffers
+from omni_serve.graph.request import OmniRequest
 from omni_serve.graph.stage_log import StageLog
 from omni_serve.graph.transport import Handoff, HandoffFeed, StageTransport
 from omni_serve.types import (
-    ChatMessage,
     FinishReason,
-    ImageParams,
     Modality,
-    SamplingParams,
     StageOutput,
     StageRequest,
-    ToolCalling,
-    VideoParams,
 )
 
 logger = logging.getLogger("ray.serve")
@@ -73,55 +70,6 @@ if sys.version_info >= (3, 11):
     from asyncio import timeout as _timeout
 else:  # pragma: no cover - Python 3.10
     from async_timeout import timeout as _timeout
-
-
-class StageTimeout(TimeoutError):
-    def __init__(self, stage: str, seconds: float, *, deadline: bool = False):
-        super().__init__(
-            f"the request reached its time limit while waiting for stage '{stage}'"
-            if deadline
-            else f"stage '{stage}' produced nothing for {seconds:.0f} s"
-        )
-        self.stage = stage
-
-
-class StageFailed(RuntimeError):
-    """A stage call failed; ``cause`` is the original error (Ray wraps engine errors)."""
-
-    def __init__(self, stage: str, cause: BaseException):
-        super().__init__(f"stage '{stage}' failed: {type(cause).__name__}")
-        self.stage = stage
-        self.cause = cause
-
-
-class IncompleteStageStream(RuntimeError):
-    """The stage's stream ended before its ``finished`` output (e.g. its replica went away)."""
-
-
-class AbortedStageCall(RuntimeError):
-    """The stage's engine finished the call with ABORT although nobody cancelled it."""
-
-
-@dataclass
-class OmniRequest:
-    """What the ingress hands the orchestrator: one client request, already validated."""
-
-    request_id: str  # minted by the server; stage call ids derive from it
-    modalities: set[Modality]
-    sampling: dict[str, SamplingParams]  # resolved per stage
-    messages: list[ChatMessage] | None = None
-    voice: str | None = None  # already validated against the graph's voices
-    image: ImageParams | None = None
-    video: VideoParams | None = None
-    reply: str | None = None  # text-to-speech: the entry stage speaks this instead of generating
-    speech: dict[str, Any] | None = None  # text-to-speech: a TTS model's voice-mode fields (StageRequest.speech)
-    client_request_id: str | None = None  # the client's X-Request-ID: a label for logs, never a key
-    deadline: float | None = None  # time.monotonic() by which the whole walk must be done
-    return_prompt_text: bool = False
-    tools: ToolCalling | None = None  # tools the entry stage may call (chat's tools / tool_choice)
-    # Every stage call's start and every output of every stage, recorded as they pass (vLLM-Omni's
-    # return_stage_metrics); None records nothing.
-    stage_log: StageLog | None = None
 
 
 @dataclass

@@ -38,8 +38,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from omni_serve.exceptions import InvalidStageInput
 from omni_serve.media.policy import MediaPolicy, fetch
-from omni_serve.types import InvalidStageInput
 
 MediaKind = Literal["image", "audio", "video"]
 

@@ -19,7 +19,7 @@ else is refused unless the graph's ``media_policy`` allows it, and the entry sta
 - ``file:`` URLs only under ``allowed_local_dir`` (after resolving symlinks), regular files only.
 - What came back is never trusted from headers: :mod:`omni_serve.media.inputs` sniffs the bytes.
 
-Every refusal is an :class:`~omni_serve.types.InvalidStageInput` naming the content part
+Every refusal is an :class:`~omni_serve.exceptions.InvalidStageInput` naming the content part
 (``messages.<i>.content.<j>``): a 400, or 413 for size.
 """
 
@@ -38,7 +38,7 @@ from urllib.parse import unquote, urljoin, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from omni_serve.types import InvalidStageInput
+from omni_serve.exceptions import InvalidStageInput
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout as _timeout

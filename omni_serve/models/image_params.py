@@ -6,7 +6,8 @@ import math
 import secrets
 from typing import Protocol
 
-from omni_serve.types import ImageParams, InvalidStageInput, StageRequest, TextPart
+from omni_serve.exceptions import InvalidStageInput
+from omni_serve.types import ImageParams, StageRequest, TextPart
 
 SEED_MOD = 2**63
 

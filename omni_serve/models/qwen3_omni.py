@@ -21,7 +21,7 @@ Payloads:
   already run), ``meta["streamed"]`` set, then ``qwen3_omni.thinker2talker.rows`` chunks of the
   ``embeds`` and ``hidden`` rows of the reply positions run since; the stream's end ends the reply
   (:class:`ThinkerRows`, :class:`TrailingText`).
-- ``qwen3_omni.codec_chunk``: ``codes`` int64 [groups, left_context + frames]; meta
+- ``qwen3_omni.codec_chunk`` (:mod:`omni_serve.models.codec`): ``codes`` int64 [groups, left_context + frames]; meta
   ``left_context``, ``index``, ``start_frame``, ``num_frames``. Every chunk carries its own
   left context, so any code2wav replica decodes any chunk without state.
 """
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from omni_serve import payload as handoff
-from omni_serve.media.inputs import Audio, Decoded, Image, Video
+from omni_serve.models import codec
 from omni_serve.payload import HandoffPayload
 
 if TYPE_CHECKING:
@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 
 THINKER2TALKER = "qwen3_omni.thinker2talker"
 THINKER2TALKER_ROWS = "qwen3_omni.thinker2talker.rows"
-CODEC_CHUNK = "qwen3_omni.codec_chunk"
 SAMPLE_RATE = 24000  # code2wav's output rate (1920 samples per codec frame)
 
 
@@ -51,28 +50,6 @@ SAMPLE_RATE = 24000  # code2wav's output rate (1920 samples per codec frame)
 
 # Processor outputs the talker's RoPE needs too (HF's generate passes them to both models).
 ROPE_INPUTS = ("image_grid_thw", "video_grid_thw", "video_second_per_grid")
-
-
-def processor_media(media: Sequence[Decoded]) -> dict[str, Any]:
-    """``Qwen3OmniMoeProcessor`` keyword arguments for decoded media in prompt order.
-
-    Audio is listed where the prompt consumes it: audio parts, and a video's own track where the
-    video is when it is input too (``use_audio_in_video``); all videos were sampled at one fps.
-    """
-    audio = [
-        m.samples if isinstance(m, Audio) else m.audio
-        for m in media
-        if isinstance(m, Audio) or (isinstance(m, Video) and m.audio is not None)
-    ]
-    videos = [m for m in media if isinstance(m, Video)]
-    kwargs: dict[str, Any] = {
-        "images": [m.pixels for m in media if isinstance(m, Image)] or None,
-        "videos": [v.frames for v in videos] or None,
-        "audio": audio or None,
-    }
-    if videos:
-        kwargs.update(fps=videos[0].fps, use_audio_in_video=any(v.audio is not None for v in videos))
-    return kwargs
 
 
 def rope_inputs(inputs: Any) -> dict[str, Any]:
@@ -421,73 +398,6 @@ def talker_suppress_tokens(config: Any) -> list[int]:
     return [i for i in range(vocab - 1024, vocab) if i != tcfg.codec_eos_token_id]
 
 
-# --- (c) codec chunks ----------------------------------------------------------------------
-
-
-class CodecChunker:
-    """Cuts a growing stream of codec frames into self-contained chunks.
-
-    Chunk 0 has ``first_chunk_frames`` frames, later ones ``chunk_frames``; each carries up
-    to ``left_context_frames`` frames before it. ``push`` returns the chunks completed so
-    far, ``flush`` the remainder. No I/O; the talker engine feeds it frame by frame.
-    """
-
-    def __init__(self, first_chunk_frames: int, chunk_frames: int, left_context_frames: int):
-        if first_chunk_frames < 1 or chunk_frames < 1 or left_context_frames < 0:
-            raise ValueError("chunk sizes must be >= 1 and the left context >= 0")
-        self.first_chunk_frames = first_chunk_frames
-        self.chunk_frames = chunk_frames
-        self.left_context_frames = left_context_frames
-        self._frames: list[np.ndarray] = []  # each [groups]
-        self._start = 0  # first frame not yet in a chunk
-        self._index = 0
-
-    @property
-    def num_frames(self) -> int:
-        return len(self._frames)
-
-    def _next_size(self) -> int:
-        return self.first_chunk_frames if self._index == 0 else self.chunk_frames
-
-    def _cut(self, end: int) -> HandoffPayload:
-        ctx = min(self.left_context_frames, self._start)
-        codes = np.stack(self._frames[self._start - ctx : end], axis=1).astype(np.int64)  # [groups, ctx + n]
-        payload = HandoffPayload(
-            kind=CODEC_CHUNK,
-            tensors={"codes": codes},
-            meta={
-                "left_context": ctx,
-                "index": self._index,
-                "start_frame": self._start,
-                "num_frames": end - self._start,
-            },
-        )
-        self._start = end
-        self._index += 1
-        return payload
-
-    def push(self, frames: np.ndarray) -> list[HandoffPayload]:
-        """Add frames ([groups] or [groups, n]); return the chunks that became complete."""
-        frames = np.asarray(frames)
-        self._frames.extend(frames.T if frames.ndim == 2 else [frames])
-        out = []
-        while len(self._frames) - self._start >= self._next_size():
-            out.append(self._cut(self._start + self._next_size()))
-        return out
-
-    def flush(self) -> list[HandoffPayload]:
-        """The last, possibly short, chunk (nothing if every frame is already in a chunk)."""
-        return [self._cut(len(self._frames))] if len(self._frames) > self._start else []
-
-
-def chunk_codec_codes(
-    codes: np.ndarray, first_chunk_frames: int = 25, chunk_frames: int = 25, left_context_frames: int = 25
-) -> list[HandoffPayload]:
-    """All chunks of ``codes`` [groups, frames] at once (what the streaming chunker yields in total)."""
-    chunker = CodecChunker(first_chunk_frames, chunk_frames, left_context_frames)
-    return chunker.push(np.asarray(codes)) + chunker.flush()
-
-
 # --- (d) code2wav --------------------------------------------------------------------------
 
 
@@ -502,25 +412,12 @@ def decode_codec_chunk(code2wav: Any, payload: HandoffPayload) -> np.ndarray:
     """
     import torch
 
-    if payload.kind != CODEC_CHUNK:
-        raise ValueError(f"expected a {CODEC_CHUNK} payload, got {payload.kind}")
+    if payload.kind != codec.CODEC_CHUNK:
+        raise ValueError(f"expected a {codec.CODEC_CHUNK} payload, got {payload.kind}")
     codes = torch.tensor(payload.tensors["codes"], dtype=torch.long, device=code2wav.device)[
         None
     ]  # copy: may be read-only
     ctx = int(payload.meta["left_context"])
     with torch.inference_mode():
         wav = code2wav(codes)[0, 0]
-    return trim_left_context(wav, codes.shape[-1], ctx, int(code2wav.total_upsample)).float().cpu().numpy()
-
-
-def trim_left_context(wav: Any, num_frames: int, left_context: int, samples_per_frame: int) -> Any:
-    """The samples of a decode of ``num_frames`` codec frames that belong after its left context.
-
-    A decode yields ``num_frames * samples_per_frame - lag`` samples (the transposed convolutions
-    hold back ``lag``); the first ``left_context`` frames' samples minus that lag were already
-    emitted by the previous chunk (see :func:`decode_codec_chunk`). Works on any 1-D sequence.
-    """
-    if left_context <= 0:
-        return wav
-    lag = num_frames * samples_per_frame - len(wav)
-    return wav[max(left_context * samples_per_frame - lag, 0) :]
+    return codec.trim_left_context(wav, codes.shape[-1], ctx, int(code2wav.total_upsample)).float().cpu().numpy()

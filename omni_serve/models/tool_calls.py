@@ -30,14 +30,8 @@ from typing import Any
 
 from pydantic import Field
 
-from omni_serve.types import (
-    FinishReason,
-    InvalidStageInput,
-    SamplingParams,
-    StructuredOutputs,
-    ToolCallDelta,
-    ToolCalling,
-)
+from omni_serve.exceptions import InvalidStageInput
+from omni_serve.types import FinishReason, SamplingParams, StructuredOutputs, ToolCallDelta, ToolCalling
 
 
 def tool_call_parser_field() -> Any:

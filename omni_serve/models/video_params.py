@@ -12,8 +12,9 @@ from __future__ import annotations
 import secrets
 from typing import Protocol
 
+from omni_serve.exceptions import InvalidStageInput
 from omni_serve.models.image_params import SEED_MOD
-from omni_serve.types import InvalidStageInput, StageRequest, VideoParams, VideoRules
+from omni_serve.types import StageRequest, VideoParams, VideoRules
 
 MAX_FPS = 120.0
 

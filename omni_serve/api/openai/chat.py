@@ -29,12 +29,11 @@ from pydantic import Field, Strict, ValidationInfo, field_validator, model_valid
 from omni_serve.api.openai.errors import APIError, bad_request
 from omni_serve.api.openai.messages import MediaRules, Message, MMProcessorKwargs, TextPart, Transcripts, _Strict
 from omni_serve.api.openai.response_format import ResponseFormat, TextFormat, constraint
+from omni_serve.api.openai.sampling import SamplingRequest
 from omni_serve.api.openai.stage_metrics import metrics_json
 from omni_serve.api.openai.tools import MAX_TOOLS, FunctionTool, ToolChoice, calls_json, delta_json, tool_calling
 from omni_serve.media.encode import EMPTY_AUDIO_SAMPLE_RATE, AudioFormat, b64, encode_audio
 from omni_serve.types import (
-    MAX_TOKENS_LIMIT,
-    SAMPLING_EXTENSIONS,
     ChatMessage,
     FinishReason,
     Modality,
@@ -47,6 +46,10 @@ from omni_serve.types import (
 )
 
 if TYPE_CHECKING:
+    from starlette.requests import Request
+
+    from omni_serve.api.openai.route import RouteContext
+    from omni_serve.graph.request import OmniRequest
     from omni_serve.graph.stage_log import StageLog
 
 
@@ -98,79 +101,6 @@ REFUSED = {
     "web_search_options": "omni_serve has no web search",
     "moderation": "omni_serve runs no moderation model",
 }
-
-
-class SamplingRequest(_Strict):
-    """A request's sampling fields, as chat completions takes them (resolved per stage by
-    :class:`omni_serve.api.sampling.StageSampling`).
-
-    Every route that samples builds its request's sampling through this model, validated: chat
-    completions (whose request is one), the realtime ``response.create`` and ``input_audio_transcription``,
-    and transcriptions; so one set of bounds holds on every route (types.SamplingParams bounds each stage's
-    values, ``max_tokens`` included).
-    """
-
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, description="vLLM's -1, like 0, means no top-k filtering.")
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: str | list[str] | None = None
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
-    # vLLM's extra sampling parameters (its OpenAI server accepts them at the top level; `vllm bench
-    # serve` sends ignore_eos). They apply to the entry stage; types.SamplingParams has their meaning.
-    # A stage whose engine cannot honour one that is sent refuses it with a 400 naming it.
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
-    ignore_eos: bool | None = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    stop_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
-    logit_bias: dict[str, float] | None = None
-    stage_sampling: dict[str, dict[str, Any]] | None = Field(
-        None, description="Per-stage sampling overrides keyed by stage name, e.g. {'talker': {'temperature': 0.9}}."
-    )
-    # vLLM-Omni's extension, with its meaning (its example clients send it).
-    sampling_params_list: list[dict[str, Any]] | None = Field(
-        None, description="Per-stage vLLM SamplingParams by stage position (the graph's stage order)."
-    )
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_list(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        values = [stop] if isinstance(stop, str) else stop or []
-        if len(values) > 4 or any(not s for s in values):
-            raise ValueError("at most 4 non-empty stop strings")
-        return stop
-
-    @model_validator(mode="after")
-    def _one_per_stage_form(self) -> SamplingRequest:
-        if self.stage_sampling is not None and self.sampling_params_list is not None:
-            raise ValueError("stage_sampling and sampling_params_list are two forms of the same thing; send one")
-        return self
-
-    @property
-    def stop_list(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-
-    def entry_sampling(self) -> dict[str, Any]:
-        """The top-level sampling fields the client sent, by ``types.SamplingParams`` name (entry stage)."""
-        sent = {name: getattr(self, name) for name in _TOP_LEVEL_SAMPLING}
-        sent["max_tokens"] = self.max_completion_tokens or self.max_tokens
-        sent["stop"] = self.stop_list or None
-        if sent["top_k"] == -1:
-            sent["top_k"] = 0
-        return {name: value for name, value in sent.items() if value is not None}
-
-    def client_field(self, sampling_field: str) -> str:
-        """The request field a top-level entry of ``entry_sampling`` came from (for errors naming it)."""
-        return sampling_field
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -337,17 +267,6 @@ class ChatCompletionRequest(SamplingRequest):
             "structured_outputs": constraint(self.response_format, self.structured_outputs),
         }
         return sent | {name: value for name, value in extra.items() if value is not None}
-
-
-# Top-level request fields that are also types.SamplingParams fields of the same name.
-_TOP_LEVEL_SAMPLING = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "repetition_penalty",
-    *(name for name in SamplingRequest.model_fields if name in SAMPLING_EXTENSIONS or name == "stop_token_ids"),
-)
 
 
 # ---- the reply ------------------------------------------------------------------------------
@@ -654,3 +573,47 @@ class ChatReply:
         """Headers are gone: the same error object as a JSON error, in band, and no ``[DONE]``, so
         nobody takes the truncated stream for success."""
         return sse(error.body())
+
+
+async def chat_request(
+    body: ChatCompletionRequest, http: Request, route: RouteContext, arrived: float | None = None
+) -> tuple[OmniRequest, ChatReply]:
+    """The chat body as the graph's request and its reply: the modalities the graph makes, the turns with their
+    media checked (never decoded here: the entry stage decodes) and earlier audio replies named by id as their
+    transcripts, the tools, and the voice (a voice the graph does not have is a 400 even when the reply has no
+    audio, as vLLM-Omni refuses it)."""
+    wanted = set(body.modalities or [Modality.TEXT])
+    missing = wanted - route.modalities
+    if missing:
+        names = ", ".join(sorted(m.value for m in missing))
+        offered = sorted(m.value for m in route.modalities)
+        raise bad_request(f"modalities: this graph cannot produce {names} (it offers {offered})", "modalities")
+    messages = body.chat_messages(route.media_rules, route.audio_replies.transcript)
+    tools = body.tool_calling()
+    voice = await route.voice(*body.requested_voice())
+    omni = route.request(
+        http,
+        arrived,
+        modalities=wanted,
+        sampling=route.sampling(body),
+        messages=messages,
+        voice=voice if Modality.AUDIO in wanted else None,
+        return_prompt_text=bool(body.return_prompt_text),
+        tools=tools,
+    )
+    stream_options = body.stream_options or StreamOptions()
+    reply = ChatReply(
+        omni.request_id,
+        route.model,
+        wanted,
+        body.audio.container if body.audio else "wav",
+        route.text_stage,
+        include_usage=stream_options.include_usage,
+        usage_on_every_chunk=stream_options.usage_on_every_chunk,
+        prompt_text=omni.return_prompt_text,
+        logprobs=bool(body.logprobs),
+        stage_log=omni.stage_log,
+        stage_metrics=bool(body.return_stage_metrics),
+        remember=route.audio_replies.remember,
+    )
+    return omni, reply

@@ -15,15 +15,21 @@ import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from omni_serve.api.openai.errors import APIError
+from omni_serve.api.openai.errors import APIError, bad_request
 from omni_serve.api.openai.messages import FORM, not_blank
 from omni_serve.media.encode import b64, data_url, encode_png
-from omni_serve.types import ChatMessage, ImageParams, StageOutput
+from omni_serve.types import ChatMessage, ImageParams, MediaPart, Modality, StageOutput, TextPart
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+    from omni_serve.api.openai.route import RouteContext
+    from omni_serve.graph.request import OmniRequest
 
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 MAX_SIDE = 4096
@@ -159,3 +165,39 @@ class ImagesReply:
 
     def in_band_error(self, error: APIError) -> None:
         return None
+
+
+def image_generation_request(body: ImageGenerationRequest, http: Request, route: RouteContext) -> OmniRequest:
+    """The generation body as the graph's request (its reply: :class:`ImagesReply`)."""
+    return route.request(
+        http,
+        modalities={Modality.IMAGE},
+        sampling=route.sampling_defaults(body.seed),
+        messages=body.messages(),
+        image=body.image_params(),
+    )
+
+
+def edit_image(files: dict[str, bytes]) -> bytes | None:
+    """The edit's one source image among the upload's files. A ``mask`` (OpenAI's inpainting area) is refused:
+    the served edit pipelines edit by instruction, whole."""
+    for name in files:
+        if name not in ("image", "image[]"):
+            if name == "mask":
+                raise bad_request("mask: not supported (this model edits the whole image by the instruction)", name)
+            raise bad_request(f"{name}: unknown field", name)
+    if "image" in files and "image[]" in files:
+        raise bad_request("image: this model edits one image per request", "image")
+    return files.get("image", files.get("image[]"))
+
+
+def image_edit_request(body: ImageEditRequest, image: MediaPart, http: Request, route: RouteContext) -> OmniRequest:
+    """The edit as the graph's request: its source image (the checked upload) is a chat image part by another
+    name, the same formats, byte limit and path (by reference to the entry stage, which decodes it)."""
+    return route.request(
+        http,
+        modalities={Modality.IMAGE},
+        sampling=route.sampling_defaults(body.seed),
+        messages=[ChatMessage(role="user", content=[image, TextPart(text=body.prompt)])],
+        image=body.image_params(),
+    )

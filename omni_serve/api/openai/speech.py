@@ -28,8 +28,9 @@ import numpy as np
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 from omni_serve.api.openai.chat import FINISH_REASON_HEADER
-from omni_serve.api.openai.errors import APIError
+from omni_serve.api.openai.errors import APIError, bad_request
 from omni_serve.api.openai.messages import not_blank
+from omni_serve.api.openai.sampling import SamplingRequest
 from omni_serve.media.encode import (
     AUDIO_MEDIA_TYPES,
     EMPTY_AUDIO_SAMPLE_RATE,
@@ -37,9 +38,13 @@ from omni_serve.media.encode import (
     AudioEncoder,
     encode_audio,
 )
-from omni_serve.types import FinishReason, StageOutput
+from omni_serve.types import ChatMessage, FinishReason, Modality, StageOutput
 
 if TYPE_CHECKING:
+    from starlette.requests import Request
+
+    from omni_serve.api.openai.route import RouteContext
+    from omni_serve.graph.request import OmniRequest
     from omni_serve.graph.stage_log import StageLog
 
 SpeechFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
@@ -204,3 +209,32 @@ class SpeechReply:
     def in_band_error(self, error: APIError) -> None:
         """The status line is sent: cut the body short, which a client sees as a broken transfer, not a file."""
         return None
+
+
+async def speech_request(body: SpeechRequest, http: Request, route: RouteContext) -> tuple[OmniRequest, SpeechReply]:
+    """The speech body as the graph's request (the text to speak as the entry stage's reply) and its reply.
+
+    A speech-to-speech graph (its entry stage takes a conversation) speaks in its own voices: TTS voice-mode
+    fields are refused there, and so is sampling for its entry stage, which teacher-forces the text.
+    """
+    speech = body.speech_fields()
+    if route.entry_prompt == "chat":
+        for name in TTS_FIELDS:
+            if name in speech:
+                raise bad_request(f"{name}: this graph's model speaks in its own voices (not a TTS model)", name)
+        if route.entry_stage in (body.stage_sampling or {}):
+            param = f"stage_sampling.{route.entry_stage}"
+            raise bad_request(f"{param}: speech teacher-forces this stage's reply (input); it samples nothing", param)
+    voice = await route.voice(body.voice, "voice")
+    messages = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
+    messages.append(ChatMessage(role="user", content=body.input))
+    omni = route.request(
+        http,
+        modalities={Modality.AUDIO},
+        sampling=route.sampling(SamplingRequest(seed=body.seed, stage_sampling=body.stage_sampling)),
+        messages=messages,
+        voice=voice,
+        reply=body.input,
+        speech=speech,
+    )
+    return omni, SpeechReply(body.response_format, omni.stage_log, early=body.stream)

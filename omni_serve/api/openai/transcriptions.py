@@ -19,15 +19,23 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field
 
 from omni_serve import types
 from omni_serve.api.openai.chat import FINISH_REASON_HEADER, sse
-from omni_serve.api.openai.errors import APIError
+from omni_serve.api.openai.errors import APIError, bad_request
 from omni_serve.api.openai.messages import FORM, _Strict
+from omni_serve.api.openai.sampling import SamplingRequest
+from omni_serve.media.inputs import audio_seconds
 from omni_serve.types import ChatMessage, FinishReason, StageOutput, Usage
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+    from omni_serve.api.openai.route import RouteContext
+    from omni_serve.graph.request import OmniRequest
 
 TranscriptionFormat = Literal["json", "text", "verbose_json"]
 
@@ -169,3 +177,29 @@ class Transcript:
         for output in outputs:
             self.add(output)
         return self
+
+
+def audio_file(files: dict[str, bytes]) -> bytes | None:
+    """The upload's one audio file; a file the route does not read is refused, never dropped (without ``file``,
+    the 400 names that file missing)."""
+    extra = sorted(set(files) - {"file"})
+    if extra and "file" in files:
+        raise bad_request(f"{extra[0]}: unknown file field (this route takes one audio file, 'file')", extra[0])
+    return files.get("file")
+
+
+def transcription_request(
+    body: TranscriptionRequest, audio: types.MediaPart, fmt: str, http: Request, route: RouteContext
+) -> tuple[OmniRequest, TranscriptionReply]:
+    """The transcription as the graph's request (the thinker alone transcribes) and its reply; ``audio`` is the
+    checked upload in format ``fmt``, whose length verbose_json reports (from its container's header)."""
+    omni = route.request(
+        http,
+        modalities={types.Modality.TEXT},
+        sampling=route.sampling(SamplingRequest(temperature=body.temperature)),
+        messages=transcription_messages(audio, body.language, body.prompt),
+    )
+    reply = TranscriptionReply(body.response_format, body.stream, route.text_stage, body.language)
+    if body.response_format == "verbose_json" and not body.stream:
+        reply.duration_s = audio_seconds(audio.data, fmt, "file")
+    return omni, reply

@@ -12,21 +12,28 @@ checks it against what the model can make (Wan 2.2: 4k + 1) and refuses the rest
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, field_validator
 
 from omni_serve.api.openai.errors import APIError, bad_request
 from omni_serve.api.openai.messages import FORM, _Strict, not_blank
-from omni_serve.types import ChatMessage, VideoParams
+from omni_serve.models import video_params
+from omni_serve.types import ChatMessage, Modality, VideoParams, VideoRules
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+    from omni_serve.api.openai.route import RouteContext
+    from omni_serve.graph.request import OmniRequest
 
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 MAX_SIDE = 4096
 MAX_SECONDS = 600.0
 JobStatus = Literal["queued", "in_progress", "completed", "failed"]
-VIDEO_BODIES = "application/json or multipart/form-data"  # what the create takes (a 415 names both)
 
 
 class VideoCreateRequest(_Strict):
@@ -180,3 +187,24 @@ def video_list(page: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
         "last_id": page[-1]["id"] if page else None,
         "has_more": has_more,
     }
+
+
+def video_request(
+    body: VideoCreateRequest, rules: VideoRules, owner: str, http: Request, route: RouteContext
+) -> tuple[OmniRequest, VideoJob]:
+    """The create body as the graph's request and the job that will run it: the request's values over the video
+    stage's defaults, checked against its rules (a 400 naming the field, before any job exists)."""
+    params = body.video_params(rules.defaults)
+    video_params.check(params, rules)
+    omni = route.request(
+        http,
+        modalities={Modality.VIDEO},
+        sampling=route.sampling_defaults(body.seed),
+        messages=body.messages(),
+        video=params,
+    )
+    omni.deadline = None  # a job is not bound by this HTTP request's time limit: its own (videos.job_timeout_s)
+    job = VideoJob(
+        id="", owner=owner, model=route.model, prompt=body.prompt, params=params, created_at=int(time.time())
+    )
+    return omni, job

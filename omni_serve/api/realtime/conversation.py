@@ -20,13 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from omni_serve import types
-from omni_serve.api.errors import stage_bad_request
+from omni_serve.api.failure_status import stage_bad_request
 from omni_serve.api.openai.errors import bad_request
 from omni_serve.api.openai.messages import AssistantToolCall, CalledFunction
 from omni_serve.api.realtime.events import PCM_RATE, Item
+from omni_serve.exceptions import InvalidStageInput
 from omni_serve.media import inputs as media_input
 from omni_serve.media.encode import b64
-from omni_serve.types import ChatMessage, InvalidStageInput
+from omni_serve.types import ChatMessage
 
 Role = Literal["user", "assistant", "system", "tool"]  # tool: a function call's output
 _CONTENT_TYPES: dict[str, set[str]] = {

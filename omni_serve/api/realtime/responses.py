@@ -2,7 +2,7 @@
 ``response.done``.
 
 A response is an ordinary graph request: the conversation so far becomes the thinker's turns and runs
-through the same :class:`~omni_serve.graph.orchestrator.OmniRequest`, the same sampling resolution
+through the same :class:`~omni_serve.graph.request.OmniRequest`, the same sampling resolution
 (validated as a chat completion's: one set of bounds) and the same
 :meth:`~omni_serve.api.serving.Serving.outputs` as a chat completion. Cancelling it
 (``response.cancel``, barge-in, the session's end) cancels the task that reads the graph's outputs,
@@ -31,14 +31,14 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from omni_serve.api.openai.chat import SamplingRequest
 from omni_serve.api.openai.errors import APIError, bad_request, from_validation, renamed
+from omni_serve.api.openai.sampling import SamplingRequest
 from omni_serve.api.realtime import events as ev
 from omni_serve.api.realtime.conversation import Conversation, ConversationItem, Part, new_id
 from omni_serve.api.realtime.session_graph import SessionGraph
 from omni_serve.api.realtime.settings import Settings
 from omni_serve.api.realtime.tools import tool_calling
-from omni_serve.graph.orchestrator import OmniRequest
+from omni_serve.graph.request import OmniRequest
 from omni_serve.media.encode import AudioEncoder, b64
 from omni_serve.types import Modality, SamplingParams, ToolCallDelta, ToolCalling, Usage
 

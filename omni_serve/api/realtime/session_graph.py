@@ -8,11 +8,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from omni_serve.api.openai.chat import SamplingRequest
+from omni_serve.api.openai.sampling import SamplingRequest
 from omni_serve.api.realtime.admission import Sessions
 from omni_serve.api.realtime.vad import VadWorkers
 from omni_serve.graph.config import RealtimeConfig
-from omni_serve.graph.orchestrator import OmniRequest
+from omni_serve.graph.request import OmniRequest
 from omni_serve.graph.stage_log import StageLog
 from omni_serve.types import SamplingParams, StageOutput
 

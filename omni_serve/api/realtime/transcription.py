@@ -15,15 +15,15 @@ import asyncio
 import uuid
 from typing import Any, Protocol
 
-from omni_serve.api.openai.chat import SamplingRequest
 from omni_serve.api.openai.errors import APIError
+from omni_serve.api.openai.sampling import SamplingRequest
 from omni_serve.api.openai.transcriptions import Transcript, transcription_messages
 from omni_serve.api.openai.transcriptions import usage_json as transcription_usage
 from omni_serve.api.realtime import events as ev
 from omni_serve.api.realtime.conversation import ConversationItem
 from omni_serve.api.realtime.session_graph import SessionGraph
 from omni_serve.graph.config import RealtimeConfig
-from omni_serve.graph.orchestrator import OmniRequest
+from omni_serve.graph.request import OmniRequest
 from omni_serve.types import MediaPart, Modality
 
 

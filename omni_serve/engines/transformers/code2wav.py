@@ -8,10 +8,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from omni_serve.engines.transformers.worker import Emit, HFEngine
-from omni_serve.models import qwen3_omni
+from omni_serve.exceptions import InvalidStageInput
+from omni_serve.models import codec, qwen3_omni
 from omni_serve.pacing import StepPacer
 from omni_serve.payload import HandoffPayload
-from omni_serve.types import FinishReason, InvalidStageInput, StageOutput, StageRequest, Usage
+from omni_serve.types import FinishReason, StageOutput, StageRequest, Usage
 
 
 class Code2WavEngine(HFEngine):
@@ -21,8 +22,8 @@ class Code2WavEngine(HFEngine):
         self.code2wav = model.code2wav
 
     async def stream(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]:
-        if handoff is None or handoff.kind != qwen3_omni.CODEC_CHUNK:
-            raise InvalidStageInput(f"stage {self.stage_name}: code2wav needs a {qwen3_omni.CODEC_CHUNK} handoff")
+        if handoff is None or handoff.kind != codec.CODEC_CHUNK:
+            raise InvalidStageInput(f"stage {self.stage_name}: code2wav needs a {codec.CODEC_CHUNK} handoff")
 
         def job(emit: Emit, cancelled: threading.Event) -> None:
             pacer = StepPacer(self.args.min_step_s, cancelled)

@@ -13,9 +13,10 @@ import numpy as np
 
 from omni_serve.engines.transformers.sampling import end_ids, generation_config, seed, stopping
 from omni_serve.engines.transformers.worker import RNG_LOCK, Emit, Failure, HFEngine
-from omni_serve.models import qwen3_omni
+from omni_serve.exceptions import EngineError, InvalidStageInput
+from omni_serve.models import codec, qwen3_omni
 from omni_serve.payload import HandoffPayload
-from omni_serve.types import EngineError, FinishReason, InvalidStageInput, StageOutput, StageRequest, Usage
+from omni_serve.types import FinishReason, StageOutput, StageRequest, Usage
 
 
 class TalkerEngine(HFEngine):
@@ -90,7 +91,7 @@ class TalkerEngine(HFEngine):
 
         s = request.sampling
         a = self.args
-        chunker = qwen3_omni.CodecChunker(a.codec_first_chunk_frames, a.codec_chunk_frames, a.codec_left_context_frames)
+        chunker = codec.CodecChunker(a.codec_first_chunk_frames, a.codec_chunk_frames, a.codec_left_context_frames)
         with torch.inference_mode():
             inputs = qwen3_omni.talker_inputs(thinker, self.talker, self.config, speaker)
         if inputs is None:  # the thinker said nothing: no speech

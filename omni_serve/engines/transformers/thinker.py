@@ -13,21 +13,13 @@ from omni_serve.engines.grammar import GrammarCompiler, grammar_available, gramm
 from omni_serve.engines.logprobs import LogprobRecorder
 from omni_serve.engines.transformers.sampling import end_ids, generation_config, seed, stopping
 from omni_serve.engines.transformers.worker import RNG_LOCK, Emit, HFEngine, logger
+from omni_serve.exceptions import EngineError, InvalidStageInput
 from omni_serve.models import qwen3_omni
 from omni_serve.models.chat_template import template_messages
+from omni_serve.models.processor_media import processor_media
 from omni_serve.models.tool_calls import ParserLoader, ToolCallStream, merge_deltas, tool_call_stream
 from omni_serve.payload import HandoffPayload
-from omni_serve.types import (
-    EngineError,
-    FinishReason,
-    InvalidStageInput,
-    SamplingParams,
-    StageOutput,
-    StageRequest,
-    TextPart,
-    ToolCallDelta,
-    Usage,
-)
+from omni_serve.types import FinishReason, SamplingParams, StageOutput, StageRequest, TextPart, ToolCallDelta, Usage
 
 
 class _TextStream:
@@ -244,7 +236,7 @@ class ThinkerEngine(HFEngine):
             return ids.to(self.thinker.device), {}, {}
         if self.processor is None:
             raise EngineError(f"stage {self.stage_name}: cannot take media input ({self.processor_error})")
-        media = qwen3_omni.processor_media(request.media)
+        media = processor_media(request.media)
         inputs = self.processor(text=text, return_tensors="pt", **{**self.args.mm_processor_kwargs, **media})
         inputs = dict(inputs.to(self.thinker.device, dtype=self.thinker.dtype))
         inputs.pop("attention_mask", None)

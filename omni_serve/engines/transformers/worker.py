@@ -19,7 +19,8 @@ from typing import Any
 
 from omni_serve.engines.base import PacedInProcess, StageEngine
 from omni_serve.engines.transformers.args import TransformersEngineArgs
-from omni_serve.types import EngineDeadError, EngineError, RequestId
+from omni_serve.exceptions import EngineDeadError, EngineError
+from omni_serve.types import RequestId
 
 logger = logging.getLogger(__name__)
 

@@ -29,20 +29,13 @@ from omni_serve.engines.vllm_omni.engine import VllmOmniEngine
 from omni_serve.engines.vllm_omni.mapping import finish_reason, multimodal_output
 from omni_serve.engines.vllm_omni.prompts import EntryPrompts
 from omni_serve.engines.vllm_omni.streamed import StreamedInput
+from omni_serve.exceptions import EngineError, InvalidStageInput
 from omni_serve.models.tool_calls import ToolCallStream, load_parser, tool_call_stream
 from omni_serve.models.vllm_omni import pipelines
 from omni_serve.models.vllm_omni.edges import ChunkTransfer, NewRows, first_rows, lookup, run_of, with_entry_prompt
 from omni_serve.models.vllm_omni.payload import merge_steps
 from omni_serve.payload import HandoffPayload
-from omni_serve.types import (
-    EngineError,
-    FinishReason,
-    InvalidStageInput,
-    StageOutput,
-    StageRequest,
-    ToolCallDelta,
-    Usage,
-)
+from omni_serve.types import FinishReason, StageOutput, StageRequest, ToolCallDelta, Usage
 
 
 class AutoregressiveEngine(VllmOmniEngine):

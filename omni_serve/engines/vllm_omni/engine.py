@@ -36,10 +36,11 @@ from omni_serve.engines.base import StageEngine
 from omni_serve.engines.scheduler import SchedulerSnapshot
 from omni_serve.engines.vllm_omni.args import EngineArgs, stage_config
 from omni_serve.engines.vllm_omni.mapping import vllm_sampling_params
+from omni_serve.exceptions import EngineDeadError, EngineError, InvalidStageInput
 from omni_serve.models.vllm_omni import pipelines
 from omni_serve.models.vllm_omni.edges import Producer, consumer_prompt
 from omni_serve.payload import HandoffPayload
-from omni_serve.types import EngineDeadError, EngineError, InvalidStageInput, StageRequest
+from omni_serve.types import StageRequest
 
 logger = logging.getLogger("ray.serve")
 

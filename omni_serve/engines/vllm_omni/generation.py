@@ -20,17 +20,11 @@ from typing import Any
 from omni_serve.engines.vllm_omni.engine import VllmOmniEngine
 from omni_serve.engines.vllm_omni.mapping import audio_samples, finish_reason, multimodal_output
 from omni_serve.engines.vllm_omni.prompts import EntryPrompts
-from omni_serve.models import qwen3_omni
+from omni_serve.exceptions import EngineError
+from omni_serve.models import codec
 from omni_serve.models.vllm_omni.hooks import FrameGeometry
 from omni_serve.payload import HandoffPayload
-from omni_serve.types import (
-    EngineError,
-    FinishReason,
-    SamplingParams,
-    StageOutput,
-    StageRequest,
-    Usage,
-)
+from omni_serve.types import FinishReason, SamplingParams, StageOutput, StageRequest, Usage
 
 
 class GenerationEngine(VllmOmniEngine):
@@ -128,4 +122,4 @@ class GenerationEngine(VllmOmniEngine):
         spf = self._geometry.samples_per_frame
         frames = num_ids // self._geometry.code_groups
         audio = audio[: frames * spf - self._decode_lag]
-        return qwen3_omni.trim_left_context(audio, frames, left, spf)
+        return codec.trim_left_context(audio, frames, left, spf)

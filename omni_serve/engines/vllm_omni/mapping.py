@@ -11,9 +11,11 @@ from typing import Any
 
 import numpy as np
 
+from omni_serve.exceptions import EngineError, InvalidStageInput
 from omni_serve.media.inputs import Audio, Decoded, Video
-from omni_serve.models import qwen3_omni
-from omni_serve.types import SAMPLING_EXTENSIONS, EngineError, FinishReason, InvalidStageInput, SamplingParams
+from omni_serve.models import codec
+from omni_serve.models.processor_media import processor_media
+from omni_serve.types import SAMPLING_EXTENSIONS, FinishReason, SamplingParams
 
 
 def vllm_sampling_params(sampling: SamplingParams, constraints: Mapping[str, Any], output_kind: Any) -> Any:
@@ -71,9 +73,9 @@ def audio_samples(mm: Mapping[str, Any]) -> tuple[np.ndarray, int]:
     audio = _tensor(mm.get("audio", mm.get("model_outputs")))
     if audio is None:
         raise EngineError(f"code2wav output has no audio (keys: {sorted(mm)})")
-    rate = mm.get("sr", qwen3_omni.SAMPLE_RATE)
+    rate = mm.get("sr", codec.DEFAULT_SAMPLE_RATE)
     if isinstance(rate, (list, tuple)):
-        rate = rate[-1] if rate else qwen3_omni.SAMPLE_RATE
+        rate = rate[-1] if rate else codec.DEFAULT_SAMPLE_RATE
     if isinstance(rate, torch.Tensor):
         rate = rate.reshape(-1)[-1].item()
     return audio.to(torch.float32).reshape(-1).numpy(), int(rate)
@@ -86,7 +88,7 @@ def finish_reason(reason: str | None) -> FinishReason:
 def multimodal_prompt(text: str, media: list[Decoded], audio_rate: int) -> dict[str, Any]:
     """The prompt as vLLM-Omni hands it to the stage-0 input processor: the templated text, the media by
     modality in prompt order (``multi_modal_data``; audio as (samples, rate)), and the processor options."""
-    kwargs = qwen3_omni.processor_media(media)
+    kwargs = processor_media(media)
     videos = [m for m in media if isinstance(m, Video)]
     if kwargs.get("use_audio_in_video") and any(isinstance(m, Audio) for m in media):
         # vLLM pairs every audio item with a video under use_audio_in_video (Qwen3-Omni's

@@ -22,9 +22,10 @@ import secrets
 from typing import Any
 
 from omni_serve.engines.vllm_omni.mapping import chat_prompt_ids, multimodal_prompt
+from omni_serve.exceptions import EngineError, InvalidStageInput
 from omni_serve.models.chat_template import template_messages
 from omni_serve.models.vllm_omni.hooks import PipelineHooks, SpeechPrompter
-from omni_serve.types import EngineError, InvalidStageInput, StageRequest
+from omni_serve.types import StageRequest
 
 logger = logging.getLogger("ray.serve")
 

@@ -18,11 +18,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from omni_serve.exceptions import EngineError, InvalidStageInput
 from omni_serve.models.vllm_omni.edges import chunk_steps, kind
 from omni_serve.models.vllm_omni.hooks import StageHooks
 from omni_serve.models.vllm_omni.payload import from_handoff
 from omni_serve.payload import HandoffPayload
-from omni_serve.types import EngineError, InvalidStageInput
 
 # How often the end markers of streamed requests are looked for; how long one is waited for when its
 # request was aborted (vLLM-Omni sends one then only if the request's end was already on its way).

@@ -76,7 +76,7 @@ DEFAULT = StageHooks()
 class SpeechPrompter(Protocol):
     """A TTS entry stage's prompts: :meth:`prompt` builds the engine prompt of one request (text to speak, voice,
     the speech fields) and changes the call's vLLM sampling params in place as the model's speech server does;
-    a request the model refuses raises :class:`omni_serve.types.InvalidStageInput` naming the field."""
+    a request the model refuses raises :class:`omni_serve.exceptions.InvalidStageInput` naming the field."""
 
     async def prompt(self, request: Any, params: Any) -> dict[str, Any]: ...
 

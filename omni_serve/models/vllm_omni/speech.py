@@ -23,7 +23,8 @@ from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
 from typing import Any
 
-from omni_serve.types import InvalidStageInput, StageRequest
+from omni_serve.exceptions import InvalidStageInput
+from omni_serve.types import StageRequest
 
 # The /v1/audio/speech fields (vLLM-Omni's names) adapters read besides ``input`` and ``voice``.
 FIELDS = ("task_type", "language", "instructions", "ref_audio", "ref_text", "x_vector_only_mode", "max_new_tokens")

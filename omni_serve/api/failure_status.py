@@ -10,9 +10,15 @@ from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RayServeException
 
 from omni_serve.api.openai.errors import APIError
-from omni_serve.graph.channel import ChunksLost
-from omni_serve.graph.orchestrator import AbortedStageCall, IncompleteStageStream, StageFailed, StageTimeout
-from omni_serve.types import EngineDeadError, InvalidStageInput
+from omni_serve.exceptions import (
+    AbortedStageCall,
+    ChunksLost,
+    EngineDeadError,
+    IncompleteStageStream,
+    InvalidStageInput,
+    StageFailed,
+    StageTimeout,
+)
 
 logger = logging.getLogger("ray.serve")
 
@@ -95,7 +101,9 @@ def from_failure(err: BaseException, request_id: str, log: bool = True) -> APIEr
             code="engine_dead",
             retry_after_s=UNAVAILABLE_RETRY_AFTER_S,
         )
-    if isinstance(cause, (DeploymentUnavailableError, RayActorError, ObjectLostError, IncompleteStageStream, ChunksLost)):
+    if isinstance(
+        cause, (DeploymentUnavailableError, RayActorError, ObjectLostError, IncompleteStageStream, ChunksLost)
+    ):
         if log:
             logger.warning("request %s: stage %s unavailable: %s", request_id, stage, type(cause).__name__)
         return APIError(

@@ -277,7 +277,7 @@ class StageRequest:
     video: VideoParams | None = None
     # Text-to-speech: the assistant reply to speak. The thinker teacher-forces it (one forward
     # pass, no sampling) so the talker gets the hidden states of exactly this text.
-    reply: str | None = None
+    text_to_speak: str | None = None
     # Text-to-speech on a TTS model: /v1/audio/speech's fields its prompt builder reads (vLLM-Omni's names:
     # instructions, task_type, language, ref_audio, ref_text, x_vector_only_mode), those the client set.
     speech: dict[str, Any] | None = None

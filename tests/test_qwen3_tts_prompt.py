@@ -163,7 +163,7 @@ def our_prepared(ours: Any, tiny: SimpleNamespace, fields: dict[str, Any], seed:
         request_id="r",
         sampling=SamplingParams(seed=seed),
         voice=body.voice.lower() if body.voice else None,  # the ingress resolves voices lower case
-        reply=body.input,
+        text_to_speak=body.input,
         speech=body.speech_fields(),
     )
     params = tiny.talker(seed)

@@ -89,10 +89,10 @@ class FakeTTS(StageTransport):
     async def _attempt(self, stage: str, request: StageRequest) -> AsyncIterator[StageOutput]:
         self.calls.append(request)
         if stage == "qwen3_tts":
-            assert request.reply is not None and request.voice == "ryan"
-            for i, word in enumerate(request.reply.split()):
+            assert request.text_to_speak is not None and request.voice == "ryan"
+            for i, word in enumerate(request.text_to_speak.split()):
                 payload = HandoffPayload("fake.codec", {"codes": np.full(4, len(word), np.int64)})
-                last = i == len(request.reply.split()) - 1
+                last = i == len(request.text_to_speak.split()) - 1
                 yield StageOutput(
                     stage, handoff=payload, finished=last, finish_reason=FinishReason.STOP if last else None
                 )
@@ -152,8 +152,8 @@ def test_a_tts_graph_speaks_and_refuses_chat_naming_why(tts_api: tuple[Any, Fake
         samples = np.frombuffer(wav.readframes(1 << 20), np.int16)
         assert wav.getframerate() == 24000 and wav.getsampwidth() == 2
     assert len(samples) == 2 * 240 * 5  # two chunks of 5 codec ids: 2 x 1200 samples
-    (talker,) = [c for c in stages.calls if c.reply is not None]
-    assert talker.reply == "Hello there" and talker.request_id.endswith("/qwen3_tts")
+    (talker,) = [c for c in stages.calls if c.text_to_speak is not None]
+    assert talker.text_to_speak == "Hello there" and talker.request_id.endswith("/qwen3_tts")
 
     for route, body in ((CHAT, {"messages": [{"role": "user", "content": "hi"}]}),):
         refused = client.post(route, json={"model": "tiny-tts", **body})

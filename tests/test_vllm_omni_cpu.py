@@ -424,7 +424,7 @@ def test_speech_conditions_the_vllm_omni_talker_on_input(graph) -> None:
     from omni_serve.checkpoints.tiny_omni import build_omni_tokenizer
 
     tokenizer = build_omni_tokenizer()
-    request = StageRequest("s", greedy(max_tokens=16), messages=SPEECH_PROMPT, reply=SPOKEN)
+    request = StageRequest("s", greedy(max_tokens=16), messages=SPEECH_PROMPT, text_to_speak=SPOKEN)
     (out,) = call_stage(graph, "thinker", request)
     info = from_handoff(out.handoff)
     prompt, everything = info["ids"]["prompt"], info["ids"]["all"]
@@ -444,7 +444,7 @@ def test_speech_conditions_the_transformers_talker_on_input(hf_engines) -> None:
     from omni_serve.checkpoints.tiny_omni import ensure_tiny_omni
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_omni())
-    request = StageRequest("s", greedy(max_tokens=16), messages=SPEECH_PROMPT, reply=SPOKEN)
+    request = StageRequest("s", greedy(max_tokens=16), messages=SPEECH_PROMPT, text_to_speak=SPOKEN)
     (out,) = run_hf(hf_engines["thinker"], request)
     ids = out.handoff.tensors["token_ids"].tolist()
     spoken = ids[out.handoff.meta["prompt_len"] :]

@@ -1,26 +1,19 @@
 """Engine families, imported lazily so a graph only pulls in the libraries it uses.
 
-Each family module exposes ``EngineArgs`` (a pydantic model, cheap to import) and
-``create(stage_name, engine_args) -> StageEngine``, and may expose ``input_modalities(args)``
-(what an entry stage of the family takes in chat messages; text only if absent) and
-``entry_prompt(args)`` (``speech`` for an entry stage that takes the text to speak alone, a TTS
-model; ``chat`` if absent); heavy imports happen in ``start()``.
-A family that honours some of vLLM's extra sampling parameters
-(:data:`omni_serve.types.SAMPLING_EXTENSIONS`) says which in
-``honoured_sampling(engine_args) -> frozenset[str]``; without it, it honours none.
-A family whose engine can read its upstream's handoff as a stream of chunks (a stage's
-``stream_input``) says for which args in ``reads_streamed_input(engine_args) -> bool``.
+Each family module declares itself once, in its ``FAMILY`` (:class:`omni_serve.engines.family.Family`):
+its args model, how its engine is created, and its capabilities (what an entry stage takes and builds its
+prompt from, which of vLLM's extra sampling parameters it honours, whether it reads streamed input).
 """
 
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
 from typing import Any
 
 from pydantic import ValidationError
 
 from omni_serve.engines.base import StageEngine
+from omni_serve.engines.family import Family
 from omni_serve.types import SAMPLING_EXTENSIONS, Modality, SamplingParams
 
 FAMILIES = {
@@ -32,14 +25,15 @@ FAMILIES = {
 }
 
 
-def _module(family: str) -> ModuleType:
-    return importlib.import_module(FAMILIES[family])
+def _family(family: str) -> Family:
+    declared: Family = importlib.import_module(FAMILIES[family]).FAMILY
+    return declared
 
 
 def validate_engine_args(family: str, engine_args: dict[str, Any]) -> str | None:
     """Return a message naming the bad field, or None when the args are valid."""
     try:
-        _module(family).EngineArgs.model_validate(engine_args)
+        _family(family).engine_args.model_validate(engine_args)
     except ValidationError as err:
         return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
     return None
@@ -47,14 +41,12 @@ def validate_engine_args(family: str, engine_args: dict[str, Any]) -> str | None
 
 def honoured_sampling(family: str, engine_args: dict[str, Any]) -> frozenset[str]:
     """The vLLM extra sampling parameters a stage of this family honours (the others must stay at their default)."""
-    declared = getattr(_module(family), "honoured_sampling", None)
-    return frozenset() if declared is None else declared(engine_args)
+    return _family(family).honoured_sampling(engine_args)
 
 
 def reads_streamed_input(family: str, engine_args: dict[str, Any]) -> bool:
     """Whether a stage of this family, with these args, can read its upstream's handoff as a stream of chunks."""
-    declared = getattr(_module(family), "reads_streamed_input", None)
-    return bool(declared is not None and declared(engine_args))
+    return _family(family).reads_streamed_input(engine_args)
 
 
 def unhonoured_sampling(params: SamplingParams, honoured: frozenset[str]) -> list[str]:
@@ -68,20 +60,18 @@ def unhonoured_sampling(params: SamplingParams, honoured: frozenset[str]) -> lis
 
 
 def create_engine(family: str, stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
-    return _module(family).create(stage_name, engine_args)
+    return _family(family).create(stage_name, engine_args)
 
 
 def entry_prompt(family: str, engine_args: dict[str, Any]) -> str:
     """What an entry stage of the family builds its prompt from with these args: ``chat`` unless the family says
     ``speech`` (the text to speak alone) in ``entry_prompt(args)``."""
-    module = _module(family)
-    declare = getattr(module, "entry_prompt", None)
-    return declare(module.EngineArgs.model_validate(engine_args)) if declare else "chat"
+    declared = _family(family)
+    return declared.entry_prompt(declared.engine_args.model_validate(engine_args))
 
 
 def input_modalities(family: str, engine_args: dict[str, Any]) -> list[Modality]:
     """What the family's engine takes as chat input with these args, text first."""
-    module = _module(family)
-    declare = getattr(module, "input_modalities", None)
-    taken = declare(module.EngineArgs.model_validate(engine_args)) if declare else {Modality.TEXT}
+    declared = _family(family)
+    taken = declared.input_modalities(declared.engine_args.model_validate(engine_args))
     return [m for m in Modality if m in taken or m is Modality.TEXT]

@@ -46,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from omni_serve import payload as handoffs
 from omni_serve.engines.base import PacedInProcess, StageEngine
+from omni_serve.engines.family import Family
 from omni_serve.exceptions import EngineError
 from omni_serve.models.image_params import SEED_MOD, ResolvedImageParams, prompt_of, resolve_image_params
 from omni_serve.pacing import StepPacer, min_step_field
@@ -281,3 +282,6 @@ def _expect(handoff: HandoffPayload | None, kind: str, stage: str) -> HandoffPay
         got = "nothing" if handoff is None else f"'{handoff.kind}'"
         raise EngineError(f"stage {stage}: expected a '{kind}' handoff, got {got}; check the graph's stage order")
     return handoff
+
+
+FAMILY = Family(EngineArgs, create)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from omni_serve.engines.base import StageEngine
+from omni_serve.engines.family import Family
 from omni_serve.engines.logprobs import from_vllm as logprobs_from_vllm
 from omni_serve.engines.scheduler import SchedulerSnapshot
 from omni_serve.exceptions import EngineError, InvalidStageInput
@@ -400,3 +401,6 @@ class VLLMEngine(StageEngine):
 
 def create(stage_name: str, engine_args: dict[str, Any]) -> VLLMEngine:
     return VLLMEngine(stage_name, engine_args)
+
+
+FAMILY = Family(EngineArgs, create, honoured_sampling=honoured_sampling)

@@ -89,6 +89,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from omni_serve.engines.base import StageEngine
+from omni_serve.engines.family import Family
 from omni_serve.exceptions import EngineError, InvalidStageInput
 from omni_serve.media.encode import encode_mp4
 from omni_serve.models import image_params, video_params
@@ -691,3 +692,6 @@ def _local_checkpoint(model: str, revision: str | None) -> str:
     from huggingface_hub import snapshot_download
 
     return snapshot_download(model, revision=revision, allow_patterns=["*/config.json", "model_index.json"])
+
+
+FAMILY = Family(EngineArgs, create, input_modalities=input_modalities)

@@ -158,7 +158,7 @@ class Orchestrator:
             voice=request.voice,
             image=request.image,
             video=request.video,
-            reply=request.reply,
+            text_to_speak=request.text_to_speak,
             speech=request.speech,
             client_request_id=request.client_request_id,
             return_prompt_text=request.return_prompt_text,

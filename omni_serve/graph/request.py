@@ -26,7 +26,7 @@ class OmniRequest:
     voice: str | None = None  # already validated against the graph's voices
     image: ImageParams | None = None
     video: VideoParams | None = None
-    reply: str | None = None  # text-to-speech: the entry stage speaks this instead of generating
+    text_to_speak: str | None = None  # text-to-speech: the entry stage speaks this instead of generating
     speech: dict[str, Any] | None = None  # text-to-speech: a TTS model's voice-mode fields (StageRequest.speech)
     client_request_id: str | None = None  # the client's X-Request-ID: a label for logs, never a key
     deadline: float | None = None  # time.monotonic() by which the whole walk must be done

@@ -234,7 +234,7 @@ async def speech_request(body: SpeechRequest, http: Request, route: RouteContext
         sampling=route.sampling(SamplingRequest(seed=body.seed, stage_sampling=body.stage_sampling)),
         messages=messages,
         voice=voice,
-        reply=body.input,
+        text_to_speak=body.input,
         speech=speech,
     )
     return omni, SpeechReply(body.response_format, omni.stage_log, early=body.stream)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from omni_serve.engines.base import StageEngine, engine_for_role
+from omni_serve.engines.family import Family
 from omni_serve.engines.grammar import grammar_available
 from omni_serve.engines.transformers.args import TransformersEngineArgs
 from omni_serve.engines.transformers.sampling import end_ids
@@ -68,3 +69,12 @@ def create(stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
     args = TransformersEngineArgs.model_validate(engine_args)
     roles = {"thinker": ThinkerEngine, "talker": TalkerEngine, "code2wav": Code2WavEngine}
     return engine_for_role(roles, args.model_stage, stage_name, engine_args)
+
+
+FAMILY = Family(
+    EngineArgs,
+    create,
+    input_modalities=input_modalities,
+    honoured_sampling=honoured_sampling,
+    reads_streamed_input=reads_streamed_input,
+)

@@ -143,7 +143,7 @@ class ThinkerEngine(HFEngine):
         calls = await self._tool_calls(request)
         sampling = calls.constrained(request.sampling) if calls is not None else request.sampling
         # Compiled before the request takes the worker: the others' steps go on meanwhile (grammar.py).
-        grammar = await self._grammar(sampling, calls) if request.reply is None else None
+        grammar = await self._grammar(sampling, calls) if request.text_to_speak is None else None
 
         def job(emit: Emit, cancelled: threading.Event) -> None:
             self._generate(request, sampling, calls, grammar, emit, cancelled)
@@ -216,7 +216,7 @@ class ThinkerEngine(HFEngine):
     def _prompt(self, request: StageRequest) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         """Prompt ids [1, T]; with media also the processor's encoder inputs for ``generate`` and
         what the talker's RoPE needs of them (:func:`qwen3_omni.rope_inputs`)."""
-        field = "input" if request.reply is not None else "messages"
+        field = "input" if request.text_to_speak is not None else "messages"
         for message in request.messages or []:  # the template adds no reserved token; the text must not either
             parts = [message.content] if isinstance(message.content, str) else message.content
             for text in (p if isinstance(p, str) else p.text for p in parts if isinstance(p, str | TextPart)):
@@ -265,13 +265,13 @@ class ThinkerEngine(HFEngine):
             raise InvalidStageInput(
                 f"messages: the prompt has {prompt_len} tokens; the model's context is "
                 f"{self.context_len} tokens and generation needs at least one more",
-                "input" if request.reply is not None else "messages",
+                "input" if request.text_to_speak is not None else "messages",
             )
         # Every item but the final carries the usage so far (the final, the total).
         if request.return_prompt_text:
             emit(("prompt", self.tokenizer.decode(input_ids[0], skip_special_tokens=False), Usage(prompt_len)))
 
-        if request.reply is not None:
+        if request.text_to_speak is not None:
             self._speak(request, input_ids, emit)
             return
 
@@ -406,12 +406,12 @@ class ThinkerEngine(HFEngine):
         return send
 
     def _speak(self, request: StageRequest, input_ids: Any, emit: Emit) -> None:
-        """Teacher-force ``request.reply`` as the assistant turn: what generate() would have produced
+        """Teacher-force ``request.text_to_speak`` as the assistant turn: what generate() would have produced
         had it sampled exactly these tokens, then <|im_end|> (whose own hidden state, as in
         generate(), is never computed)."""
         import torch
 
-        reply = self.tokenizer.encode(request.reply or "", add_special_tokens=False)
+        reply = self.tokenizer.encode(request.text_to_speak or "", add_special_tokens=False)
         if not reply:
             raise InvalidStageInput("input: the text to speak is empty", "input")
         prompt_len = int(input_ids.shape[1])
@@ -422,7 +422,7 @@ class ThinkerEngine(HFEngine):
             )
         usage = Usage(prompt_tokens=prompt_len, completion_tokens=len(reply) + 1)
         if not request.wants_handoff:  # nothing downstream: the hidden states of the reply are not needed
-            emit(("final", request.reply, FinishReason.STOP, usage, None, []))
+            emit(("final", request.text_to_speak, FinishReason.STOP, usage, None, []))
             return
         sequence = torch.cat([input_ids, torch.tensor([reply], dtype=input_ids.dtype, device=input_ids.device)], 1)
         with torch.inference_mode():
@@ -437,7 +437,7 @@ class ThinkerEngine(HFEngine):
             tts_embeds=self.tts_embeds,
             accept_hidden_layer=self.accept_layer,
         )
-        emit(("final", request.reply, FinishReason.STOP, usage, payload, []))
+        emit(("final", request.text_to_speak, FinishReason.STOP, usage, payload, []))
 
     def _handoff(self, out: Any, prompt_len: int, kept: int, rope: dict[str, Any]) -> HandoffPayload:
         # The talker speaks only what the client sees: tokens from a stop string on are dropped.

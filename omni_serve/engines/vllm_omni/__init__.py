@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from omni_serve.engines.base import StageEngine
+from omni_serve.engines.family import Family
 from omni_serve.engines.vllm_omni.args import EngineArgs, stage_config
 from omni_serve.types import SAMPLING_EXTENSIONS, Modality
 
@@ -82,3 +83,13 @@ def entry_prompt(args: EngineArgs) -> str:
 def input_modalities(args: EngineArgs) -> set[Modality]:
     """Text, and the media the graph lets an entry stage's chat messages carry (``media``)."""
     return {Modality.TEXT, *(Modality(m) for m in args.media)}
+
+
+FAMILY = Family(
+    EngineArgs,
+    create,
+    input_modalities=input_modalities,
+    entry_prompt=entry_prompt,
+    honoured_sampling=honoured_sampling,
+    reads_streamed_input=reads_streamed_input,
+)

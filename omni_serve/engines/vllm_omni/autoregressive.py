@@ -102,7 +102,7 @@ class AutoregressiveEngine(VllmOmniEngine):
 
     async def stream(self, request: StageRequest, handoff: HandoffPayload | None) -> AsyncIterator[StageOutput]:
         voice = self._voice(request.voice)
-        if self.is_entry and request.reply is not None and self.args.entry == "chat":
+        if self.is_entry and request.text_to_speak is not None and self.args.entry == "chat":
             async for output in self._speak(request):
                 yield output
             return
@@ -200,7 +200,7 @@ class AutoregressiveEngine(VllmOmniEngine):
     ) -> tuple[dict[str, Any], Any, Any]:
         """(prompt, media features, streamed input feed) of one call."""
         if self.is_entry:
-            if request.reply is not None:  # entry: speech (a TTS model's own prompt)
+            if request.text_to_speak is not None:  # entry: speech (a TTS model's own prompt)
                 return await self.prompts.speech(request, params), None, None
             ids, mm_features = await self.prompts.chat(request, params)
             return {"prompt_token_ids": ids}, mm_features, None
@@ -245,7 +245,7 @@ class AutoregressiveEngine(VllmOmniEngine):
         return self.producer().chunks(request.request_id, prompt_ids, list(params.stop_token_ids or ()))
 
     async def _speak(self, request: StageRequest) -> AsyncIterator[StageOutput]:
-        """Teacher-force ``request.reply`` as the assistant turn (text to speak, on a chat entry stage).
+        """Teacher-force ``request.text_to_speak`` as the assistant turn (text to speak, on a chat entry stage).
 
         The reply's tokens are appended to the prompt and the engine runs one prefill over all of them,
         sampling a single token that is then replaced by the end-of-turn token: the multimodal output is
@@ -271,11 +271,16 @@ class AutoregressiveEngine(VllmOmniEngine):
                         yield StageOutput(stage=self.stage_name, handoff=chunk)
                 else:
                     handoff = self.producer().whole(
-                        request.request_id, prompt_ids, [*reply, *end], mm, text=request.reply or "", stopped=True
+                        request.request_id,
+                        prompt_ids,
+                        [*reply, *end],
+                        mm,
+                        text=request.text_to_speak or "",
+                        stopped=True,
                     )
             yield StageOutput(
                 stage=self.stage_name,
-                text=request.reply or "",
+                text=request.text_to_speak or "",
                 token_ids=reply,
                 finished=True,
                 finish_reason=FinishReason.STOP,

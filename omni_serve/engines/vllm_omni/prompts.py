@@ -196,10 +196,10 @@ class EntryPrompts:
     def spoken(self, request: StageRequest) -> tuple[list[int], list[int]]:
         """The reply to speak as token ids, and the token that ends the assistant's turn after it."""
         tokenizer = self._tokenizer()
-        reply = [int(i) for i in tokenizer.encode(request.reply or "", add_special_tokens=False)]
+        reply = [int(i) for i in tokenizer.encode(request.text_to_speak or "", add_special_tokens=False)]
         if not reply:
             raise InvalidStageInput("input: the text to speak is empty", "input")
-        return reply, [self.end_of_turn(request, request.reply or "")]
+        return reply, [self.end_of_turn(request, request.text_to_speak or "")]
 
     def end_of_turn(self, request: StageRequest, reply: str) -> int:
         """The token that ends an assistant turn saying ``reply``: what the chat template writes after an
@@ -229,6 +229,6 @@ class EntryPrompts:
                 f"stage {self.stage_name}: pipeline {self.pipeline!r} takes text to speak in a prompt of its own, "
                 "and omni_serve has no builder for it yet (omni_serve.models.vllm_omni hooks: speech_prompt)"
             )
-        if not (request.reply or "").strip():
+        if not (request.text_to_speak or "").strip():
             raise InvalidStageInput("input: the text to speak is empty", "input")
         return await self._speech.prompt(request, params)

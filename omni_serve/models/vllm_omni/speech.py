@@ -88,7 +88,7 @@ class AdapterPrompts:
         from vllm_omni.entrypoints.openai.protocol.audio import OpenAICreateSpeechRequest
 
         fields = {k: v for k, v in (request.speech or {}).items() if v is not None}
-        speech = OpenAICreateSpeechRequest(input=request.reply or "", voice=request.voice, **fields)
+        speech = OpenAICreateSpeechRequest(input=request.text_to_speak or "", voice=request.voice, **fields)
         inline_reference = speech.ref_audio is not None  # captured before validate(), as the server does
         error = self.adapter.validate(speech)
         if error:

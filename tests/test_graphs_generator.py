@@ -225,7 +225,8 @@ def check_graph(source: str, config: dict) -> None:
         engine = graph.stage(name).engine_args.get("engine", {})
         assert gpus >= 1 or gpus == engine["gpu_memory_utilization"], (source, name)  # shares: the deploy's
         pins = set(options.get("resources", {}))
-        assert pins == ({graphs.NODE_RESOURCES[key][name]} if key in graphs.NODE_RESOURCES else set()), source
+        pinned = pipelines.hooks(key).node_resources
+        assert pins == ({pinned[name]} if pinned else set()), source
     assert graphs.gpus_needed(config) >= 1
     routes = {route for route, why in graph.routes().items() if why is None}
     outputs = {s.final_output_type for s in declared.stages if s.final_output}

@@ -45,12 +45,6 @@ from omni_serve.api.hosts import is_loopback
 from omni_serve.engines.vllm_omni.args import NOT_DEPLOY_KEYS
 from omni_serve.types import SamplingParams
 
-# Reference checkpoints of the pipelines that have one here (others: --model, or the placeholder).
-REFERENCE_MODELS = {
-    "qwen3_omni_moe": "Qwen/Qwen3-Omni-30B-A3B-Instruct",
-    "qwen2_5_omni": "Qwen/Qwen2.5-Omni-7B",
-    "glm_image": "zai-org/GLM-Image",
-}
 # A stage's deploy entry fields that are not its engine settings (placement, connectors, sampling).
 DEPLOY_NOT_ENGINE = (
     "stage_id",
@@ -65,13 +59,9 @@ DEPLOY_NOT_ENGINE = (
 )
 
 # Multi-node placement (cluster.yaml, deploy/kuberay.yaml): each node type advertises a marker
-# custom resource and a stage asks for a sliver of its node type's marker, so Ray places it only
-# there. Ray's autoscalers (v1 and v2, and KubeRay's) launch the node type that supplies a
-# pending resource; label selectors are not honoured by the v1 autoscaler. The node types are sized
-# for Qwen3-Omni (per model: where its stages fit), the other pipelines place by GPUs alone.
-NODE_RESOURCES: dict[str, dict[str, str]] = {
-    "qwen3_omni_moe": {"thinker": "omni_gpu_big", "talker": "omni_gpu_shared", "code2wav": "omni_gpu_shared"},
-}
+# custom resource and a stage asks for a sliver of its node type's marker (PipelineHooks.node_resources), so
+# Ray places it only there. Ray's autoscalers (v1 and v2, and KubeRay's) launch the node type that supplies a
+# pending resource; label selectors are not honoured by the v1 autoscaler.
 NODE_RESOURCE_PER_REPLICA = 0.01  # a node type advertises 1: room for 100 replicas, the GPUs bind first
 # Application-level autoscaling (omni_serve.graph.autoscaling): at least one decoder (a generation stage)
 # replica per two replicas of the autoregressive stage that feeds it.
@@ -87,19 +77,6 @@ KEY_HEADER = (
     "# args.allow_unauthenticated: true serves it open on purpose (docs/api.md, Security).",
 )
 STAGE_TIMEOUT_S = 540  # below request_timeout_s (omni_serve.graph.config.check_timeouts): the client gets the 504
-# OpenAI's voice names -> the model's speakers (female / male voices to the closest timbre): a choice per
-# model, not declared anywhere.
-VOICE_ALIASES: dict[str, dict[str, str]] = {
-    "qwen3_omni_moe": {
-        **dict.fromkeys(["alloy", "coral", "marin", "nova", "sage", "shimmer"], "chelsie"),
-        **dict.fromkeys(["ash", "cedar", "echo", "onyx", "verse"], "ethan"),
-        **dict.fromkeys(["ballad", "fable"], "aiden"),
-    },
-    "qwen2_5_omni": {
-        **dict.fromkeys(["alloy", "coral", "marin", "nova", "sage", "shimmer"], "chelsie"),
-        **dict.fromkeys(["ash", "ballad", "cedar", "echo", "fable", "onyx", "verse"], "ethan"),
-    },
-}
 # The ingress runs its routes on its replica's own event loop: behind HAProxy, a client that stops reading
 # then holds its request back (docs/design.md, "Flow control"); Serve's default thread queues the body.
 INGRESS = {
@@ -182,7 +159,7 @@ def resolve_source(source: str, pipeline: str | None) -> tuple[str, Path | None]
                 "checkpoint's config): pass --pipeline"
             )
         return found, path
-    by_model = {model.lower(): name for name, model in REFERENCE_MODELS.items()}
+    by_model = {h.reference_model.lower(): name for name, h in pipelines.HOOKS.items() if h.reference_model}
     found = pipeline or by_model.get(source.lower(), source)
     if found not in pipelines.registry():
         raise Refused(f"no vLLM-Omni pipeline {found!r} (python -m omni_serve.cli.graphs list names them)")
@@ -333,7 +310,8 @@ def generate(
         reason += f" (turn-based deploy configs of it: {', '.join(turns)})" if turns else ""
     if reason is not None:
         raise Refused(f"{where}: cannot be served: {reason}")
-    model = model or REFERENCE_MODELS.get(key) or key
+    hooks = pipelines.hooks(key)
+    model = model or hooks.reference_model or key
     by_id = {s.stage_id: s for s in deploy.stages}
     model_stages = [s.model_stage for s in declared.stages]
     names = {
@@ -361,7 +339,7 @@ def generate(
         deployments.append(_deployment(names[s.stage_id], engine, shared, ds.num_replicas if ds else 1))
         if ds is not None and ds.env:
             deployments[-1]["ray_actor_options"]["runtime_env"] = {"env_vars": {k: str(v) for k, v in ds.env.items()}}
-        node_resource = NODE_RESOURCES.get(key, {}).get(s.model_stage)
+        node_resource = hooks.node_resources.get(s.model_stage)
         if node_resource:
             deployments[-1]["ray_actor_options"]["resources"] = {node_resource: NODE_RESOURCE_PER_REPLICA}
         if pipelines.kind(s) == "generation" and len(s.input_sources) == 1:
@@ -370,8 +348,8 @@ def generate(
                 ratios[names[s.stage_id]] = {names[upstream]: DECODER_RATIO}
 
     args: dict[str, Any] = {"served_model_name": model, "stages": graph_stages, "stage_timeout_s": STAGE_TIMEOUT_S}
-    if key in VOICE_ALIASES:
-        args["voice_aliases"] = VOICE_ALIASES[key]
+    if hooks.voice_aliases:
+        args["voice_aliases"] = dict(hooks.voice_aliases)
     return {
         "proxy_location": "EveryNode",
         "http_options": dict(HTTP_OPTIONS),

@@ -20,4 +20,4 @@ def image_tokens(height: int, width: int, editing: bool) -> int:
     return int(compute_max_tokens(height, width, is_i2i=editing))
 
 
-GLM_IMAGE = PipelineHooks(image_size_multiple=32, image_tokens=image_tokens)
+GLM_IMAGE = PipelineHooks(image_size_multiple=32, image_tokens=image_tokens, reference_model="zai-org/GLM-Image")

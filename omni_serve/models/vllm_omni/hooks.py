@@ -103,6 +103,13 @@ class PipelineHooks:
     # (height, width, editing) -> the tokens the AR stage writes for an image of that size: a size needing more
     # than the stage may decode (its max_tokens) is refused (a 400 naming ``size``), not left to fail the DiT.
     image_tokens: Callable[[int, int, bool], int] | None = None
+    # The checkpoint a generated graph serves when the command names none (its --model).
+    reference_model: str | None = None
+    # OpenAI's voice names -> the model's speakers (closest timbre): a choice per model, declared nowhere upstream.
+    voice_aliases: Mapping[str, str] = field(default_factory=dict)
+    # Multi-node placement (cluster.yaml, deploy/kuberay.yaml): model_stage -> the marker resource of the node type
+    # its replicas go to. The node types are sized per model; a pipeline without them places by GPUs alone.
+    node_resources: Mapping[str, str] = field(default_factory=dict)
 
     def stage(self, model_stage: str) -> StageHooks:
         return self.stages.get(model_stage, DEFAULT)

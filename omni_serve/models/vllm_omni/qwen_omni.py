@@ -120,6 +120,14 @@ QWEN3_OMNI = PipelineHooks(
         "code2wav": StageHooks(frame_geometry=code2wav_frames, measure_decode_lag=True),
     },
     tool_call_parser="hermes",  # Qwen's <tool_call> JSON syntax
+    reference_model="Qwen/Qwen3-Omni-30B-A3B-Instruct",
+    voice_aliases={
+        **dict.fromkeys(["alloy", "coral", "marin", "nova", "sage", "shimmer"], "chelsie"),
+        **dict.fromkeys(["ash", "cedar", "echo", "onyx", "verse"], "ethan"),
+        **dict.fromkeys(["ballad", "fable"], "aiden"),
+    },
+    # The thinker on a big GPU's node type, talker and code2wav sharing a smaller one's (cluster.yaml).
+    node_resources={"thinker": "omni_gpu_big", "talker": "omni_gpu_shared", "code2wav": "omni_gpu_shared"},
 )
 QWEN2_5_OMNI = PipelineHooks(
     stages={
@@ -127,4 +135,9 @@ QWEN2_5_OMNI = PipelineHooks(
         "talker": StageHooks(generated_rows_only=("codes.audio",), extra_steps=1),
     },
     tool_call_parser="hermes",  # Qwen's <tool_call> JSON syntax
+    reference_model="Qwen/Qwen2.5-Omni-7B",
+    voice_aliases={
+        **dict.fromkeys(["alloy", "coral", "marin", "nova", "sage", "shimmer"], "chelsie"),
+        **dict.fromkeys(["ash", "ballad", "cedar", "echo", "fable", "onyx", "verse"], "ethan"),
+    },
 )

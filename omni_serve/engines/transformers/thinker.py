@@ -256,65 +256,26 @@ class ThinkerEngine(HFEngine):
         """The reply to ``request`` under sampling ``s`` (its tool calls' constraint applied), ``grammar``
         the compiled structured-output grammar (None: unconstrained)."""
         import torch
-        from transformers import LogitsProcessorList
-        from transformers.generation.streamers import BaseStreamer
 
         input_ids, media_inputs, rope = self._prompt(request)
-        prompt_len = int(input_ids.shape[1])
-        if prompt_len >= self.context_len:
-            raise InvalidStageInput(
-                f"messages: the prompt has {prompt_len} tokens; the model's context is "
-                f"{self.context_len} tokens and generation needs at least one more",
-                "input" if request.text_to_speak is not None else "messages",
-            )
-        # Every item but the final carries the usage so far (the final, the total).
-        if request.return_prompt_text:
-            emit(("prompt", self.tokenizer.decode(input_ids[0], skip_special_tokens=False), Usage(prompt_len)))
-
+        prompt_len = self._within_context(request, input_ids, emit)
         if request.text_to_speak is not None:
             self._speak(request, input_ids, emit)
             return
-
         vocab = int(self.thinker.lm_head.out_features)
         outside = sorted(t for t in s.logit_bias or {} if not 0 <= t < vocab)
         if outside:
             raise InvalidStageInput(f"logit_bias: token id {outside[0]} is not in the model's vocabulary", "logit_bias")
-        stop_ids = set(s.stop_token_ids)
-        eos = end_ids(self.eos_ids, stop_ids, s.ignore_eos)
+        eos = end_ids(self.eos_ids, set(s.stop_token_ids), s.ignore_eos)
         # The tokens that end the generation never show in the text (as in vLLM), special or not.
         text = _TextStream(self.tokenizer, s.stop, set(eos), s.skip_special_tokens)
-        generated: list[int] = []
-        processors = LogitsProcessorList()
-        if grammar is not None:
-            processors.append(grammar_processor(grammar, end_ids(self.eos_ids, stop_ids, False)))
         recorder = LogprobRecorder(self.thinker.lm_head, self.tokenizer, s.logprobs) if s.logprobs is not None else None
-
-        def so_far() -> Usage:
-            return Usage(prompt_tokens=prompt_len, completion_tokens=len(generated))
-
-        class _Streamer(BaseStreamer):
-            first = True
-
-            def put(self, value: Any) -> None:
-                if self.first:  # generate() first hands the streamer the prompt
-                    self.first = False
-                    return
-                token = int(value.reshape(-1)[0])
-                generated.append(token)
-                piece, found = text.add(token), list[ToolCallDelta]()
-                if calls is not None:  # the client gets the reply without its calls, the calls apart
-                    piece, found = calls.push(piece, [token], False)
-                logprob = recorder.token(token) if recorder is not None else None
-                emit(("delta", piece, [token], so_far(), logprob, found))
-
-            def end(self) -> None:
-                pass
-
+        reply = _Reply(prompt_len, text, calls, recorder, emit)
         # Streamed handoff: each forward's rows go out as they are computed (the prompt's with the
         # prefill, then one reply position per step), those of tool calls never (_RowGate). Stop strings
         # can take back tokens already run, so a request with stop strings hands its rows over whole at the end.
         streamed = request.wants_handoff and request.stream_handoff and not s.stop
-        gate = _RowGate(calls, emit, so_far) if streamed else None
+        gate = _RowGate(calls, emit, reply.usage) if streamed else None
         hook = self.thinker.register_forward_hook(self._rows_sender(input_ids, rope, gate)) if gate else None
         try:
             with RNG_LOCK, torch.inference_mode():
@@ -331,8 +292,8 @@ class ThinkerEngine(HFEngine):
                         output_hidden_states=request.wants_handoff,  # text-only requests skip the hidden states
                         return_dict_in_generate=True,
                     ),
-                    logits_processor=processors,
-                    streamer=_Streamer(),
+                    logits_processor=self._processors(s, grammar),
+                    streamer=reply,
                     stopping_criteria=stopping(cancelled, self.args.min_step_s, lambda: text.stop_at is not None),
                 )
         finally:
@@ -340,15 +301,7 @@ class ThinkerEngine(HFEngine):
                 hook.remove()
             if recorder is not None:
                 recorder.close()
-
-        if text.stop_at is not None:
-            reason = FinishReason.STOP
-        elif cancelled.is_set():
-            reason = FinishReason.ABORT
-        elif generated and generated[-1] in eos:
-            reason = FinishReason.STOP
-        else:
-            reason = FinishReason.LENGTH
+        reason = reply.finish_reason(eos, cancelled.is_set())
         tail, tail_calls = text.finish(), list[ToolCallDelta]()
         kept = text.tokens_before_stop()
         if calls is not None:
@@ -359,7 +312,32 @@ class ThinkerEngine(HFEngine):
             gate.release()  # rows the last text confirmed
         whole = request.wants_handoff and not streamed
         payload = self._handoff(out, prompt_len, kept, rope) if whole else None
-        emit(("final", tail, reason, so_far(), payload, tail_calls))
+        emit(("final", tail, reason, reply.usage(), payload, tail_calls))
+
+    def _within_context(self, request: StageRequest, input_ids: Any, emit: Emit) -> int:
+        """The prompt's length, refused when it leaves no room in the context; its text emitted when asked for.
+
+        Every item but the final carries the usage so far (the final, the total).
+        """
+        prompt_len = int(input_ids.shape[1])
+        if prompt_len >= self.context_len:
+            raise InvalidStageInput(
+                f"messages: the prompt has {prompt_len} tokens; the model's context is "
+                f"{self.context_len} tokens and generation needs at least one more",
+                "input" if request.text_to_speak is not None else "messages",
+            )
+        if request.return_prompt_text:
+            emit(("prompt", self.tokenizer.decode(input_ids[0], skip_special_tokens=False), Usage(prompt_len)))
+        return prompt_len
+
+    def _processors(self, s: SamplingParams, grammar: Any) -> Any:
+        """The logits processors of a request: its structured-output grammar's, if any."""
+        from transformers import LogitsProcessorList
+
+        processors = LogitsProcessorList()
+        if grammar is not None:
+            processors.append(grammar_processor(grammar, end_ids(self.eos_ids, set(s.stop_token_ids), False)))
+        return processors
 
     async def _grammar(self, s: SamplingParams, calls: ToolCallStream | None) -> Any:
         """The compiled grammar of ``s.structured_outputs`` (a forced tool call's, or the client's constraint),
@@ -451,6 +429,43 @@ class ThinkerEngine(HFEngine):
             accept_hidden_layer=self.accept_layer,
             rope=rope,
         )
+
+
+class _Reply:
+    """The reply as ``generate()`` streams it (its streamer): each token into the text, the tool calls apart, and a
+    delta emitted per token with the usage so far."""
+
+    def __init__(
+        self, prompt_len: int, text: _TextStream, calls: ToolCallStream | None, recorder: Any, emit: Emit
+    ) -> None:
+        self.prompt_len, self.text, self.calls, self.recorder, self.emit = prompt_len, text, calls, recorder, emit
+        self.generated: list[int] = []
+        self._prompt_seen = False
+
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=self.prompt_len, completion_tokens=len(self.generated))
+
+    def put(self, value: Any) -> None:
+        if not self._prompt_seen:  # generate() first hands the streamer the prompt
+            self._prompt_seen = True
+            return
+        token = int(value.reshape(-1)[0])
+        self.generated.append(token)
+        piece, found = self.text.add(token), list[ToolCallDelta]()
+        if self.calls is not None:  # the client gets the reply without its calls, the calls apart
+            piece, found = self.calls.push(piece, [token], False)
+        logprob = self.recorder.token(token) if self.recorder is not None else None
+        self.emit(("delta", piece, [token], self.usage(), logprob, found))
+
+    def end(self) -> None:
+        pass
+
+    def finish_reason(self, eos: list[int], cancelled: bool) -> FinishReason:
+        if self.text.stop_at is not None:
+            return FinishReason.STOP
+        if cancelled:
+            return FinishReason.ABORT
+        return FinishReason.STOP if self.generated and self.generated[-1] in eos else FinishReason.LENGTH
 
 
 class _RowGate:

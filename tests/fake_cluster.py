@@ -10,7 +10,8 @@ cluster on a shared machine) and read an ``example.yaml`` the 2.60 wheel does no
 the autoscaling config) and stops what it started by process id.
 
 :func:`one_machine_node_types` is the one translation of cluster.yaml's node types; nothing else
-lists them.
+lists them. :func:`start_node` starts a node of such a cluster in this process (the head here, test_placement's
+worker nodes), again when its raylet died waiting for its agents.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import json
 import os
 import signal
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 import yaml
@@ -34,6 +36,39 @@ FAKE_HEAD_TYPE = "ray.head.default"
 FAKE_HEAD_NODE_ID = "fffffffffffffffffffffffffffffffffffffffffffffffffff00000"
 # Every fake node's object store (the provider passes it to the raylet): handoffs of tiny models are small.
 OBJECT_STORE_BYTES = 200 * 1024 * 1024
+# Ray 2.60's raylet gives its dashboard agent a fixed 15 s to write its port files and aborts past it (node_manager.cc,
+# WaitForDashboardAgentPorts: "Timed out waiting for file .../metrics_agent_port_..."; RAY_agent_register_timeout_ms
+# does not reach it: ray-project/ray#65983), and node.py raises "The current node timed out during startup" 30 s on.
+# Niced beside the cluster lane (tests/lanes.py), agents took 10-19 s to start in CI on 2026-12-02: one of the 13
+# nodes started missed it, and test_placement failed on it. A start that fails so is made again, this many times.
+NODE_START_ATTEMPTS = 3
+NODE_START_FAILED = "The current node timed out during startup"
+
+T = TypeVar("T")
+
+
+def start_node(start: Callable[[], T]) -> T:
+    """``start()``, which starts a Ray node in this process (``Cluster(initialize_head=True)``, ``add_node``); made
+    again when the node's raylet died starting (:data:`NODE_START_ATTEMPTS`), once what the failed start left running
+    (the processes it started and theirs; the head's GCS keeps its port) is stopped by process id."""
+    me = psutil.Process()
+    for attempt in range(1, NODE_START_ATTEMPTS + 1):
+        before = {child.pid for child in me.children()}
+        try:
+            return start()
+        except Exception as e:
+            if NODE_START_FAILED not in str(e) or attempt == NODE_START_ATTEMPTS:
+                raise
+            left = [child for child in me.children() if child.pid not in before]
+            left += [grandchild for child in left for grandchild in child.children(recursive=True)]
+            for process in left:
+                try:
+                    process.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            psutil.wait_procs(left, timeout=30)
+            print(f"fake_cluster: a Ray node did not start (attempt {attempt}: {e}); starting it again", flush=True)
+    raise AssertionError("unreachable")
 
 
 def gpus_as_cpus(resources: dict[str, float]) -> dict[str, float]:
@@ -132,19 +167,21 @@ class FakeAutoscalingCluster:
         self._config_file = f.name
         os.environ.update({"RAY_FAKE_CLUSTER": "1", **autoscaler_env})
         head = dict(self.config["available_node_types"][FAKE_HEAD_TYPE]["resources"])
-        self.cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "gcs_server_port": gcs_port,
-                "num_cpus": head.pop("CPU"),
-                "object_store_memory": head.pop("object_store_memory"),
-                "resources": head,
-                "autoscaling_config": self._config_file,
-                "include_dashboard": True,  # ray.util.state (list_actors) goes through it
-                "dashboard_port": dashboard_port,
-                "env_vars": {"RAY_OVERRIDE_NODE_ID_FOR_TESTING": FAKE_HEAD_NODE_ID},
-                "_system_config": system_config or {},
-            },
+        self.cluster = start_node(
+            lambda: Cluster(
+                initialize_head=True,
+                head_node_args={
+                    "gcs_server_port": gcs_port,
+                    "num_cpus": head.pop("CPU"),
+                    "object_store_memory": head.pop("object_store_memory"),
+                    "resources": head,
+                    "autoscaling_config": self._config_file,
+                    "include_dashboard": True,  # ray.util.state (list_actors) goes through it
+                    "dashboard_port": dashboard_port,
+                    "env_vars": {"RAY_OVERRIDE_NODE_ID_FOR_TESTING": FAKE_HEAD_NODE_ID},
+                    "_system_config": system_config or {},
+                },
+            )
         )
         self.address = self.cluster.address
 

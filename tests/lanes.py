@@ -14,7 +14,8 @@ graph's tests, which leave more of the cores than the engine families' graph sta
 whose waits held at this priority (since 6068239), takes what is left. The multinode clusters' Serve proxies get
 :data:`MULTINODE_PROXY_TIMEOUT_S` for their ready and health checks (Serve's 5 and 10 s: niced, a proxy missed its
 start), and their graphs give a lost replica's replacement time to start (tests/conftest.py, ``patient``). Their
-output goes to a file, printed once every lane has ended, so the terminal shows one run at a time.
+output goes to a file, printed once every lane has ended, so the terminal shows one run at a time; the last lines are
+each lane's exit status and the tests it failed, so that a log's tail (all CI keeps of a failed run) names them.
 
     python -m tests.lanes PYTEST-ARGS...
 
@@ -26,6 +27,7 @@ ran tests). ``--junitxml=PATH`` gives each lane its own report: PATH with ``-clu
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -42,6 +44,11 @@ BESIDE = ("multinode", "local")  # one after the other, beside the cluster lane
 BESIDE_NICENESS = 10
 # Serve's proxy ready and health check timeouts in the multinode lane's clusters (Serve's defaults: 5 and 10 s).
 MULTINODE_PROXY_TIMEOUT_S = 60
+# A line of pytest's short test summary (-rfE, its default) naming a test that failed or errored.
+FAILURE = re.compile(r"^(FAILED|ERROR) \S+\.py\b")
+# How long a lane's output is still read once its pytest has exited: a process its tests left running may hold the
+# pipe open, and the lanes must not wait for it.
+COPY_AFTER_EXIT_S = 10
 
 
 def lane_args(args: list[str], lane: str) -> list[str]:
@@ -88,13 +95,39 @@ def command(args: list[str], lane: str) -> list[str]:
     return [*priority(lane), sys.executable, "-m", "pytest", *lane_args(args, lane)]
 
 
-def run(args: list[str], lane: str, out: IO[str] | None) -> int:
+def run(args: list[str], lane: str, out: IO[str]) -> tuple[int, list[str]]:
+    """One lane's pytest, its output copied to ``out`` as it comes: its exit status and its failure lines."""
     environment = lane_environment(lane, dict(os.environ))
-    return subprocess.call(command(args, lane), stdout=out, stderr=subprocess.STDOUT, env=environment)
+    failures: list[str] = []
+    process = subprocess.Popen(
+        command(args, lane), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=environment, text=True, bufsize=1
+    )
+
+    def copy() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            out.write(line)
+            out.flush()
+            if FAILURE.match(line):
+                failures.append(line.rstrip())
+
+    copier = threading.Thread(target=copy, daemon=True)
+    copier.start()
+    code = process.wait()
+    copier.join(COPY_AFTER_EXIT_S)
+    return code, list(failures)
+
+
+def summary(results: dict[str, tuple[int, list[str]]]) -> str:
+    """The lines printed last: each lane's exit status, then the tests it failed (see the module's docstring)."""
+    lines = ["", "======== the lanes ========"]
+    for lane, (code, failures) in results.items():
+        lines += [f"{lane}: exit status {code}", *(f"  {failure}" for failure in failures)]
+    return "\n".join(lines) + "\n"
 
 
 def main(args: list[str]) -> int:
-    codes: dict[str, int] = {}
+    results: dict[str, tuple[int, list[str]]] = {}
     interrupted = threading.Event()
     with tempfile.TemporaryFile("w+") as log:
 
@@ -103,12 +136,12 @@ def main(args: list[str]) -> int:
                 if interrupted.is_set():  # Ctrl-C ended the lane before: start no other
                     return
                 print(f"\n======== the {lane} lane (beside the cluster lane above) ========", file=log, flush=True)
-                codes[lane] = run(args, lane, log)
+                results[lane] = run(args, lane, log)
 
         others = threading.Thread(target=beside)
         others.start()
         try:
-            codes["cluster"] = run(args, "cluster", None)
+            results["cluster"] = run(args, "cluster", sys.stdout)
         except BaseException:
             interrupted.set()
             raise
@@ -116,7 +149,9 @@ def main(args: list[str]) -> int:
             others.join()  # Ctrl-C reaches every lane (one process group); a failing cluster lane still waits
         log.seek(0)
         sys.stdout.write(log.read())
-    return status([codes.get(lane, 1) for lane in ("cluster", *BESIDE)])
+    ran = {lane: results.get(lane, (1, ["(did not run)"])) for lane in ("cluster", *BESIDE)}
+    sys.stdout.write(summary(ran))
+    return status([code for code, _ in ran.values()])
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import concurrent.futures
 import os
 import socket
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import httpx
@@ -29,6 +30,7 @@ from omni_serve.cli.launch import GRAPHS, deploy_graph_file, wait_healthy
 from omni_serve.models.qwen3_omni import SAMPLE_RATE
 from tests.audio import whole_reply_audio
 from tests.conftest import RECOVERY_TIMEOUT_S, graph_variant, patient, serve_driver, wait_until
+from tests.fake_cluster import start_node
 
 HTTP_PORT = int(os.environ.get("OMNI_SERVE_TEST_PORT", "18765"))
 BIG, SHARED, HEAD = "omni_gpu_big", "omni_gpu_shared", "omni_head"
@@ -48,19 +50,17 @@ class NodeTypes:
     def __init__(self) -> None:
         from ray.cluster_utils import Cluster
 
-        self.cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 1,
-                "resources": {HEAD: 1},
-                "include_dashboard": True,  # ray.util.state (list_actors) goes through it
-                "dashboard_port": _free_port(),
-            },
-        )
+        head = {
+            "num_cpus": 1,
+            "resources": {HEAD: 1},
+            "include_dashboard": True,  # ray.util.state (list_actors) goes through it
+            "dashboard_port": _free_port(),
+        }
+        self.cluster = start_node(lambda: Cluster(initialize_head=True, head_node_args=head))
         self.kind: dict[str, str] = {self.cluster.head_node.node_id: HEAD}
         self.nodes: dict[str, Any] = {}
         for kind in (BIG, BIG, SHARED, SHARED):
-            node = self.cluster.add_node(num_cpus=1, resources={kind: 1})
+            node = start_node(partial(self.cluster.add_node, num_cpus=1, resources={kind: 1}))
             self.kind[node.node_id] = kind
             self.nodes[node.node_id] = node
         self.cluster.wait_for_nodes()

@@ -196,6 +196,48 @@ def test_the_lanes_beside_the_cluster_lane_run_at_a_lower_cpu_priority() -> None
         assert niceness == min(base + (0 if lane == "cluster" else BESIDE_NICENESS), 19), lane
 
 
+def test_the_lanes_end_with_each_lanes_exit_status_and_failed_tests(tmp_path) -> None:
+    """The last lines of `make test` name every lane's failures (CI keeps only a failed run's tail; 2026-12-02 it
+    showed the local lane passing and not which lane failed). Three lanes each run a module of a passing, a
+    failing and an erroring test (its own conftest takes ``--lane`` and selects everything). Fails if the summary
+    goes, misses a lane or a failure, or lists the passing test."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "conftest.py").write_text(
+        "import pytest\n"
+        "def pytest_addoption(parser):\n    parser.addoption('--lane')\n"
+        "@pytest.fixture\ndef broken():\n    raise RuntimeError('fixture')\n"
+    )
+    (tmp_path / "test_mixed.py").write_text(
+        "def test_passes():\n    pass\ndef test_fails():\n    assert 0\ndef test_errors(broken):\n    pass\n"
+    )
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.lanes",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert run.returncode == 1, run.stdout + run.stderr
+    tail = run.stdout[run.stdout.rindex("======== the lanes ========") :].splitlines()[1:]
+    named = [re.sub(r"\S*/", "", line.split(" - ")[0]) for line in tail]  # the path's folders, the message: not ours
+    each = ["  FAILED test_mixed.py::test_fails", "  ERROR test_mixed.py::test_errors"]
+    assert named == [line for lane in ("cluster", "multinode", "local") for line in (f"{lane}: exit status 1", *each)]
+
+
 def test_a_lane_with_no_test_selected_passes_while_the_other_ran_tests() -> None:
     from tests.lanes import lane_args, lane_environment, status
 
@@ -237,3 +279,41 @@ def test_each_port_offset_from_the_session_port_is_one_modules() -> None:
     assert users[50] == {"test_media_policy.py"}, users[50]  # the pattern finds what it is for
     shared = {offset: names for offset, names in users.items() if len(names) > 1}
     assert shared == SHARED_PORT_OFFSETS
+
+
+def test_a_node_start_whose_raylet_died_is_made_again_once_what_it_left_is_stopped() -> None:
+    """tests/fake_cluster.py's start_node: a start failing as Ray's does when a raylet dies waiting for its agent
+    (ray-project/ray#65983) is made again, and the process it started is killed first (a head's GCS holds its
+    port); any other error is the caller's at once. Fails if the retry, the kill or the narrowness goes."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from tests.fake_cluster import NODE_START_FAILED, start_node
+
+    started: list[subprocess.Popen] = []
+
+    def start() -> str:
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]))
+        if len(started) == 1:
+            raise Exception(f"{NODE_START_FAILED}. This could happen because ...")
+        return "node"
+
+    try:
+        assert start_node(start) == "node" and len(started) == 2
+        assert not psutil.pid_exists(started[0].pid) and started[1].poll() is None  # start_node waited for it
+    finally:
+        for process in started:
+            process.kill()
+            process.wait()
+
+    calls = []
+
+    def broken() -> str:
+        calls.append(1)
+        raise Exception("another failure")
+
+    with pytest.raises(Exception, match="another failure"):
+        start_node(broken)
+    assert calls == [1]

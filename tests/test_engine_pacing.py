@@ -274,7 +274,7 @@ def test_native_vllm_omni_is_paced_by_the_same_key_on_the_stages_asked() -> None
 
 
 def test_vllm_omni_diffusion_args_name_the_paced_runner() -> None:
-    from omni_serve.engines import vllm_omni_diffusion as family
+    from omni_serve.engines.vllm_omni import diffusion_args as family
 
     kwargs = family.diffusion_config_kwargs(family.EngineArgs(model="m", min_step_s=0.1))  # whole forwards paced
     assert kwargs["diffusion_model_runner_cls"] == family.PACED_DIFFUSION_RUNNER
@@ -305,7 +305,7 @@ def test_the_real_diffusion_config_takes_the_paced_runner() -> None:
     require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
     from vllm_omni.diffusion.data import OmniDiffusionConfig
 
-    from omni_serve.engines import vllm_omni_diffusion as family
+    from omni_serve.engines.vllm_omni import diffusion_args as family
 
     args = family.EngineArgs(model="m", min_step_s=0.1, step_execution=True)
     config = OmniDiffusionConfig.from_kwargs(**family.diffusion_config_kwargs(args))

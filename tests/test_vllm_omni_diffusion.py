@@ -43,18 +43,18 @@ import yaml
 from PIL import Image
 
 from omni_serve.engines import FAMILIES, validate_engine_args
-from omni_serve.engines.vllm_omni_diffusion import (
+from omni_serve.engines.vllm_omni.diffusion import VllmOmniDiffusionEngine
+from omni_serve.engines.vllm_omni.diffusion_args import (
     CacheArgs,
     EngineArgs,
     ParallelArgs,
-    VllmOmniDiffusionEngine,
     diffusion_config_kwargs,
-    diffusion_request_fields,
-    image_arrays,
-    resolve_image_params,
     unknown_config_fields,
 )
+from omni_serve.engines.vllm_omni.diffusion_requests import ImageRequests, image_arrays
 from omni_serve.exceptions import EngineError, InvalidStageInput
+from omni_serve.models.vllm_omni.qwen_image import QWEN_IMAGE
+from omni_serve.models.vllm_omni.qwen_image import request_fields as diffusion_request_fields
 from omni_serve.types import ChatMessage, ImageParams, SamplingParams, StageRequest
 from tests.conftest import wait_until
 from tests.deps import require
@@ -92,9 +92,9 @@ def vllm_omni() -> Any:
 
 
 def test_registered_and_cheap_to_import() -> None:
-    assert FAMILIES["vllm_omni_diffusion"] == "omni_serve.engines.vllm_omni_diffusion"
+    assert FAMILIES["vllm_omni_diffusion"] == "omni_serve.engines.vllm_omni.diffusion"
     code = (
-        "import sys, omni_serve.engines.vllm_omni_diffusion as m; "
+        "import sys, omni_serve.engines.vllm_omni.diffusion as m; "
         "heavy = [n for n in ('vllm_omni', 'vllm', 'torch') if n in sys.modules]; "
         "assert not heavy, heavy"
     )
@@ -240,6 +240,11 @@ def test_real_sampling_params_and_request_accept_the_fields(vllm_omni: Any) -> N
     assert (params.num_outputs_per_prompt, params.seed, params.generator_device) == (2, 9, "cpu")
     assert params.generator is None  # the worker seeds it (DiffusionModelRunner._initialize_generator)
     assert not params.guidance_scale_provided  # guidance embeddings stay off, as the API leaves them
+
+
+def resolve_image_params(request: StageRequest, args: EngineArgs) -> Any:
+    """A Qwen-Image stage's check of a request's image parameters."""
+    return ImageRequests("image", args, QWEN_IMAGE).params(request)
 
 
 def test_image_params_checked_and_seeded() -> None:

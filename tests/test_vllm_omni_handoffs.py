@@ -369,7 +369,7 @@ def test_qwen3_tts_talker_to_code2wav_through_its_declared_processors():
     talker2code2wav_token_only, the payload applied as vLLM-Omni's generation scheduler applies it."""
     import yaml
 
-    from omni_serve.cli.graphs import deploy_dir
+    from omni_serve.graph.generator import deploy_dir
 
     frames = 40
     codes = torch.randint(1, 2048, (frames, GROUPS), generator=torch.Generator().manual_seed(3))
@@ -420,7 +420,7 @@ def test_qwen3_tts_chunks_take_only_valid_frames_as_the_engine_outputs_them():
     none of the prompt's rows (the engine's step rows split the flag as they split the frames)."""
     import yaml
 
-    from omni_serve.cli.graphs import deploy_dir
+    from omni_serve.graph.generator import deploy_dir
 
     prompt, frames = 7, 30
     codes = torch.randint(1, 2048, (frames, GROUPS), generator=torch.Generator().manual_seed(5))
@@ -458,7 +458,7 @@ def test_voxtral_chunks_carry_every_frame_once_with_their_context(first_read: in
     read's frames handed to one processor call ('expected sequence of length 37 ... (got 148)')."""
     import yaml
 
-    from omni_serve.cli.graphs import deploy_dir
+    from omni_serve.graph.generator import deploy_dir
 
     prompt, frames, width = 30, 24, 37
     codes = torch.randint(2, 8192, (frames, width), generator=torch.Generator().manual_seed(6))

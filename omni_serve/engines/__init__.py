@@ -21,7 +21,7 @@ FAMILIES = {
     "vllm": "omni_serve.engines.vllm",
     "vllm_omni": "omni_serve.engines.vllm_omni",
     "diffusers": "omni_serve.engines.diffusers",
-    "vllm_omni_diffusion": "omni_serve.engines.vllm_omni_diffusion",
+    "vllm_omni_diffusion": "omni_serve.engines.vllm_omni.diffusion",
 }
 
 

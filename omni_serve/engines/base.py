@@ -15,7 +15,7 @@ hooks it needs (``_abort``, ``probe_health``, ``dead_reason``, ``invalid_input``
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from omni_serve.engines import ladder
@@ -147,11 +147,3 @@ class PacedInProcess:
 
     def _set_min_step(self, min_step_s: float) -> None:
         self.args = self.args.model_copy(update={"min_step_s": min_step_s})
-
-
-RoleEngines = Mapping[str, Callable[[str, dict[str, Any]], StageEngine]]
-
-
-def engine_for_role(roles: RoleEngines, model_stage: str, stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
-    """The engine class of a family that splits Qwen3-Omni's stages by role (``model_stage``), built."""
-    return roles[model_stage](stage_name, engine_args)

@@ -29,7 +29,7 @@ A cancelled request stops at the next denoising step; ``min_step_s`` paces each 
 
 GPU serving through vLLM-Omni's own diffusion engine (``DiffusionEngine`` with its
 sequence-parallel / CFG-parallel and cache-dit/TeaCache options) is the separate
-``vllm_omni_diffusion`` family (:mod:`omni_serve.engines.vllm_omni_diffusion`).
+``vllm_omni_diffusion`` family (:mod:`omni_serve.engines.vllm_omni.diffusion`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ model's stages:
 - :mod:`.args`: what a stage's ``engine_args`` may say;
 - :mod:`.worker`: the worker thread every stage runs its model work on, loading, stats;
 - :mod:`.sampling`: HF ``generate`` settings, seeds, end ids and stopping criteria;
-- :mod:`.thinker`, :mod:`.talker`, :mod:`.code2wav`: one module per Qwen3-Omni stage.
+- :mod:`.thinker`, :mod:`.talker`, :mod:`.code2wav`: one module per Qwen3-Omni stage, whose engine a stage
+  gets by its role (``model_stage``: :func:`engine_for_role`).
 
 Concurrency: each engine runs its model work on one dedicated worker thread, one request
 at a time, in arrival order. HF ``generate`` samples from torch's global RNG, so a request
@@ -22,9 +23,10 @@ is cheap.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from omni_serve.engines.base import StageEngine, engine_for_role
+from omni_serve.engines.base import StageEngine
 from omni_serve.engines.family import Family
 from omni_serve.engines.grammar import grammar_available
 from omni_serve.engines.transformers.args import TransformersEngineArgs
@@ -62,13 +64,23 @@ def honoured_sampling(engine_args: dict[str, Any]) -> frozenset[str]:
 
 def create(stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
     """The engine for ``engine_args['model_stage']``; raises ``pydantic.ValidationError`` on bad args."""
+    args = TransformersEngineArgs.model_validate(engine_args)
+    return engine_for_role(args.model_stage, stage_name, engine_args)
+
+
+def engine_for_role(model_stage: str, stage_name: str, engine_args: dict[str, Any]) -> StageEngine:
+    """The engine of the Qwen3-Omni stage ``model_stage`` (its role: thinker, talker or code2wav), built. The
+    stage modules are imported here, when an engine is made, not with the package."""
     from omni_serve.engines.transformers.code2wav import Code2WavEngine
     from omni_serve.engines.transformers.talker import TalkerEngine
     from omni_serve.engines.transformers.thinker import ThinkerEngine
 
-    args = TransformersEngineArgs.model_validate(engine_args)
-    roles = {"thinker": ThinkerEngine, "talker": TalkerEngine, "code2wav": Code2WavEngine}
-    return engine_for_role(roles, args.model_stage, stage_name, engine_args)
+    roles: dict[str, Callable[[str, dict[str, Any]], StageEngine]] = {
+        "thinker": ThinkerEngine,
+        "talker": TalkerEngine,
+        "code2wav": Code2WavEngine,
+    }
+    return roles[model_stage](stage_name, engine_args)
 
 
 FAMILY = Family(

@@ -3,14 +3,19 @@
 Everything else about a ``vllm_omni`` stage comes from its ``StagePipelineConfig``
 (:mod:`omni_serve.models.vllm_omni.pipelines`). A pipeline without hooks gets :data:`DEFAULT`; a
 model module (e.g. :mod:`omni_serve.models.vllm_omni.qwen_omni`) registers hooks for the stages
-where the declaration is not enough, each field with the reason. docs/models.md lists every place.
+where the declaration is not enough, each field with the reason. A lone image DiT (no pipeline around
+it: its checkpoint's pipeline class) is served once its :class:`ImageDitHooks` are registered (e.g.
+:mod:`omni_serve.models.vllm_omni.qwen_image`). docs/models.md lists every place.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from omni_serve.models.image_params import ResolvedImageParams
 
 
 @dataclass(frozen=True)
@@ -113,3 +118,18 @@ class PipelineHooks:
 
     def stage(self, model_stage: str) -> StageHooks:
         return self.stages.get(model_stage, DEFAULT)
+
+
+@dataclass(frozen=True)
+class ImageDitHooks:
+    """A lone image DiT's request mapping: what vLLM-Omni's images API does for its pipeline class (the checkpoint's
+    ``model_index.json`` ``_class_name``) and no declaration says."""
+
+    # Pixel sizes must be multiples of this (its VAE's downsampling times its latent patch): vLLM-Omni rounds other
+    # sizes down silently, omni_serve refuses them (a 400 naming ``size``).
+    size_multiple: int
+    # (prompt, the request's resolved image parameters) -> (``OmniTextPrompt`` fields,
+    # ``OmniDiffusionSamplingParams`` fields): how the pipeline reads guidance, the negative prompt, the seed.
+    request_fields: Callable[[str, ResolvedImageParams], tuple[dict[str, Any], dict[str, Any]]]
+    # The pipeline edits: every request carries one source image (``engine_args.image_input`` must say so).
+    edits: bool = False

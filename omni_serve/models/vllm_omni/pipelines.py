@@ -17,9 +17,9 @@ import logging
 import sys
 from typing import Any
 
-from omni_serve.models.vllm_omni import glm_image, qwen3_tts, qwen_omni, voxtral_tts
+from omni_serve.models.vllm_omni import glm_image, qwen3_tts, qwen_image, qwen_omni, voxtral_tts
 from omni_serve.models.vllm_omni.edges import input_processor
-from omni_serve.models.vllm_omni.hooks import PipelineHooks
+from omni_serve.models.vllm_omni.hooks import ImageDitHooks, PipelineHooks
 
 # Per-model hooks, by pipeline (model type). A pipeline not listed needs none.
 HOOKS: dict[str, PipelineHooks] = {
@@ -28,6 +28,13 @@ HOOKS: dict[str, PipelineHooks] = {
     "qwen3_tts": qwen3_tts.QWEN3_TTS,
     "voxtral_tts": voxtral_tts.VOXTRAL_TTS,
     "glm_image": glm_image.GLM_IMAGE,
+}
+# Lone image DiTs (no pipeline around them), by their checkpoint's pipeline class (model_index.json
+# ``_class_name``): the ones whose request mapping omni_serve implements. Video DiTs need none (vLLM-Omni's
+# /v1/videos mapping is one for every pipeline it declares a video maker).
+IMAGE_DITS: dict[str, ImageDitHooks] = {
+    "QwenImagePipeline": qwen_image.QWEN_IMAGE,
+    "QwenImageEditPipeline": qwen_image.QWEN_IMAGE_EDIT,
 }
 
 # The execution types omni_serve's vllm_omni family runs, and the engine kind for each.

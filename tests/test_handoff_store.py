@@ -21,6 +21,9 @@ import httpx
 import pytest
 
 from tests.conftest import wait_until
+from tests.faults import BODY as FAULTS_BODY
+from tests.faults import CLIENT_TIMEOUT_S, SHARED_GRAPH, TWO_PADDED_TALKERS, samples
+from tests.faults import HANDOFF_PADDING as PADDING
 from tests.object_store import (
     StoreWatch,
     new_object_bytes,
@@ -29,9 +32,6 @@ from tests.object_store import (
     settled,
     wait_at_most,
 )
-from tests.test_faults import BODY as FAULTS_BODY
-from tests.test_faults import CLIENT_TIMEOUT_S, SHARED_GRAPH, TWO_PADDED_TALKERS, samples
-from tests.test_faults import HANDOFF_PADDING as PADDING
 
 pytestmark = [pytest.mark.integration, SHARED_GRAPH, pytest.mark.tiny_variant(0)]
 

@@ -15,8 +15,10 @@ import pytest
 from PIL import Image
 
 from tests.conftest import graph_variant
-from tests.test_playground import browser, driver, page  # noqa: F401  - the playground's browser fixtures
-from tests.test_vllm_omni_invalid_params import IMAGE_GENERATION_CASES, Case, cases, check
+from tests.invalid_params import IMAGE_GENERATION_CASES, Case, cases, check
+from tests.playground_browser import browser as browser
+from tests.playground_browser import driver as driver
+from tests.playground_browser import page as page
 
 pytestmark = pytest.mark.integration
 
@@ -138,7 +140,7 @@ def test_streamed_chat_carries_the_image(tiny_image) -> None:
 
 
 def test_images_are_counted(tiny_image) -> None:
-    from tests.test_metrics import caught_up, settled, total
+    from tests.metrics import caught_up, settled, total
 
     before = total(settled(), "ray_omni_stage_images_total")
     assert len(pngs(generate(tiny_image, n=3, size="32x32"))) == 3
@@ -177,7 +179,7 @@ def keyed_image(tiny_image) -> Any:
 
 
 def test_image_generation_renders_the_generated_png(keyed_image, page) -> None:  # noqa: F811
-    from tests.test_playground import TIMEOUT_MS, report, shot
+    from tests.playground_browser import TIMEOUT_MS, report, shot
 
     page.goto(f"{keyed_image.base_url}/")
     page.wait_for_selector("#error:not([hidden])")

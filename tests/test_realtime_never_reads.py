@@ -19,8 +19,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import wait_until
-from tests.test_realtime import realtime_url
-from tests.test_realtime_hostile import realtime_stats
+from tests.realtime_client import realtime_stats, realtime_url
 
 pytestmark = [pytest.mark.integration]
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from tests.test_chat_tools import CALL, NO_WHITESPACE, SURE, WEATHER, literal
-from tests.test_realtime import MODEL, decode_pcm, of
-from tests.test_realtime import graph as graph  # the fixture: the same deployment, no redeploy
+from tests.realtime_client import MODEL, decode_pcm, of
+from tests.realtime_client import graph as graph  # the fixture: the same deployment, no redeploy
+from tests.weather_tool import CALL, NO_WHITESPACE, SURE, WEATHER, literal
 
 pytestmark = pytest.mark.integration
 

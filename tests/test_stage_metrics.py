@@ -23,7 +23,7 @@ from omni_serve.api.openai.chat import ChatCompletionRequest, ChatReply
 from omni_serve.graph.orchestrator import Orchestrator
 from omni_serve.graph.stage_log import StageLog
 from omni_serve.types import FinishReason, Modality, StageOutput, Usage
-from tests.test_orchestrator import GRAPH, FakeStages, request
+from tests.fake_stages import GRAPH, FakeStages, request
 
 PROMPT = 11
 

@@ -31,10 +31,11 @@ from omni_serve.graph.config import GraphConfig, GraphConfigError, load_graph
 from omni_serve.graph.flow import MAX_QUEUED_OUTPUTS
 from omni_serve.graph.orchestrator import Orchestrator
 from omni_serve.graph.request import OmniRequest
-from omni_serve.graph.transport import CHANNELS_ACTOR_PREFIX, StageTransport
+from omni_serve.graph.transport import StageTransport
 from omni_serve.models import qwen3_omni as q
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import ChatMessage, FinishReason, Modality, SamplingParams, StageOutput, StageRequest
+from tests.channels import channel_actors
 from tests.conftest import graph_variant, wait_until
 
 HELLO = [ChatMessage(role="user", content="Hello there, how are you?")]
@@ -576,15 +577,6 @@ def reply(base_url: str) -> tuple[str, bytes]:
     return message["content"], data.tobytes()
 
 
-def channel_actors() -> list[Any]:
-    import ray
-
-    named = ray.util.list_named_actors(all_namespaces=True)
-    return [
-        ray.get_actor(a["name"], namespace=a["namespace"]) for a in named if a["name"].startswith(CHANNELS_ACTOR_PREFIX)
-    ]
-
-
 # The thinker paced (50 ms a token: timing only, the same values; its run-time setting) so a reply is still
 # being written while the talker speaks it. STREAMED is the graph's own stream_input: deployed over the tiny graph
 # in place; WHOLE changes the args (a restart), so it comes last, in this module and in the run (tiny_variant 1).
@@ -618,7 +610,7 @@ def test_every_channel_is_closed_after_its_request(streamed) -> None:
 @pytest.mark.integration
 @ON_THE_GRAPH
 def test_a_client_that_leaves_mid_reply_cancels_all_three_stages(streamed, graphs: Any) -> None:
-    from tests.test_cancellation import open_request
+    from tests.in_flight import open_request
 
     stages = ("thinker", "talker", "code2wav")
 

@@ -16,7 +16,7 @@ import pytest
 import soundfile as sf
 
 from tests.audio import spoken
-from tests.test_cancellation import stats
+from tests.in_flight import stats
 
 pytestmark = pytest.mark.integration
 

@@ -27,8 +27,10 @@ from omni_serve.api.realtime.session import Session
 from omni_serve.graph.orchestrator import Orchestrator
 from omni_serve.graph.stage_log import StageLog
 from omni_serve.types import FinishReason, Modality, StageOutput
-from tests.test_orchestrator import GRAPH, FakeStages, request
-from tests.test_realtime_session import graph, recorder, settle
+from tests.fake_stages import GRAPH, FakeStages, request
+from tests.realtime_session import graph as graph
+from tests.realtime_session import recorder as recorder
+from tests.realtime_session import settle
 
 
 def run_graph(length: str | None, *modalities: Modality) -> tuple[StageLog, AsyncIterator[StageOutput]]:

@@ -23,8 +23,8 @@ import soundfile as sf
 
 from omni_serve.api.openai.chat import FINISH_REASON_HEADER
 from tests.conftest import one_replica_per_stage
-from tests.test_config import tiny_args
-from tests.test_realtime import Raw, of, realtime_url
+from tests.realtime_client import Raw, of, realtime_url
+from tests.tiny_config import tiny_args
 
 pytestmark = pytest.mark.integration
 

@@ -23,8 +23,10 @@ import pytest
 
 from tests.conftest import HTTP_PORT, graph_variant, wait_until
 from tests.deps import require
-from tests.test_playground import browser, driver, page  # noqa: F401  - the playground's browser fixtures
-from tests.test_vllm_omni_invalid_params import VIDEO_CASES, VIDEO_LIST_CASES, VIDEO_MISSING, Case, cases, check
+from tests.invalid_params import VIDEO_CASES, VIDEO_LIST_CASES, VIDEO_MISSING, Case, cases, check
+from tests.playground_browser import browser as browser
+from tests.playground_browser import driver as driver
+from tests.playground_browser import page as page
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm_cpu, pytest.mark.timeout(900)]
 require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
@@ -323,7 +325,7 @@ def test_same_frames_as_native_vllm_omni(client, native_video: str) -> None:
 
 
 def test_playground_video_tab_plays_the_job_it_made(graph, page) -> None:  # noqa: F811  - the imported fixture
-    from tests.test_playground import open_playground, report
+    from tests.playground_browser import open_playground, report
 
     open_playground(page, graph.base_url, ["video"])
     # The job is the key's that made it: the page's key (any, the graph sets none) is the client's below.

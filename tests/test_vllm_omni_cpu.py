@@ -45,9 +45,9 @@ from tests import graph_properties  # noqa: E402
 from tests import test_omni_input as omni  # noqa: E402
 from tests.conftest import graph_variant, wait_until  # noqa: E402
 from tests.families import BY_NAME  # noqa: E402
+from tests.in_flight import open_request  # noqa: E402
 from tests.media import mp4, png, wav  # noqa: E402
-from tests.test_cancellation import open_request  # noqa: E402
-from tests.test_engine_pacing import assert_paced, measured  # noqa: E402
+from tests.pacing import assert_paced, measured  # noqa: E402
 from tests.vocoder import hf_lag, served_lag, whole_frames  # noqa: E402
 
 GRAPH = "tiny_omni_vllm.yaml"
@@ -510,7 +510,7 @@ def test_code2wav_output_does_not_depend_on_its_batch(graph, lag: int) -> None:
 def test_each_stage_is_one_engine_process(graph) -> None:
     """The graph's ``distributed_executor_backend: uni``, honoured on CPU (omni_serve.platforms.executor): each
     stage replica has one vLLM process, its EngineCore with the worker inside, not an EngineCore and a worker."""
-    from tests.test_faults import replica_pid, vllm_processes
+    from tests.faults import replica_pid, vllm_processes
 
     processes = {stage: vllm_processes(replica_pid(stage)) for stage in STAGES}
     assert {stage: len(found) for stage, found in processes.items()} == dict.fromkeys(STAGES, 1), processes
@@ -524,7 +524,7 @@ def test_code2wav_engine_steps_are_paced_without_a_core_and_batched(graph) -> No
     import psutil
     import torch
 
-    from tests.test_faults import replica_pid
+    from tests.faults import replica_pid
 
     pid = replica_pid("code2wav")
     engine_processes = psutil.Process(pid).children(recursive=True)
@@ -585,7 +585,7 @@ def test_vllm_omni_benchmark_client_against_this_family(graph, tmp_path) -> None
     """vLLM-Omni's own benchmark client, unmodified, against the vllm_omni graph (streamed handoffs): it sends
     vLLM's extra sampling parameters (``ignore_eos``) and continuous usage stats; every request got a 400
     before this family declared vLLM's parameters honoured. Audio is measured for every request."""
-    from tests.test_compat import run_benchmark_client
+    from tests.benchmark_client import run_benchmark_client
 
     result, printed = run_benchmark_client(graph.base_url, tmp_path)
     assert result["num_audio_ttfp_samples"] == result["completed"], printed
@@ -606,7 +606,7 @@ def test_engine_core_death_answers_503_engine_dead_and_serve_replaces_the_replic
 
     import psutil
 
-    from tests.test_faults import replica_names, replica_pid, vllm_processes
+    from tests.faults import replica_names, replica_pid, vllm_processes
 
     [replica] = replica_names("thinker")
     pid = replica_pid("thinker")

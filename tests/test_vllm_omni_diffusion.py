@@ -365,8 +365,8 @@ def test_cpu_steps_paced_without_a_core_and_progress_reported(cpu_graph: Any) ->
     in the replica (its worker runs in process) without a core; the call reports its steps as they end."""
     import psutil
 
-    from tests.test_engine_pacing import assert_paced, measured
-    from tests.test_faults import replica_pid
+    from tests.faults import replica_pid
+    from tests.pacing import assert_paced, measured
 
     pid = replica_pid("image")
     wait_until(lambda: _idle(cpu_graph), 120, "an idle image stage before the test")

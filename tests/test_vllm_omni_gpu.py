@@ -190,7 +190,7 @@ def _chunks(graph: Any, body: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _channel_actors() -> list[Any]:
     """The channels actors of streamed handoffs (one per ingress replica, started by its first streamed call)."""
-    from tests.test_streamed_handoffs import channel_actors
+    from tests.channels import channel_actors
 
     return channel_actors()
 
@@ -251,7 +251,7 @@ def _idle(graph: Any) -> bool:
 def test_a_client_that_leaves_aborts_every_stage(graph: Any) -> None:
     """A long reply streaming into a long greedy talker, code2wav decoding its chunks: the client leaves
     while all three work on it, and each stage aborts its engine request."""
-    from tests.test_cancellation import open_request
+    from tests.in_flight import open_request
 
     wait_until(lambda: _idle(graph), 90, "idle stages before the test")
     before = {s: stats(graph, s) for s in STAGES}

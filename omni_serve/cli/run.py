@@ -37,11 +37,14 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from omni_serve.api.ready_line import base_url, ready_line
 from omni_serve.cli.launch import load_graph_file
 from omni_serve.graph.config import GraphConfigError, load_graph
+
+if TYPE_CHECKING:
+    from ray.serve.schema import ServeDeploySchema
 
 # Inherited by every Ray process this launcher starts (the replicas included).
 QUIET_ENV = {
@@ -184,43 +187,74 @@ def _in_own_process_group(start: Callable[[], T]) -> T:
             pass
 
 
-def main(argv: list[str] | None = None) -> int:
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m omni_serve.cli.run", description=__doc__.split("\n")[0])
     parser.add_argument("graph", help="a graph file (a Ray Serve config), e.g. graphs/tiny_omni.yaml")
     parser.add_argument("--port", type=int, help="HTTP port (default: the file's http_options.port)")
     parser.add_argument("--verbose", action="store_true", help="Ray's and Serve's full logs, access log included")
     parser.add_argument("--no-dashboard", action="store_true", help="do not start the Ray dashboard")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def _graph_file(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The graph file's Serve config and each application's graph; a file that cannot run exits here."""
+    try:
+        config: dict[str, Any] = load_graph_file(path)
+        graphs = {app["name"]: load_graph(app.get("args", {})) for app in config["applications"]}
+    except OSError as err:
+        raise SystemExit(f"omni_serve: cannot read the graph file {path}: {err.strerror}") from None
+    except (KeyError, GraphConfigError) as err:
+        raise SystemExit(f"omni_serve: cannot run {path}: {err}") from None
+    return config, graphs
+
+
+def _quiet(config: dict[str, Any]) -> None:
+    """Quiet logs (without ``--verbose``): this process's loggers, the environment Ray's processes inherit,
+    and the applications' logging config in ``config``."""
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # this process's Serve client
+    # Ray's token authentication stays on (Ray 2.60's default for a new cluster, the README says so):
+    # not its warning that it is, on every start. (Setting RAY_AUTH_MODE=token here instead would not do:
+    # this process's Ray has read its config already, and its GCS would then refuse it.)
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    # Quiet unless the file says otherwise, key by key (a file may set only enable_access_log).
+    config["logging_config"] = {**QUIET_APP_LOGGING, **config.get("logging_config", {})}
+    for app in config["applications"]:
+        if "logging_config" in app:
+            app["logging_config"] = {**QUIET_APP_LOGGING, **app["logging_config"]}
+
+
+def _deploy(schema: ServeDeploySchema, verbose: bool) -> None:
+    """Start Serve with the file's HTTP options and deploy its applications, as ``serve run FILE`` does."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    serve.start(
+        proxy_location=schema.proxy_location,
+        http_options=schema.http_options.model_dump(),
+        grpc_options=schema.grpc_options.model_dump(),
+        logging_config=None if verbose else QUIET_SERVE_LOGGING,
+    )
+    client = _get_global_client()
+    assert client is not None, "serve.start() connected a controller client"
+    client.deploy_apps(schema)  # what `serve run FILE` calls
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _arguments(argv)
 
     import ray
     from ray import serve
     from ray.serve._private.constants import SERVE_NAMESPACE
-    from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
-    try:
-        config: dict[str, Any] = load_graph_file(args.graph)
-        graphs = {app["name"]: load_graph(app.get("args", {})) for app in config["applications"]}
-    except OSError as err:
-        raise SystemExit(f"omni_serve: cannot read the graph file {args.graph}: {err.strerror}") from None
-    except (KeyError, GraphConfigError) as err:
-        raise SystemExit(f"omni_serve: cannot run {args.graph}: {err}") from None
+    config, graphs = _graph_file(args.graph)
     http = config.setdefault("http_options", {})
     if args.port:
         http["port"] = args.port
     if not args.verbose:
-        logging.getLogger("ray.serve").setLevel(logging.WARNING)  # this process's Serve client
-        # Ray's token authentication stays on (Ray 2.60's default for a new cluster, the README says so):
-        # not its warning that it is, on every start. (Setting RAY_AUTH_MODE=token here instead would not do:
-        # this process's Ray has read its config already, and its GCS would then refuse it.)
-        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-        for key, value in QUIET_ENV.items():
-            os.environ.setdefault(key, value)
-        # Quiet unless the file says otherwise, key by key (a file may set only enable_access_log).
-        config["logging_config"] = {**QUIET_APP_LOGGING, **config.get("logging_config", {})}
-        for app in config["applications"]:
-            if "logging_config" in app:
-                app["logging_config"] = {**QUIET_APP_LOGGING, **app["logging_config"]}
+        _quiet(config)
     haproxy_environment()
     schema = ServeDeploySchema.model_validate(config)
     host, port = schema.http_options.host, schema.http_options.port
@@ -241,15 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
     try:
-        serve.start(
-            proxy_location=schema.proxy_location,
-            http_options=schema.http_options.model_dump(),
-            grpc_options=schema.grpc_options.model_dump(),
-            logging_config=None if args.verbose else QUIET_SERVE_LOGGING,
-        )
-        client = _get_global_client()
-        assert client is not None, "serve.start() connected a controller client"
-        client.deploy_apps(schema)  # what `serve run FILE` calls
+        _deploy(schema, args.verbose)
         _wait_ready(urls)
         dashboard = f" | Ray dashboard http://{context.dashboard_url}" if context.dashboard_url else ""
         for name, url in urls.items():

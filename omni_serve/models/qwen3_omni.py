@@ -209,21 +209,12 @@ def talker_inputs(thinker: ThinkerRows, talker: Any, config: Any, speaker: int) 
     import torch
 
     payload = thinker.first
-    tcfg = config.talker_config
     dev, dtype = talker.device, talker.dtype
     ids = handoff.tensor(payload, "token_ids", dev)[None]  # [1, T] int64
     embed = thinker.rows("embeds", dev)[None].to(dtype)  # [1, R, D]
     hidden = thinker.rows("hidden", dev)[None].to(dtype)
     prompt = ids[0, : payload.meta["prompt_len"]]
-
-    mm_ids = (
-        config.thinker_config.audio_token_id,
-        config.thinker_config.image_token_id,
-        config.thinker_config.video_token_id,
-    )
-    mm_mask = torch.zeros_like(ids, dtype=torch.bool)
-    for mm in mm_ids:
-        mm_mask |= ids == mm
+    mm_mask = _media_mask(ids, config)
 
     tts = talker.text_projection(handoff.tensor(payload, "tts_embeds", dev)[None].to(dtype))
     tts_bos, tts_eos, tts_pad = tts.chunk(3, dim=1)  # 3 x [1, 1, D_talker]
@@ -241,34 +232,12 @@ def talker_inputs(thinker: ThinkerRows, talker: Any, config: Any, speaker: int) 
             parts.append(_user_part(talker, embed, hidden, mm_mask, a, b))
             part_ids.append(ids[:, a:b])
         elif role == config.assistant_token_id and i == len(starts) - 2:
-            assistant = talker.text_projection(embed[:, a:b])  # [1, t, D]; t may be short by the last token
-            if assistant.shape[1] < 4:
+            reply = _assistant_part(talker, config, embed[:, a:b], tts_pad, tts_bos, speaker)
+            if reply is None:
                 return None
-            text_part = torch.cat((assistant[:, :3], tts_pad.expand(-1, 4, -1), tts_bos, assistant[:, 3:4]), dim=1)
-            codec_ids = torch.tensor(
-                [
-                    [
-                        tcfg.codec_nothink_id,
-                        tcfg.codec_think_bos_id,
-                        tcfg.codec_think_eos_id,
-                        speaker,
-                        tcfg.codec_pad_id,
-                        tcfg.codec_bos_id,
-                    ]
-                ],
-                device=dev,
-                dtype=torch.long,
-            )
-            codec_part = torch.cat(
-                (
-                    torch.zeros((1, 3, tcfg.text_config.hidden_size), device=dev, dtype=dtype),
-                    talker.get_input_embeddings()(codec_ids),
-                ),
-                dim=1,
-            )
-            parts.append(text_part + codec_part)
-            part_ids.append(torch.full((1, text_part.shape[1]), config.tts_pad_token_id, dtype=torch.long, device=dev))
-            trailing = assistant[:, 4:]
+            part, trailing = reply
+            parts.append(part)
+            part_ids.append(torch.full((1, part.shape[1]), config.tts_pad_token_id, dtype=torch.long, device=dev))
         # system turns, earlier assistant turns and unknown roles carry nothing for the talker
     if trailing is None:
         raise ValueError("the thinker2talker payload has no final assistant turn")
@@ -281,6 +250,58 @@ def talker_inputs(thinker: ThinkerRows, talker: Any, config: Any, speaker: int) 
         talker_input_ids=torch.cat(part_ids, dim=1),
         rope=rope,
     )
+
+
+def _media_mask(ids: torch.Tensor, config: Any) -> torch.Tensor:
+    """Where ``ids`` [1, T] holds an audio, image or video placeholder (the positions of media rows)."""
+    import torch
+
+    mm_ids = (
+        config.thinker_config.audio_token_id,
+        config.thinker_config.image_token_id,
+        config.thinker_config.video_token_id,
+    )
+    mm_mask = torch.zeros_like(ids, dtype=torch.bool)
+    for mm in mm_ids:
+        mm_mask |= ids == mm
+    return mm_mask
+
+
+def _assistant_part(
+    talker: Any, config: Any, embed: torch.Tensor, tts_pad: torch.Tensor, tts_bos: torch.Tensor, speaker: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The reply's segment of thinker embeddings ``embed`` [1, t, D] as the talker's prompt part (text
+    projections plus the codec prefix), and its trailing text rows; None when it has no text to speak."""
+    import torch
+
+    tcfg = config.talker_config
+    dev, dtype = talker.device, talker.dtype
+    assistant = talker.text_projection(embed)  # [1, t, D]; t may be short by the last token
+    if assistant.shape[1] < 4:
+        return None
+    text_part = torch.cat((assistant[:, :3], tts_pad.expand(-1, 4, -1), tts_bos, assistant[:, 3:4]), dim=1)
+    codec_ids = torch.tensor(
+        [
+            [
+                tcfg.codec_nothink_id,
+                tcfg.codec_think_bos_id,
+                tcfg.codec_think_eos_id,
+                speaker,
+                tcfg.codec_pad_id,
+                tcfg.codec_bos_id,
+            ]
+        ],
+        device=dev,
+        dtype=torch.long,
+    )
+    codec_part = torch.cat(
+        (
+            torch.zeros((1, 3, tcfg.text_config.hidden_size), device=dev, dtype=dtype),
+            talker.get_input_embeddings()(codec_ids),
+        ),
+        dim=1,
+    )
+    return text_part + codec_part, assistant[:, 4:]
 
 
 def _user_part(

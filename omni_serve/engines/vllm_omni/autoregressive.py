@@ -22,6 +22,7 @@ What the stage does follows its declaration (``StagePipelineConfig``), whatever 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from omni_serve.engines.logprobs import from_vllm as logprobs_from_vllm
@@ -35,7 +36,28 @@ from omni_serve.models.vllm_omni import pipelines
 from omni_serve.models.vllm_omni.edges import ChunkTransfer, NewRows, first_rows, lookup, run_of, with_entry_prompt
 from omni_serve.models.vllm_omni.payload import merge_steps
 from omni_serve.payload import HandoffPayload
-from omni_serve.types import FinishReason, StageOutput, StageRequest, ToolCallDelta, Usage
+from omni_serve.types import FinishReason, SamplingParams, StageOutput, StageRequest, ToolCallDelta, Usage
+
+
+@dataclass
+class _Call:
+    """One generating call's state as its engine outputs come in: what it decoded so far, how it hands over."""
+
+    request: StageRequest
+    prompt_ids: list[int]
+    params: Any  # vLLM's sampling params of its engine request
+    sampling: SamplingParams  # the call's own (tool calls constrain it)
+    calls: ToolCallStream | None  # its tool-call parsing
+    transfer: ChunkTransfer | None  # its chunk transfer, when its handoff goes downstream in chunks
+    entry_prompt: dict[str, Any] | None  # an image request's prompt, which the DiT's processor reads too
+    rows: dict[str, NewRows]  # the hooks' generated_rows_only: the rows each output adds
+    prompt_text: str | None  # vLLM's return_prompt_text, until the first output carries it
+    collected: dict[str, list[Any]] = field(init=False)
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)  # the reply's pieces, as the client gets them
+
+    def __post_init__(self) -> None:
+        self.collected = {key: [] for key in self.rows}
 
 
 class AutoregressiveEngine(VllmOmniEngine):
@@ -106,94 +128,120 @@ class AutoregressiveEngine(VllmOmniEngine):
             async for output in self._speak(request):
                 yield output
             return
-        # DELTA: each output carries only its new tokens; vLLM-Omni concatenates the accumulated
-        # multimodal output once, at the end (CUMULATIVE would re-concatenate it every step).
-        extra = self.hooks.extra_steps
         calls = self._tool_calls(request)
         sampling = calls.constrained(request.sampling) if calls is not None else request.sampling
-        params = self._params(
-            request, "DELTA", sampling, **({"max_tokens": request.sampling.max_tokens + extra} if extra else {})
-        )
-        self._stop_at_eos(params)
-        entry_prompt: dict[str, Any] | None = None  # an image request's prompt, which the DiT's processor reads too
+        params = self._call_params(request, sampling)
+        entry_prompt: dict[str, Any] | None = None
         if self.is_entry and self.args.entry == "image":
             ids, mm_features, entry_prompt = await self.prompts.image(request, params)
             prompt, feed = {"prompt_token_ids": ids}, None
         else:
             prompt, mm_features, feed = await self._prompt(request, handoff, params, voice)
-        prompt_ids: list[int] = list(prompt["prompt_token_ids"])
+        call = self._call(request, list(prompt["prompt_token_ids"]), params, sampling, calls, entry_prompt)
+        async for output in self._request(request, prompt, params, mm_features, feed.run if feed else None):
+            if output.finished and feed is not None:
+                feed.engine_finished = True  # so its EngineCore sends the request's end marker
+            out, apart, mm = self._step(call, output)
+            for chunk in apart:  # each chunk its own downstream call, before the output they came with
+                yield StageOutput(stage=self.stage_name, handoff=chunk)
+            if output.finished:
+                self._finish(call, out, output.outputs[0], mm)
+            if out.finished or out.text or out.token_ids or out.prompt_text or out.handoff is not None:
+                yield out
+
+    def _call_params(self, request: StageRequest, sampling: SamplingParams) -> Any:
+        """vLLM sampling params of a generating call: DELTA outputs, the hooks' extra steps, the entry's EOS."""
+        # DELTA: each output carries only its new tokens; vLLM-Omni concatenates the accumulated
+        # multimodal output once, at the end (CUMULATIVE would re-concatenate it every step).
+        extra = self.hooks.extra_steps
+        params = self._params(
+            request, "DELTA", sampling, **({"max_tokens": request.sampling.max_tokens + extra} if extra else {})
+        )
+        self._stop_at_eos(params)
+        return params
+
+    def _call(
+        self,
+        request: StageRequest,
+        prompt_ids: list[int],
+        params: Any,
+        sampling: SamplingParams,
+        calls: ToolCallStream | None,
+        entry_prompt: dict[str, Any] | None,
+    ) -> _Call:
+        """The state of a call about to run on ``prompt_ids`` (refused when empty)."""
         if not prompt_ids:  # the EngineCore would die on it (assert num_new_tokens > 0)
             raise EngineError(f"stage {self.stage_name}: its upstream's handoff has nothing for it to run on")
         transfer = self._transfer(request, prompt_ids, params, whole=calls is not None)
         rows = {key: NewRows(placeholders=True) for key in self.hooks.generated_rows_only}
-        collected: dict[str, list[Any]] = {key: [] for key in rows}
-        token_ids: list[int] = []
-        text: list[str] = []
         # vLLM's return_prompt_text: the prompt as the model sees it (media placeholders expanded), once.
         prompt_text = (
             self._tokenizer.decode(prompt_ids, skip_special_tokens=False)
             if request.return_prompt_text and self.is_entry and self._tokenizer is not None
             else None
         )
-        async for output in self._request(request, prompt, params, mm_features, feed.run if feed else None):
-            if output.finished and feed is not None:
-                feed.engine_finished = True  # so its EngineCore sends the request's end marker
-            completion = output.outputs[0]
-            new_ids = list(completion.token_ids)
-            token_ids.extend(new_ids)
-            piece, tool_calls = completion.text, list[ToolCallDelta]()
-            if calls is not None:  # the client gets the reply without its calls, the calls apart
-                piece, tool_calls = calls.push(completion.text, new_ids, output.finished)
-            text.append(piece)
-            mm = multimodal_output(output) if rows or transfer is not None or output.finished else {}
-            for key, seen in rows.items():
-                fresh = seen.new(lookup(mm, key))
-                if fresh is not None:
-                    collected[key].append(fresh)
-            out = StageOutput(stage=self.stage_name)
-            if self.emits_text:
-                out.text, out.token_ids, out.tool_calls = piece, new_ids, tool_calls
-                out.usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(token_ids))  # so far
-                if sampling.logprobs is not None and completion.logprobs is not None:
-                    out.logprobs = logprobs_from_vllm(new_ids, completion.logprobs, sampling.logprobs)
-            out.prompt_text, prompt_text = prompt_text, None
-            if transfer is not None:
-                chunks = transfer.push(mm, token_ids, output.finished)
-                if self.args.chunks is not None:  # each chunk its own downstream call
-                    last = chunks.pop() if output.finished and chunks else None
-                    for chunk in chunks:
-                        yield StageOutput(stage=self.stage_name, handoff=chunk)
-                    out.handoff = last
-                else:  # the downstream stage reads them as a stream: this output's steps in one item
-                    out.handoff = run_of(chunks)
-            if output.finished:
-                import torch
+        return _Call(request, prompt_ids, params, sampling, calls, transfer, entry_prompt, rows, prompt_text)
 
-                out.finished = True
-                reason = finish_reason(completion.finish_reason)
-                out.finish_reason = calls.finish_reason(reason) if calls is not None else reason
-                out.usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(token_ids))
-                stopped = completion.finish_reason == "stop"
-                spoken = calls.spoken if calls is not None else len(token_ids)
-                if spoken < len(token_ids):  # a tool call followed: the rows of the text before it, ended as a turn
-                    mm = first_rows(mm, len(prompt_ids) + spoken, len(prompt_ids))
-                    end = self.prompts.end_of_turn(request, "".join(text))
-                    token_ids, stopped = [*token_ids[:spoken], end], True
-                # Text-only requests, and a reply that is only a tool call: nobody would read it.
-                if request.wants_handoff and transfer is None and spoken:
-                    out.handoff = self.producer().whole(
-                        request.request_id,
-                        prompt_ids,
-                        token_ids,
-                        mm,
-                        text="".join(text),
-                        stopped=stopped,
-                        rows={key: torch.cat(parts) if parts else None for key, parts in collected.items()},
-                    )
-                    if entry_prompt is not None and out.handoff is not None:
-                        out.handoff = with_entry_prompt(out.handoff, entry_prompt, params.seed)
-            if out.finished or out.text or out.token_ids or out.prompt_text or out.handoff is not None:
-                yield out
+    def _step(self, call: _Call, output: Any) -> tuple[StageOutput, list[HandoffPayload], dict[str, Any]]:
+        """One engine output: the call's output for it (the finish aside), the chunks that go downstream as their
+        own outputs before it (``engine_args.chunks``), and the output's multimodal output (if read)."""
+        completion = output.outputs[0]
+        new_ids = list(completion.token_ids)
+        call.token_ids.extend(new_ids)
+        piece, tool_calls = completion.text, list[ToolCallDelta]()
+        if call.calls is not None:  # the client gets the reply without its calls, the calls apart
+            piece, tool_calls = call.calls.push(completion.text, new_ids, output.finished)
+        call.text.append(piece)
+        mm = multimodal_output(output) if call.rows or call.transfer is not None or output.finished else {}
+        for key, seen in call.rows.items():
+            fresh = seen.new(lookup(mm, key))
+            if fresh is not None:
+                call.collected[key].append(fresh)
+        out = StageOutput(stage=self.stage_name)
+        if self.emits_text:
+            out.text, out.token_ids, out.tool_calls = piece, new_ids, tool_calls
+            out.usage = Usage(prompt_tokens=len(call.prompt_ids), completion_tokens=len(call.token_ids))  # so far
+            if call.sampling.logprobs is not None and completion.logprobs is not None:
+                out.logprobs = logprobs_from_vllm(new_ids, completion.logprobs, call.sampling.logprobs)
+        out.prompt_text, call.prompt_text = call.prompt_text, None
+        apart: list[HandoffPayload] = []
+        if call.transfer is not None:
+            chunks = call.transfer.push(mm, call.token_ids, output.finished)
+            if self.args.chunks is not None:  # each chunk its own downstream call
+                out.handoff = chunks.pop() if output.finished and chunks else None
+                apart = chunks
+            else:  # the downstream stage reads them as a stream: this output's steps in one item
+                out.handoff = run_of(chunks)
+        return out, apart, mm
+
+    def _finish(self, call: _Call, out: StageOutput, completion: Any, mm: dict[str, Any]) -> None:
+        """The call's last output: its finish reason and usage, and its whole handoff (when it goes whole)."""
+        import torch
+
+        request, prompt_ids, calls = call.request, call.prompt_ids, call.calls
+        out.finished = True
+        reason = finish_reason(completion.finish_reason)
+        out.finish_reason = calls.finish_reason(reason) if calls is not None else reason
+        out.usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(call.token_ids))
+        stopped = completion.finish_reason == "stop"
+        spoken = calls.spoken if calls is not None else len(call.token_ids)
+        if spoken < len(call.token_ids):  # a tool call followed: the rows of the text before it, ended as a turn
+            mm = first_rows(mm, len(prompt_ids) + spoken, len(prompt_ids))
+            end = self.prompts.end_of_turn(request, "".join(call.text))
+            call.token_ids, stopped = [*call.token_ids[:spoken], end], True
+        # Text-only requests, and a reply that is only a tool call: nobody would read it.
+        if request.wants_handoff and call.transfer is None and spoken:
+            out.handoff = self.producer().whole(
+                request.request_id,
+                prompt_ids,
+                call.token_ids,
+                mm,
+                text="".join(call.text),
+                stopped=stopped,
+                rows={key: torch.cat(parts) if parts else None for key, parts in call.collected.items()},
+            )
+            if call.entry_prompt is not None and out.handoff is not None:
+                out.handoff = with_entry_prompt(out.handoff, call.entry_prompt, call.params.seed)
 
     async def _prompt(
         self, request: StageRequest, handoff: HandoffPayload | None, params: Any, voice: str | None

@@ -1,5 +1,6 @@
-"""Every served family runs every graph property (tests/graph_properties.py) on its deployed graph, and every
-pipeline docs/models.md marks as served end to end in CI is such a family (no Ray here)."""
+"""Every served family runs every graph property (tests/graph_properties.py) on its deployed graph, every TTS family
+every TTS property (tests/tts_properties.py), and every pipeline docs/models.md marks as served end to end in CI is
+such a family (no Ray here)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from tests.families import FAMILIES
+from tests.tts_properties import SPEAKERS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,6 +22,16 @@ def test_every_family_module_checks_every_graph_property() -> None:
         graph = yaml.safe_load((ROOT / "graphs" / family.graph).read_text())["applications"][0]["args"]
         pipelines = {s["engine_args"].get("pipeline") for s in graph["stages"]}
         assert pipelines == {family.pipeline}, family.name  # None for a family outside vLLM-Omni
+
+
+def test_every_tts_family_module_checks_every_tts_property() -> None:
+    speaking = {family.name for family in FAMILIES if family.route == "/v1/audio/speech"}
+    assert speaking and set(SPEAKERS) == speaking
+    for family in FAMILIES:
+        if family.name in speaking:
+            source = (ROOT / "tests" / f"{family.module}.py").read_text()
+            assert "tts_properties.PROPERTIES" in source, family.name
+            assert f'tts_properties.SPEAKERS["{family.name}"]' in source, family.name
 
 
 def test_every_pipeline_served_end_to_end_is_a_family() -> None:

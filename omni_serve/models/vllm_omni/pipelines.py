@@ -18,7 +18,6 @@ import sys
 from typing import Any
 
 from omni_serve.models.vllm_omni import glm_image, qwen3_tts, qwen_image, qwen_omni, voxtral_tts
-from omni_serve.models.vllm_omni.edges import input_processor
 from omni_serve.models.vllm_omni.hooks import ImageDitHooks, PipelineHooks
 
 # Per-model hooks, by pipeline (model type). A pipeline not listed needs none.
@@ -41,8 +40,6 @@ IMAGE_DITS: dict[str, ImageDitHooks] = {
 KINDS = {"llm_ar": "autoregressive", "llm_generation": "generation"}
 # DiT stages run on vLLM-Omni's DiffusionEngine: the vllm_omni_diffusion family.
 DIFFUSION = "diffusion"
-# The final outputs an OpenAI route can return.
-SERVED_OUTPUTS = ("text", "audio", "image")
 
 
 def hooks(pipeline: str) -> PipelineHooks:
@@ -99,54 +96,6 @@ def _execution(stage: Any) -> str:
 def family(stage: Any) -> str:
     """The omni_serve engine family of a stage: ``vllm_omni_diffusion`` for a DiT stage, else ``vllm_omni``."""
     return "vllm_omni_diffusion" if _execution(stage) == DIFFUSION else "vllm_omni"
-
-
-def refusal(declared: Any, session_mode: str = "turn") -> str | None:
-    """Why a pipeline (its ``PipelineConfig``) cannot be served as a graph of stages; None if it can.
-
-    ``llm_ar`` and ``llm_generation`` stages run on the ``vllm_omni`` family; a DiT stage on the
-    ``vllm_omni_diffusion`` family where an autoregressive stage feeds it (its declared input processor builds
-    the DiT's request from the AR's output) and it draws the image the client gets.
-    """
-    finals = {s.final_output_type for s in declared.stages if s.final_output}
-    for s in declared.stages:
-        execution = _execution(s)
-        where = f"stage {s.stage_id} ({s.model_stage})"
-        if execution == DIFFUSION:
-            upstream = [declared.get_stage(i) for i in s.input_sources]
-            if not upstream or any(kind(u) != "autoregressive" for u in upstream) or finals != {"image"}:
-                return (
-                    f"{where} is a diffusion stage; generated graphs run a DiT stage fed by an autoregressive stage, "
-                    "answering images only (a lone DiT: a hand-written vllm_omni_diffusion graph, docs/images.md)"
-                )
-            if (s.omni_kv_config or {}).get("need_recv_cache"):
-                return (
-                    f"{where} is a diffusion stage that reads its upstream's KV cache (omni_kv_config: vLLM-Omni's "
-                    "KV transfer between stages), which omni_serve's handoffs do not carry"
-                )
-            if input_processor(s) is None:
-                return f"{where} is a diffusion stage with no input processor to build its request from its upstream"
-            if any(getattr(u, "prompt_expand_func", None) for u in upstream):
-                return (
-                    f"{where} is a diffusion stage whose upstream expands each prompt into classifier-free guidance "
-                    "companion requests (prompt_expand_func), which omni_serve does not run"
-                )
-        elif kind(s) is None:
-            return (
-                f"stage {s.stage_id} ({s.model_stage}) is a {execution} stage; the vllm_omni family runs llm_ar and "
-                "llm_generation stages, the vllm_omni_diffusion family DiT stages"
-            )
-        if s.final_output and s.final_output_type not in SERVED_OUTPUTS:
-            return f"stage {s.stage_id} ({s.model_stage}) outputs {s.final_output_type!r}: no OpenAI-compatible route"
-    if session_mode != "turn":
-        return (
-            f"session_mode {session_mode!r}: full-duplex sessions run in vLLM-Omni's duplex orchestrator; "
-            "omni_serve serves turns"
-        )
-    entries = [s for s in declared.stages if not s.input_sources]
-    if len(entries) != 1:
-        return f"{len(entries)} entry stages: a graph has exactly one"
-    return None
 
 
 def entry_prompt(declared: Any) -> str:

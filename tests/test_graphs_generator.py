@@ -168,7 +168,7 @@ def every_source() -> dict[str, dict | str]:
 
 # Each reason the generator gives (omni_serve.models.vllm_omni.refusals), named by the field that decides it.
 REFUSALS = re.compile(
-    r"cannot be served: (stage \d+ \(\w+\) (is a diffusion stage|outputs '(action|actions)', robot actions"
+    r"cannot be served: (stage \d+ \(\w+\) (is a (lone )?diffusion stage|outputs '(action|actions)', robot actions"
     r"|expands each prompt into classifier-free guidance|keeps its state across its input's chunks)"
     r"|stage \d+ \(\w+\)'s input from stage \d+ exists only as async chunks"
     r"|stage \d+'s deploy settings (declare a robot policy|stream one request's output)"
@@ -189,7 +189,7 @@ def test_the_generator_covers_every_pipeline_and_every_shipped_deploy_config(eve
     made = {source: config for source, config in every_source.items() if not isinstance(config, str)}
     of_pipelines = len([s for s in made if s in registry])
     print(f"{len(made)} graphs: {of_pipelines} of {len(registry)} pipelines")
-    assert (of_pipelines, len(made) - of_pipelines) == (31, 45)
+    assert (of_pipelines, len(made) - of_pipelines) == (34, 49)
     # The counts the README and docs/models.md state are these.
     models = " ".join((ROOT / "docs" / "models.md").read_text().split())
     readme = " ".join((ROOT / "README.md").read_text().split())
@@ -234,11 +234,14 @@ def check_graph(source: str, config: dict) -> None:
             assert declared.get_stage(upstream).async_chunk_process_next_stage_input_func, (source, stage.name)
     deployments = {d["name"]: d for d in app["deployments"]}
     assert set(deployments) == {"ingress", *ids}, source
+    deploy = generator.deploy_config(generator.resolve_source(source, None)[1], "cuda")
+    by_id = {s.stage_id: s for s in deploy.stages}
     for name in ids:
         options = deployments[name]["ray_actor_options"]
         gpus = options["num_gpus"]
-        engine = graph.stage(name).engine_args.get("engine", {})
-        assert gpus >= 1 or gpus == engine["gpu_memory_utilization"], (source, name)  # shares: the deploy's
+        # Shares: the deploy's (a DiT's engine_args leave it out: vLLM-Omni's dense DiT keeps no KV budget)
+        engine = generator.deploy_settings(deploy, by_id.get(ids[name]))
+        assert gpus >= 1 or gpus == engine["gpu_memory_utilization"], (source, name)
         pins = set(options.get("resources", {}))
         pinned = pipelines.hooks(key).node_resources
         assert pins == ({pinned[name]} if pinned else set()), source
@@ -249,7 +252,11 @@ def check_graph(source: str, config: dict) -> None:
     assert ("/v1/audio/speech" in routes) == ("audio" in outputs), source
     assert ("/v1/realtime" in routes) == ("text" in outputs and Modality.AUDIO in graph.input_modalities), source
     assert ("/v1/images/generations" in routes) == ("image" in outputs), source
-    assert ("/v1/images/edits" in routes) == ("image" in outputs and Modality.IMAGE in graph.input_modalities), source
+    edits = "image" in outputs and Modality.IMAGE in graph.input_modalities
+    assert ("/v1/images/edits" in routes) == (edits and "/v1/images/edits" not in generator.refused_routes(declared)), (
+        source
+    )
+    assert ("/v1/videos" in routes) == ("video" in outputs), source
 
 
 def test_qwen3_tts_stages_are_built_from_its_declaration():
@@ -392,8 +399,7 @@ def test_glm_image_is_an_ar_stage_planning_for_a_dit():
         ("bagel", "expands each prompt into classifier-free guidance companion requests"),
         ("ming_flash_omni_image", "classifier-free guidance companion requests (prompt_expand_func)"),
         ("breeze", "classifier-free guidance companion requests (prompt_expand_func)"),
-        ("mammoth_moda2", "deploy settings ['request_batch_max_wait_ms'] have no vllm_omni_diffusion field"),
-        ("wan2_2_ti2v", "a lone DiT: a hand-written vllm_omni_diffusion graph"),
+        ("hunyuan_video_15", "a lone diffusion stage (HunyuanVideo15Pipeline, making video) with no request mapping"),
         ("pi0", "outputs 'action', robot actions: vLLM-Omni serves robot policies on its OpenPI socket"),
         ("Gr00tN1d7", "outputs 'actions', robot actions"),
         ("dreamzero", "declare a robot policy (model_config.policy_server_config)"),
@@ -414,6 +420,8 @@ def test_pipelines_that_cannot_be_served_say_why(pipeline: str, why: str):
         ("tiny_qwen3_tts_vllm_omni.yaml", "qwen3_tts", "tiny-qwen3-tts"),
         ("tiny_voxtral_tts_vllm_omni.yaml", "voxtral_tts", "tiny-voxtral-tts"),
         ("tiny_ming_flash_omni_vllm_omni.yaml", "ming_flash_omni", "tiny-ming-flash-omni"),
+        ("tiny_video.yaml", "wan2_2_ti2v", "tiny-wan2.2-ti2v"),
+        ("wan2_2_ti2v.yaml", "wan2_2_ti2v", "Wan-AI/Wan2.2-TI2V-5B-Diffusers"),
     ],
 )
 def test_tiny_graphs_are_their_generation_made_for_a_cpu(file: str, pipeline: str, model: str):
@@ -424,9 +432,41 @@ def test_tiny_graphs_are_their_generation_made_for_a_cpu(file: str, pipeline: st
     ours = _stages(yaml.safe_load((ROOT / "graphs" / file).read_text()))
     for generated, served in zip(made, ours, strict=True):
         generated, served = copy.deepcopy(generated), copy.deepcopy(served)
+        if generated["engine"] == "vllm_omni_diffusion":  # a DiT's settings are its engine_args' own: the CPU's
+            for stage in (generated, served):
+                stage["engine_args"] = {k: stage["engine_args"][k] for k in ("model", "pipeline", "stage_id")}
         for stage in (generated, served):
-            del stage["engine_args"]["engine"]
+            stage["engine_args"].pop("engine", None)
             stage.get("default_sampling", {}).pop("max_tokens", None)
         kept = served["engine_args"].pop("chunks", {}).items()
         assert kept <= generated["engine_args"].pop("chunks", {}).items(), served["name"]
         assert generated == served
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "settings"),
+    [
+        ("mammoth_moda2", {"request_batch_max_wait_ms": 20}),
+        ("ming_image", {"diffusion_compile_granularity": "regional", "diffusion_compile_dynamic": True}),
+    ],
+)
+def test_a_dits_deploy_settings_reach_vllm_omnis_diffusion_config(pipeline: str, settings: dict):
+    """vLLM-Omni's own DiT settings in a deploy config (request batching, compile mode) are the DiT stage's
+    engine_args, and reach OmniDiffusionConfig under the names it declares."""
+    from omni_serve.engines.vllm_omni.diffusion_args import EngineArgs, diffusion_config_kwargs, unknown_config_fields
+
+    dit = _stages(generator.generate(pipeline))[-1]["engine_args"]
+    assert settings.items() <= dit.items()
+    kwargs = diffusion_config_kwargs(EngineArgs(**dit))
+    assert settings.items() <= kwargs.items() and unknown_config_fields(kwargs) == []
+
+
+def test_declared_endpoint_restrictions_are_the_graphs_refused_routes():
+    """vLLM-Omni's endpoint_restrictions: MammothModa2 refuses image edits (its reason carried as the graph's
+    refused_routes); Qwen3-Omni's refusal of /v1/completions has nothing to restrict (omni_serve serves chat)."""
+    from omni_serve.models.vllm_omni import pipelines
+
+    (reason,) = generator.refused_routes(pipelines.pipeline("mammoth_moda2")).values()
+    assert generator.refused_routes(pipelines.pipeline("mammoth_moda2")) == {"/v1/images/edits": reason}
+    assert reason.startswith("MammothModa2 image editing (img2img) is not supported")
+    assert generator.refused_routes(pipelines.pipeline("qwen3_omni_moe")) == {}

@@ -10,6 +10,7 @@ omni_serve ships is in :func:`test_shipped_graphs_answer_by_their_outputs`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import wave
 from collections.abc import Iterator
@@ -59,9 +60,9 @@ def test_shipped_graphs_answer_by_their_outputs() -> None:
     assert tts.routes()[IMAGES] == "it generates no images"
 
 
-@pytest.fixture
-def tts_api(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, FakeTTS]]:
-    """The ingress's real FastAPI app and routes in process, its stages the fake TTS engine."""
+@contextlib.contextmanager
+def in_process_api(monkeypatch: pytest.MonkeyPatch, graph: dict[str, Any]) -> Iterator[tuple[Any, FakeTTS]]:
+    """The ingress's real FastAPI app and routes in process for ``graph``, its stages the fake TTS engine."""
     import ray.serve
     from starlette.testclient import TestClient
 
@@ -77,10 +78,16 @@ def tts_api(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, FakeTTS]]:
     monkeypatch.setitem(names, "RemoteStages", lambda handles: stages)
     monkeypatch.setattr(names["playground"], "configure", lambda *args: None)
     ingress = user_class.__new__(user_class)
-    asyncio.run(user_class.__init__(ingress, TTS_GRAPH, {}))
+    asyncio.run(user_class.__init__(ingress, graph, {}))
     context.servable_object = ingress
     with TestClient(module.api, base_url="http://127.0.0.1") as client:  # a Host the loopback server accepts
         yield client, stages
+
+
+@pytest.fixture
+def tts_api(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, FakeTTS]]:
+    with in_process_api(monkeypatch, TTS_GRAPH) as api:
+        yield api
 
 
 def test_a_tts_graph_speaks_and_refuses_chat_naming_why(tts_api: tuple[Any, FakeTTS]) -> None:
@@ -113,3 +120,21 @@ def test_a_tts_graph_speaks_and_refuses_chat_naming_why(tts_api: tuple[Any, Fake
         assert error["code"] == "unsupported_route" and "does not answer /v1/realtime" in error["message"]
         assert session.receive()["code"] == 1008
     assert len(stages.calls) == 3  # the refused requests ran no stage
+
+
+def test_a_route_the_model_refuses_is_a_400_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``refused_routes`` (a pipeline's declared endpoint restrictions, which generated graphs carry): the route its
+    outputs would answer is refused with the model's reason and left off the card; a route omni_serve does not
+    serve is a config error naming the field."""
+    from omni_serve.graph.config import GraphConfigError
+
+    why = "Speech only. Use /v1/audio/speech."
+    graph = {**TTS_GRAPH, "refused_routes": {VOICES: why}}
+    with in_process_api(monkeypatch, graph) as (client, stages):
+        assert client.get("/v1/models").json()["data"][0]["routes"] == [SPEECH]
+        refused = client.get(VOICES)
+        error = refused.json()["error"]
+        assert refused.status_code == 400 and error["code"] == "unsupported_route", refused.text
+        assert error["message"].endswith(f"does not answer {VOICES}: {why}") and not stages.calls
+    with pytest.raises(GraphConfigError, match="refused_routes"):
+        load_graph({**TTS_GRAPH, "refused_routes": {"/v1/completions": why}})

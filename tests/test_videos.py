@@ -77,7 +77,7 @@ def decoded(mp4: bytes) -> tuple[np.ndarray, float]:
 
 
 def video_stats(graph: Any) -> dict[str, Any]:
-    return graph.handle("video").stats.remote().result()
+    return graph.handle("dit").stats.remote().result()
 
 
 def test_create_answers_at_once_and_the_job_ends_in_an_mp4_of_the_asked_frames_and_size(client) -> None:
@@ -327,7 +327,7 @@ def test_same_frames_as_native_vllm_omni(client, native_video: str) -> None:
 def test_playground_video_tab_plays_the_job_it_made(graph, page) -> None:  # noqa: F811  - the imported fixture
     from tests.playground_browser import open_playground, report
 
-    open_playground(page, graph.base_url, ["video"])
+    open_playground(page, graph.base_url, ["dit"])
     # The job is the key's that made it: the page's key (any, the graph sets none) is the client's below.
     page.fill("#api-key", "alice")
     page.dispatch_event("#api-key", "change")

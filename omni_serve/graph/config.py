@@ -289,6 +289,11 @@ class GraphConfig(BaseModel):
         default_factory=dict,
         description="Other voice names clients may send (e.g. OpenAI's 'alloy') -> one of the graph's voices.",
     )
+    refused_routes: dict[str, str] = Field(
+        default_factory=dict,
+        description="Routes the model refuses though its outputs would answer them -> why (the 400 a request gets): "
+        "a vLLM-Omni pipeline's declared endpoint_restrictions, which generated graphs carry.",
+    )
     media_policy: MediaPolicy = Field(
         default_factory=MediaPolicy,
         description="Where media URLs in requests may point (data URLs always work; remote and local URLs only "
@@ -388,6 +393,10 @@ class GraphConfig(BaseModel):
                 f"engine_in_ingress: only a graph of one stage can run its engine in the ingress (this one has "
                 f"{len(self.stages)}: each stage of a graph scales on its own deployment)"
             )
+        # routes() reads the entry stage's engine args: only when there is something to check, so a bad engine
+        # arg is reported where engine args are checked, naming the stage.
+        if self.refused_routes and (unknown := sorted(set(self.refused_routes) - set(self.routes()))):
+            raise ValueError(f"refused_routes: {unknown} are not routes omni_serve serves ({list(self.routes())})")
         return self
 
     @property
@@ -454,7 +463,7 @@ class GraphConfig(BaseModel):
             return None if ok else why
 
         audio_in = "its entry stage takes no audio"
-        return {
+        answered = {
             "/v1/chat/completions": (
                 need(chat, not_chat)
                 # chat carries text, audio and images (an image_url part, as vLLM-Omni's chat does); not videos
@@ -473,6 +482,7 @@ class GraphConfig(BaseModel):
             ),
             "/v1/videos": need(Modality.VIDEO in out, "it generates no videos"),
         }
+        return {route: why or self.refused_routes.get(route) for route, why in answered.items()}
 
     def stages_for(self, modalities: set[Modality]) -> set[str]:
         """Stages a request must run: producers of the wanted outputs and their upstreams."""

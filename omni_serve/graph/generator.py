@@ -311,6 +311,8 @@ def generate(
     args: dict[str, Any] = {"served_model_name": model, "stages": graph_stages, "stage_timeout_s": STAGE_TIMEOUT_S}
     if hooks.voice_aliases:
         args["voice_aliases"] = dict(hooks.voice_aliases)
+    if refused := refused_routes(declared):
+        args["refused_routes"] = refused
     return {
         "proxy_location": "EveryNode",
         "http_options": dict(HTTP_OPTIONS),
@@ -325,6 +327,13 @@ def generate(
             }
         ],
     }
+
+
+def refused_routes(declared: Any) -> dict[str, str]:
+    """The pipeline's declared endpoint restrictions on routes omni_serve serves (a /v1/completions restriction
+    has nothing to restrict here: omni_serve serves chat, not completions), with vLLM-Omni's reasons."""
+    restricted = {r.capability.path: r.reason for r in declared.endpoint_restrictions}
+    return {path: reason for path, reason in restricted.items() if path != "/v1/completions"}
 
 
 def _servable(key: str, deploy_path: Path | None, platform: str) -> tuple[Any, Any]:
@@ -435,7 +444,10 @@ def _vllm_omni_stage(
 DIFFUSION_SETTINGS = (
     "dtype",
     "max_num_seqs",
+    "request_batch_max_wait_ms",
     "enforce_eager",
+    "diffusion_compile_granularity",
+    "diffusion_compile_dynamic",
     "step_execution",
     "enable_cpu_offload",
     "enable_layerwise_offload",
@@ -468,13 +480,16 @@ DIFFUSION_DEFAULTS = {
     "guidance_scale": "default_guidance_scale",
     "height": "default_height",
     "width": "default_width",
+    "num_frames": "default_num_frames",
+    "fps": "default_fps",
 }
 
 
 def _diffusion_stage(
     key: str, model: str, declared: Any, names: dict[int, str], engine: dict[str, Any], deploy_stage: Any
 ) -> dict[str, Any]:
-    """A DiT stage (``vllm_omni_diffusion``): fed by its upstream's handoff, built by its declared input processor."""
+    """A DiT stage (``vllm_omni_diffusion``): fed by its upstream's handoff, built by its declared input processor,
+    or alone (the client's requests, mapped by its pipeline class's hooks)."""
     args: dict[str, Any] = {"model": model, "pipeline": key, "stage_id": declared.stage_id}
     parallel = {k: engine[k] for k in DIFFUSION_PARALLEL if k in engine}
     if parallel:
@@ -493,7 +508,8 @@ def _diffusion_stage(
     defaults = dict((deploy_stage and deploy_stage.default_sampling_params) or {})
     args.update({field: defaults[name] for name, field in DIFFUSION_DEFAULTS.items() if name in defaults})
     stage: dict[str, Any] = {"name": names[declared.stage_id], "engine": "vllm_omni_diffusion"}
-    stage["inputs"] = [names[i] for i in declared.input_sources]
+    if declared.input_sources:
+        stage["inputs"] = [names[i] for i in declared.input_sources]
     stage["engine_args"] = args
     stage["final_output"] = declared.final_output_type
     return stage

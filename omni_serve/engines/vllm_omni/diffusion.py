@@ -11,8 +11,8 @@ SDPA attention):
 2. ``od_config.enrich_config()`` resolves the pipeline class from the checkpoint's
    ``model_index.json``; that class, what vLLM-Omni declares it makes (``get_diffusion_output_type``) and the
    stage's ``pipeline`` pick the request mapping, once
-   (:func:`omni_serve.engines.vllm_omni.diffusion_requests.requests_for`): a lone image DiT whose pipeline class
-   has hooks (Qwen-Image), any video pipeline (Wan 2.2 TI2V), or the DiT stage of a vLLM-Omni pipeline
+   (:func:`omni_serve.engines.vllm_omni.diffusion_requests.requests_for`): a lone image or video DiT whose pipeline
+   class has hooks (Qwen-Image, Wan 2.2), or the DiT stage of a vLLM-Omni pipeline fed by an upstream
    (``pipeline``, ``stage_id``: its declared ``model_arch``), whose requests its upstream makes; anything else is
    refused at start;
 3. ``DiffusionEngine.make_engine(od_config)`` builds the executor (``uni`` in-process for
@@ -56,7 +56,7 @@ from typing import Any
 from omni_serve.engines.base import StageEngine
 from omni_serve.engines.family import Family
 from omni_serve.engines.vllm_omni.diffusion_args import TINY, EngineArgs, diffusion_config_kwargs, unknown_config_fields
-from omni_serve.engines.vllm_omni.diffusion_requests import Planned, Requests, requests_for
+from omni_serve.engines.vllm_omni.diffusion_requests import PipelineRequests, Planned, Requests, requests_for
 from omni_serve.exceptions import EngineError, InvalidStageInput
 from omni_serve.payload import HandoffPayload
 from omni_serve.types import FinishReason, Modality, StageOutput, StageRequest, VideoRules
@@ -166,9 +166,10 @@ class VllmOmniDiffusionEngine(StageEngine):
 
         if self._engine is None:
             raise EngineError(f"stage {self.stage_name}: engine not started")
-        if handoff is not None and self.args.pipeline is None:
+        fed = isinstance(self._requests, PipelineRequests)  # fed by an upstream stage, not alone
+        if handoff is not None and not fed:
             raise EngineError(f"stage {self.stage_name}: a lone DiT stage takes no upstream handoff")
-        if handoff is None and self.args.pipeline is not None:
+        if handoff is None and fed:
             raise EngineError(f"stage {self.stage_name}: needs its upstream's handoff")
         assert self._requests is not None  # chosen in _launch, before the engine exists
         planned = self._requests.plan(request, handoff)

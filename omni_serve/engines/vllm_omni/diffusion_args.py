@@ -111,6 +111,16 @@ class EngineArgs(BaseModel):
         False, description="Schedule one denoising step at a time: aborts take effect at the next step."
     )
     max_num_seqs: int = Field(1, ge=1, description="Requests the engine batches into one forward.")
+    request_batch_max_wait_ms: float = Field(
+        0.0,
+        ge=0,
+        le=10_000,
+        description="How long the engine holds a request for others to batch with (max_num_seqs > 1); 0 = none.",
+    )
+    diffusion_compile_granularity: Literal["regional", "full"] = Field(
+        "regional", description="torch.compile of a DiT without its own compile setup: per block, or whole."
+    )
+    diffusion_compile_dynamic: bool = Field(True, description="Compile for dynamic shapes (sizes, frame counts).")
     enforce_eager: bool = Field(False, description="Disable torch.compile of the DiT.")
     enable_cpu_offload: bool = Field(False, description="Swap DiT and text encoder between GPU and CPU.")
     enable_layerwise_offload: bool = Field(False, description="Stream DiT blocks from CPU memory.")
@@ -135,8 +145,10 @@ class EngineArgs(BaseModel):
         None,
         pattern=r"^[A-Za-z0-9_.-]+$",
         description="The DiT stage of a vLLM-Omni pipeline (its key in OMNI_PIPELINES, e.g. glm_image), with "
-        "stage_id: each request comes from its upstream stage's handoff, built by the stage's declared input "
-        "processor (e.g. ar2diffusion). Generated graphs set it (python -m omni_serve.cli.graphs).",
+        "stage_id: a stage fed by an upstream takes each request from its upstream's handoff, built by the "
+        "stage's declared input processor (e.g. ar2diffusion); a pipeline's only stage (wan2_2_ti2v) takes the "
+        "client's, its checkpoint checked against the declaration. Generated graphs set it "
+        "(python -m omni_serve.cli.graphs).",
     )
     stage_id: int | None = Field(None, ge=0, description="This stage's id in the pipeline (with pipeline).")
     min_step_s: float = min_step_field()  # omni_serve.pacing; per denoising step (a whole forward: steps x it)
@@ -177,6 +189,9 @@ def diffusion_config_kwargs(args: EngineArgs, model: str | None = None) -> dict[
         "cache_config": args.cache.config(),
         "step_execution": args.step_execution,
         "max_num_seqs": args.max_num_seqs,
+        "request_batch_max_wait_ms": args.request_batch_max_wait_ms,
+        "diffusion_compile_granularity": args.diffusion_compile_granularity,
+        "diffusion_compile_dynamic": args.diffusion_compile_dynamic,
         "enforce_eager": args.enforce_eager,
         "enable_cpu_offload": args.enable_cpu_offload,
         "enable_layerwise_offload": args.enable_layerwise_offload,

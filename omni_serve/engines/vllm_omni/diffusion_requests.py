@@ -2,20 +2,23 @@
 
 - :class:`ImageRequests`: a lone image DiT, through its pipeline class's hooks (``ImageDitHooks``; Qwen-Image:
   :mod:`omni_serve.models.vllm_omni.qwen_image`), an editing pipeline's source image decoded by the stage;
-- :class:`VideoRequests`: a lone video DiT (Wan 2.2 TI2V), as vLLM-Omni's ``/v1/videos`` maps its form; the frames
-  it returns become an MP4 in the replica;
+- :class:`VideoRequests`: a lone video DiT, through its pipeline class's hooks (``VideoDitHooks``: how its
+  checkpoint sizes a video; Wan 2.2: :mod:`omni_serve.models.vllm_omni.wan`), as vLLM-Omni's ``/v1/videos`` maps
+  its form; the frames it returns become an MP4 in the replica;
 - :class:`PipelineRequests`: the DiT stage of a vLLM-Omni pipeline (GLM-Image), its request built from its
   upstream's handoff by the stage's declared input processor.
 
 Each turns one :class:`~omni_serve.types.StageRequest` into a :class:`Planned` engine request (``plan``) and the
 engine's finished outputs into the stage's final :class:`~omni_serve.types.StageOutput` (``reply``). A new lone
-image DiT is a hook (a pipeline class in ``pipelines.IMAGE_DITS``), not a branch here.
+DiT is a hook (a pipeline class in ``pipelines.IMAGE_DITS`` or ``pipelines.VIDEO_DITS``), not a branch here; a
+lone DiT may be a vLLM-Omni pipeline's only stage (``pipeline``, ``stage_id``: a generated graph) or a checkpoint
+alone.
 
 Video requests (:func:`video_request_fields`, pure) map :class:`~omni_serve.types.VideoParams`: size ->
 ``width``/``height``, ``num_frames``, steps, ``guidance_scale`` (classifier-free guidance, a negative prompt sent
 whenever given), ``seed`` on a CPU generator. Sizes must be multiples of the VAE's spatial factor times the
 transformer's patch and frame counts of the VAE's temporal factor plus one (both read from the checkpoint's configs
-at start, :func:`video_multiples`; Wan 2.2 TI2V: 32 and 4k + 1); vLLM-Omni rounds others down, here they are
+at start by its hook; Wan 2.2 TI2V: 32 and 4k + 1); vLLM-Omni rounds others down, here they are
 rejected (:mod:`omni_serve.models.video_params`). The frames vLLM-Omni returns ([0, 1] floats) become uint8 as its
 server rounds them and are encoded to MP4 (:func:`omni_serve.media.encode.encode_mp4`: H.264 at vLLM-Omni's
 settings, so the same frames make the same file); the file leaves the replica as its own stream item
@@ -210,25 +213,6 @@ def video_frames(video: Any) -> np.ndarray:
     return np.rint(scaled).astype(np.uint8)
 
 
-def video_multiples(model_path: str) -> tuple[int, int]:
-    """(size multiple, frame multiple) of a diffusers-layout video checkpoint: the VAE's spatial factor times the
-    transformer's spatial patch, and the VAE's temporal factor (what vLLM-Omni's Wan pipeline rounds to)."""
-    import json
-    import pathlib
-
-    root = pathlib.Path(model_path)
-    try:
-        vae = json.loads((root / "vae" / "config.json").read_text())
-        transformer = json.loads((root / "transformer" / "config.json").read_text())
-        patch = transformer["patch_size"]
-        return int(vae["scale_factor_spatial"]) * int(patch[-1]), int(vae["scale_factor_temporal"])
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as err:
-        raise EngineError(
-            f"{model_path}: cannot read the video sizes from vae/config.json (scale_factor_spatial, "
-            f"scale_factor_temporal) and transformer/config.json (patch_size): {type(err).__name__}"
-        ) from None
-
-
 @dataclasses.dataclass
 class VideoRequests:
     """A lone video DiT's requests: vLLM-Omni's ``/v1/videos`` mapping; the frames it returns, as an MP4."""
@@ -265,34 +249,40 @@ class VideoRequests:
 def requests_for(stage_name: str, args: EngineArgs, class_name: str, output_type: str, model_path: str) -> Requests:
     """The request mapping of a stage whose checkpoint has pipeline class ``class_name``, which vLLM-Omni declares to
     make ``output_type`` (``get_diffusion_output_type``); ``model_path``: the resolved checkpoint (blocking: it may
-    read configs from the hub)."""
+    read configs from the hub). A pipeline's DiT stage fed by an upstream takes its requests from the handoff; a
+    lone DiT (a pipeline's only stage, or a checkpoint alone) from the client, mapped by its class's hooks."""
     if args.pipeline is not None:
-        return PipelineRequests(stage_name, args, declaration(stage_name, args, class_name, output_type))
+        declared = declaration(stage_name, args, class_name, output_type)
+        if declared.input_sources:
+            return PipelineRequests(stage_name, args, declared)
     from omni_serve.models.vllm_omni import pipelines
 
-    hooks = pipelines.IMAGE_DITS.get(class_name) if output_type == IMAGE else None
-    if output_type != VIDEO and hooks is None:
+    image = pipelines.IMAGE_DITS.get(class_name) if output_type == IMAGE else None
+    video = pipelines.VIDEO_DITS.get(class_name) if output_type == VIDEO else None
+    if image is None and video is None:
         raise EngineError(
-            f"stage {stage_name}: {args.model} is a {class_name!r} checkpoint (vLLM-Omni: "
-            f"{output_type}); this family serves {sorted(pipelines.IMAGE_DITS)} and video pipelines"
+            f"stage {stage_name}: {args.model} is a {class_name!r} checkpoint (vLLM-Omni: {output_type}); this "
+            f"family serves the image pipelines {sorted(pipelines.IMAGE_DITS)} and the video pipelines "
+            f"{sorted(pipelines.VIDEO_DITS)}"
         )
-    edits = hooks is not None and hooks.edits
+    edits = image is not None and image.edits
     if args.image_input != edits:
         raise EngineError(
             f"stage {stage_name}: {args.model} is a {class_name!r} checkpoint: set image_input: "
             f"{str(edits).lower()} (requests to an editing pipeline carry the image to edit)"
         )
-    if hooks is None:
-        multiples = video_multiples(_local_checkpoint(model_path, args.revision))
+    if video is not None:
+        multiples = video.multiples(_local_checkpoint(model_path, args.revision))
         return VideoRequests(stage_name, video_params.rules(args, *multiples))
+    assert image is not None
     for name in ("default_width", "default_height"):
-        if getattr(args, name) % hooks.size_multiple:
-            raise EngineError(f"stage {stage_name}: {name}: must be a multiple of {hooks.size_multiple}")
-    return ImageRequests(stage_name, args, hooks)
+        if getattr(args, name) % image.size_multiple:
+            raise EngineError(f"stage {stage_name}: {name}: must be a multiple of {image.size_multiple}")
+    return ImageRequests(stage_name, args, image)
 
 
 def declaration(stage_name: str, args: EngineArgs, class_name: str, output_type: str) -> Any:
-    """A pipeline DiT stage's declaration (``StagePipelineConfig``), checked against the checkpoint."""
+    """A pipeline's DiT stage's declaration (``StagePipelineConfig``), checked against the checkpoint."""
     from omni_serve.models.vllm_omni import pipelines
 
     assert args.pipeline is not None and args.stage_id is not None  # EngineArgs checks both
@@ -301,10 +291,12 @@ def declaration(stage_name: str, args: EngineArgs, class_name: str, output_type:
     except KeyError as err:
         raise EngineError(f"stage {stage_name}: {err.args[0]}") from None
     where = f"stage {stage_name}: pipeline {args.pipeline!r} stage {args.stage_id}"
-    if pipelines.family(declared) != "vllm_omni_diffusion" or not declared.input_sources:
-        raise EngineError(f"{where} ({declared.model_stage}) is not a DiT stage fed by an upstream stage")
-    if declared.final_output_type != IMAGE or output_type != IMAGE:
+    if pipelines.family(declared) != "vllm_omni_diffusion":
+        raise EngineError(f"{where} ({declared.model_stage}) is not a DiT stage")
+    if declared.input_sources and (declared.final_output_type != IMAGE or output_type != IMAGE):
         raise EngineError(f"{where} makes {declared.final_output_type!r}; this family's pipeline stages draw images")
+    if declared.final_output_type != output_type:
+        raise EngineError(f"{where} makes {declared.final_output_type!r}; {args.model} makes {output_type!r}")
     if declared.model_arch and declared.model_arch != class_name:
         raise EngineError(f"{where} runs {declared.model_arch}; {args.model} is a {class_name!r} checkpoint")
     return declared

@@ -121,6 +121,16 @@ class PipelineHooks:
 
 
 @dataclass(frozen=True)
+class VideoDitHooks:
+    """A lone video DiT's facts that no declaration says: how its checkpoint sizes a video (vLLM-Omni's
+    ``/v1/videos`` mapping of the request is one for every video pipeline)."""
+
+    # The checkpoint directory -> (pixel size multiple, frame count multiple): what its pipeline rounds sizes and
+    # frame counts to (omni_serve refuses others with a 400 instead).
+    multiples: Callable[[str], tuple[int, int]]
+
+
+@dataclass(frozen=True)
 class ImageDitHooks:
     """A lone image DiT's request mapping: what vLLM-Omni's images API does for its pipeline class (the checkpoint's
     ``model_index.json`` ``_class_name``) and no declaration says."""

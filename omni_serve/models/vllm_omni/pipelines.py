@@ -17,8 +17,8 @@ import logging
 import sys
 from typing import Any
 
-from omni_serve.models.vllm_omni import glm_image, qwen3_tts, qwen_image, qwen_omni, voxtral_tts
-from omni_serve.models.vllm_omni.hooks import ImageDitHooks, PipelineHooks
+from omni_serve.models.vllm_omni import glm_image, qwen3_tts, qwen_image, qwen_omni, voxtral_tts, wan
+from omni_serve.models.vllm_omni.hooks import ImageDitHooks, PipelineHooks, VideoDitHooks
 
 # Per-model hooks, by pipeline (model type). A pipeline not listed needs none.
 HOOKS: dict[str, PipelineHooks] = {
@@ -27,14 +27,17 @@ HOOKS: dict[str, PipelineHooks] = {
     "qwen3_tts": qwen3_tts.QWEN3_TTS,
     "voxtral_tts": voxtral_tts.VOXTRAL_TTS,
     "glm_image": glm_image.GLM_IMAGE,
+    "wan2_2_ti2v": wan.WAN2_2_TI2V,
 }
-# Lone image DiTs (no pipeline around them), by their checkpoint's pipeline class (model_index.json
-# ``_class_name``): the ones whose request mapping omni_serve implements. Video DiTs need none (vLLM-Omni's
-# /v1/videos mapping is one for every pipeline it declares a video maker).
+# Lone DiTs (no stage before them), by their checkpoint's pipeline class (model_index.json ``_class_name``, a
+# declaration's model_arch): the ones whose request mapping omni_serve implements. An image DiT's mapping is per
+# pipeline class (vLLM-Omni's images server); a video DiT's is vLLM-Omni's one /v1/videos mapping, given how its
+# checkpoint sizes a video.
 IMAGE_DITS: dict[str, ImageDitHooks] = {
     "QwenImagePipeline": qwen_image.QWEN_IMAGE,
     "QwenImageEditPipeline": qwen_image.QWEN_IMAGE_EDIT,
 }
+VIDEO_DITS: dict[str, VideoDitHooks] = {"WanPipeline": wan.WAN}
 
 # The execution types omni_serve's vllm_omni family runs, and the engine kind for each.
 KINDS = {"llm_ar": "autoregressive", "llm_generation": "generation"}

@@ -107,16 +107,26 @@ def _kind(declared: Any, deploy: Any, s: Any) -> str | None:
 
 
 def _diffusion(declared: Any, deploy: Any, s: Any) -> str | None:
-    """A DiT stage is served where an autoregressive stage feeds it (its declared input processor builds the DiT's
-    request from the AR's output) and it draws the image the client gets."""
+    """A DiT stage is served alone where its pipeline class has a request mapping (a hook: lone image and video
+    DiTs), or where an autoregressive stage feeds it (its declared input processor builds the DiT's request from
+    the AR's output) and it draws the image the client gets."""
     if pipelines.family(s) != "vllm_omni_diffusion":
         return None
+    if not s.input_sources:
+        arch = s.model_arch or declared.model_arch
+        mapped: dict[str, set[str]] = {"image": set(pipelines.IMAGE_DITS), "video": set(pipelines.VIDEO_DITS)}
+        if arch in mapped.get(s.final_output_type, set()):
+            return None
+        return (
+            f" is a lone diffusion stage ({arch}, making {s.final_output_type}) with no request mapping yet: lone "
+            "DiTs are served by their pipeline class's hooks (pipelines.IMAGE_DITS, pipelines.VIDEO_DITS)"
+        )
     upstream = [declared.get_stage(i) for i in s.input_sources]
     finals = {t.final_output_type for t in declared.stages if t.final_output}
-    if not upstream or any(pipelines.kind(u) != "autoregressive" for u in upstream) or finals != {"image"}:
+    if any(pipelines.kind(u) != "autoregressive" for u in upstream) or finals != {"image"}:
         return (
             " is a diffusion stage; generated graphs run a DiT stage fed by an autoregressive stage, answering "
-            "images only (a lone DiT: a hand-written vllm_omni_diffusion graph, docs/images.md)"
+            "images only"
         )
     if (s.omni_kv_config or {}).get("need_recv_cache"):
         return (

@@ -288,6 +288,8 @@ def soak(args: argparse.Namespace, url: str, driver: bool) -> int:
         asyncio.run(hostile.realtime_abuse(ws_url, limits, time.monotonic() + 3))
     settle()
     pids = replicas()
+    if driver:  # this cluster's replicas: their allocators trimmed before each reading (hostile.trim_replicas)
+        hostile.trim_replicas()
     rss_before = hostile.replica_rss(pids)
     failures: dict[str, list[str]] = {}
     rows: list[dict[str, Any]] = []
@@ -310,6 +312,8 @@ def soak(args: argparse.Namespace, url: str, driver: bool) -> int:
         for check, found in result.failures(limits).items():
             failures.setdefault(check, []).extend(found)
         settle()
+    if driver:
+        hostile.trim_replicas()
     rss_after = hostile.replica_rss(pids)
     for victim in victims:
         victim.take("after")

@@ -14,7 +14,9 @@ their first; every cross-site post is refused with 403 and runs no stage; the re
 answer to every event, no close but a documented limit, and answers within its byte budget (no echo
 amplification); every new-schema chat is served; no call hangs; and once the graph settled, the memory
 of every replica (ingress and stages) is where it was before the soak, within :data:`RSS_TOLERANCE`
-(the thinker's compiled-grammar cache bounded small for it: :data:`GRAMMAR_CACHE_MB`).
+(the thinker's compiled-grammar cache bounded small for it: :data:`GRAMMAR_CACHE_MB`), each replica's allocator
+trimmed before both readings (tests/hostile.py's ``trim_replicas``: what it frees but keeps for reuse is not
+growth; what it still refers to is).
 
 The baseline is taken after a warm-up that ran each abuser once (the largest update and a few echoes,
 one round of forms, one schema), so what a first use allocates for good (a parser, a compiler, the
@@ -101,6 +103,7 @@ def soaked(graph: Any) -> Soaked:
     settle(graph, stages)
     census = hostile.Census(graph.address)
     pids = hostile.replica_pids()
+    hostile.trim_replicas()
     rss_before = hostile.replica_rss(pids)
     soak = hostile.run_soak(graph.base_url, card, LIMITS, SOAK_S, targets)
     settle(graph, stages)
@@ -115,6 +118,7 @@ def soaked(graph: Any) -> Soaked:
         left = census.left()
     # Steady to 8 MiB: what a replica frees after its last request (a reply's buffers) is not growth.
     hostile.wait_steady(lambda: {k: v >> 23 for k, v in hostile.replica_rss(pids).items()}, 2, 60, "replicas' memory")
+    hostile.trim_replicas()
     rss_after = hostile.replica_rss(pids)
     for victim in targets:
         victim.take("after")

@@ -12,7 +12,7 @@ with one fixed replica a stage behind Serve's HAProxy ingress (as ``make serve``
 request, by the route the family's users call:
 
 - a TTS family: ``/v1/audio/speech`` with a preset voice, raw PCM (``stream: true``, ``stream_format: "audio"``:
-  both servers' fields); a seed gives both servers the same frames (tests/test_qwen3_tts_oracle.py; Voxtral's
+  both servers' fields); a seed gives both servers the same frames (tests/test_qwen3_tts_cpu.py; Voxtral's
   tiny checkpoint gives the same frames whatever the seed: tests/test_voxtral_tts_cpu.py): each request's two
   replies are checked to be the same length;
 - a speech-to-speech family (Ming-flash-omni): ``/v1/chat/completions`` with text and audio out, the thinker's

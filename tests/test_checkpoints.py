@@ -12,6 +12,7 @@ import pytest
 from omni_serve import checkpoints
 from omni_serve.checkpoints import (
     tiny_glm_image,
+    tiny_hunyuan_video_15,
     tiny_image,
     tiny_llm,
     tiny_ming_flash_omni,
@@ -37,6 +38,8 @@ def test_registry_names_each_builder_once() -> None:
         "tiny-qwen-image-edit",
         "tiny-qwen3",
         "tiny-wan2.2-ti2v",
+        "tiny-hunyuan-video-1.5",
+        "tiny-hunyuan-video-1.5-i2v",
         "tiny-glm-image",
         "tiny-qwen3-tts",
         "tiny-voxtral-tts",
@@ -49,6 +52,8 @@ def test_registry_names_each_builder_once() -> None:
         tiny_image.TINY_EDIT_NAME,
         tiny_llm.TINY_LLM_NAME,
         tiny_wan.TINY_NAME,
+        tiny_hunyuan_video_15.TINY_NAME,
+        tiny_hunyuan_video_15.TINY_I2V_NAME,
         tiny_glm_image.TINY_NAME,
         tiny_qwen3_tts.TINY_NAME,
         tiny_voxtral_tts.TINY_NAME,

@@ -65,6 +65,18 @@ CHECKPOINTS: dict[str, TinyCheckpoint] = {
             "Wan 2.2 TI2V text-to-video (diffusers layout) for the vllm_omni_diffusion engine",
         ),
         TinyCheckpoint(
+            "tiny-hunyuan-video-1.5",
+            "omni_serve.checkpoints.tiny_hunyuan_video_15",
+            "ensure_tiny_hunyuan_video_15",
+            "HunyuanVideo-1.5 text-to-video (diffusers layout) for the vllm_omni_diffusion engine",
+        ),
+        TinyCheckpoint(
+            "tiny-hunyuan-video-1.5-i2v",
+            "omni_serve.checkpoints.tiny_hunyuan_video_15",
+            "ensure_tiny_hunyuan_video_15_i2v",
+            "HunyuanVideo-1.5 image-to-video (the same weights, plus SigLIP) for the vllm_omni_diffusion engine",
+        ),
+        TinyCheckpoint(
             "tiny-glm-image",
             "omni_serve.checkpoints.tiny_glm_image",
             "ensure_tiny_glm_image",

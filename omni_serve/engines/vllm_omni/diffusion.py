@@ -187,7 +187,7 @@ class VllmOmniDiffusionEngine(StageEngine):
                         yield StageOutput(stage=self.stage_name, progress=progress)
                     elif output.finished:
                         call.finish()
-                        finished = list(output.images)
+                        finished = self._requests.outputs(output.images)
             except DiffusionRequestAbortedError:
                 call.finish()  # aborted through abort(): nothing left to free
                 yield StageOutput(stage=self.stage_name, finished=True, finish_reason=FinishReason.ABORT)

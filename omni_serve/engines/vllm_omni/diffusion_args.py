@@ -138,8 +138,9 @@ class EngineArgs(BaseModel):
     max_frames: int = Field(241, ge=1, description="Video: most frames a request may ask for.")
     image_input: bool = Field(
         False,
-        description="The pipeline edits images (Qwen-Image-Edit): every request carries one source image "
-        "(/v1/images/edits, or an image part in chat), which the stage decodes; must match the checkpoint.",
+        description="The pipeline edits images (Qwen-Image-Edit) or animates one (HunyuanVideo-1.5 image-to-video): "
+        "every request carries one source image (/v1/images/edits, or an image part in chat), which the stage "
+        "decodes; must match the checkpoint.",
     )
     pipeline: str | None = Field(
         None,

@@ -3,8 +3,10 @@
 - :class:`ImageRequests`: a lone image DiT, through its pipeline class's hooks (``ImageDitHooks``; Qwen-Image:
   :mod:`omni_serve.models.vllm_omni.qwen_image`), an editing pipeline's source image decoded by the stage;
 - :class:`VideoRequests`: a lone video DiT, through its pipeline class's hooks (``VideoDitHooks``: how its
-  checkpoint sizes a video; Wan 2.2: :mod:`omni_serve.models.vllm_omni.wan`), as vLLM-Omni's ``/v1/videos`` maps
-  its form; the frames it returns become an MP4 in the replica;
+  checkpoint sizes a video, whether it animates an image; Wan 2.2: :mod:`omni_serve.models.vllm_omni.wan`,
+  HunyuanVideo-1.5: :mod:`omni_serve.models.vllm_omni.hunyuan_video`), as vLLM-Omni's ``/v1/videos`` maps its form
+  (an image-to-video pipeline's image as the prompt's ``multi_modal_data``); the frames it returns become an MP4 in
+  the replica;
 - :class:`PipelineRequests`: the DiT stage of a vLLM-Omni pipeline (GLM-Image), its request built from its
   upstream's handoff by the stage's declared input processor.
 
@@ -71,7 +73,29 @@ class Requests(Protocol):
 
     def plan(self, request: StageRequest, handoff: HandoffPayload | None) -> Planned: ...
 
+    def outputs(self, images: list[Any]) -> list[Any]:
+        """The request's outputs in a finished engine output's ``images`` (one per image, or per video)."""
+
     async def reply(self, planned: Planned, outputs: list[Any]) -> StageOutput: ...
+
+
+def source_image(stage_name: str, request: StageRequest, takes_image: bool, does: str) -> np.ndarray | None:
+    """The one source image of a stage that takes one (decoded by the stage from the request's image part: the image
+    an editing pipeline edits, ``does`` "edits", or an image-to-video pipeline animates); None for the others."""
+    from omni_serve.media.inputs import Image
+
+    media = request.media or []
+    if not takes_image:
+        if media:
+            raise InvalidStageInput(f"messages: stage {stage_name} takes no images", param="messages")
+        return None
+    images = [item.pixels for item in media if isinstance(item, Image)]
+    if len(images) != 1 or len(media) != 1:
+        raise InvalidStageInput(
+            f"image: stage {stage_name} {does} exactly one image per request (got {len(media)} media item(s))",
+            param="image",
+        )
+    return images[0]
 
 
 def image_arrays(images: list[Any]) -> list[np.ndarray]:
@@ -113,25 +137,14 @@ class ImageRequests:
             text_prompt["multi_modal_data"] = {"image": Image.fromarray(source)}
         return Planned(text_prompt, sampling, expected=params.n)
 
+    def outputs(self, images: list[Any]) -> list[Any]:
+        return list(images)
+
     async def reply(self, planned: Planned, outputs: list[Any]) -> StageOutput:
         return images_output(self.stage_name, outputs)
 
     def _source_image(self, request: StageRequest) -> np.ndarray | None:
-        """An editing stage's one source image (decoded by the stage from the request's image part); None otherwise."""
-        from omni_serve.media.inputs import Image
-
-        media = request.media or []
-        if not self.args.image_input:
-            if media:
-                raise InvalidStageInput(f"messages: stage {self.stage_name} takes no images", param="messages")
-            return None
-        images = [item.pixels for item in media if isinstance(item, Image)]
-        if len(images) != 1 or len(media) != 1:
-            raise InvalidStageInput(
-                f"image: stage {self.stage_name} edits exactly one image per request (got {len(media)} media item(s))",
-                param="image",
-            )
-        return images[0]
+        return source_image(self.stage_name, request, self.args.image_input, "edits")
 
 
 @dataclasses.dataclass
@@ -171,6 +184,9 @@ class PipelineRequests:
         }
         return Planned(prompt, sampling)
 
+    def outputs(self, images: list[Any]) -> list[Any]:
+        return list(images)
+
     async def reply(self, planned: Planned, outputs: list[Any]) -> StageOutput:
         return images_output(self.stage_name, outputs)
 
@@ -193,6 +209,21 @@ def video_request_fields(prompt: str, params: VideoParams) -> tuple[dict[str, An
         "emit_request_lifecycle": True,
     }
     return text_prompt, sampling
+
+
+def videos_of(images: list[Any]) -> list[Any]:
+    """The videos in a finished engine output's ``images``, as vLLM-Omni's ``/v1/videos`` reads them
+    (``OmniOpenAIServingVideo._normalize_video_outputs``): one array per video (T, H, W, 3), batches of them
+    ([B,] T, H, W, 3: Wan 2.2's), or one video as its frames (PIL images or H, W, 3 arrays: HunyuanVideo-1.5's
+    post-processing returns PIL frames), stacked into one array."""
+    if not images:
+        return []
+    ndim = getattr(images[0], "ndim", None)
+    if ndim == 5:
+        return [video[i] for video in images for i in range(video.shape[0])]
+    if ndim is None or ndim == 3:
+        return [np.stack([np.asarray(frame) for frame in images])]
+    return list(images)
 
 
 def video_frames(video: Any) -> np.ndarray:
@@ -219,13 +250,22 @@ class VideoRequests:
 
     stage_name: str
     video_rules: VideoRules
+    image_to_video: bool = False  # each request carries the one image its pipeline animates (VideoDitHooks)
 
     def plan(self, request: StageRequest, handoff: HandoffPayload | None) -> Planned:
         if request.image is not None:
             raise InvalidStageInput(f"model: stage {self.stage_name} makes videos, not images", param="model")
+        source = source_image(self.stage_name, request, self.image_to_video, "animates")
         video = video_params.resolve_video_params(request, self.video_rules)
         text_prompt, sampling = video_request_fields(prompt_of(request), video)
+        if source is not None:  # as vLLM-Omni's /v1/videos passes input_reference
+            from PIL import Image
+
+            text_prompt["multi_modal_data"] = {"image": Image.fromarray(source)}
         return Planned(text_prompt, sampling, video=video)
+
+    def outputs(self, images: list[Any]) -> list[Any]:
+        return videos_of(images)
 
     async def reply(self, planned: Planned, outputs: list[Any]) -> StageOutput:
         video = planned.video
@@ -265,15 +305,15 @@ def requests_for(stage_name: str, args: EngineArgs, class_name: str, output_type
             f"family serves the image pipelines {sorted(pipelines.IMAGE_DITS)} and the video pipelines "
             f"{sorted(pipelines.VIDEO_DITS)}"
         )
-    edits = image is not None and image.edits
-    if args.image_input != edits:
+    takes_image = image.edits if image is not None else video is not None and video.image_to_video
+    if args.image_input != takes_image:
         raise EngineError(
             f"stage {stage_name}: {args.model} is a {class_name!r} checkpoint: set image_input: "
-            f"{str(edits).lower()} (requests to an editing pipeline carry the image to edit)"
+            f"{str(takes_image).lower()} (requests to an editing or image-to-video pipeline carry their image)"
         )
     if video is not None:
         multiples = video.multiples(_local_checkpoint(model_path, args.revision))
-        return VideoRequests(stage_name, video_params.rules(args, *multiples))
+        return VideoRequests(stage_name, video_params.rules(args, *multiples), video.image_to_video)
     assert image is not None
     for name in ("default_width", "default_height"):
         if getattr(args, name) % image.size_multiple:

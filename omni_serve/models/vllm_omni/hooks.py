@@ -128,6 +128,10 @@ class VideoDitHooks:
     # The checkpoint directory -> (pixel size multiple, frame count multiple): what its pipeline rounds sizes and
     # frame counts to (omni_serve refuses others with a 400 instead).
     multiples: Callable[[str], tuple[int, int]]
+    # The pipeline animates an image (HunyuanVideo-1.5's image-to-video class): every request carries one input image
+    # (vLLM-Omni's /v1/videos ``input_reference``), sent as the prompt's ``multi_modal_data["image"]``;
+    # ``engine_args.image_input`` must say so.
+    image_to_video: bool = False
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import logging
 import sys
 from typing import Any
 
-from omni_serve.models.vllm_omni import glm_image, qwen3_tts, qwen_image, qwen_omni, voxtral_tts, wan
+from omni_serve.models.vllm_omni import glm_image, hunyuan_video, qwen3_tts, qwen_image, qwen_omni, voxtral_tts, wan
 from omni_serve.models.vllm_omni.hooks import ImageDitHooks, PipelineHooks, VideoDitHooks
 
 # Per-model hooks, by pipeline (model type). A pipeline not listed needs none.
@@ -28,6 +28,7 @@ HOOKS: dict[str, PipelineHooks] = {
     "voxtral_tts": voxtral_tts.VOXTRAL_TTS,
     "glm_image": glm_image.GLM_IMAGE,
     "wan2_2_ti2v": wan.WAN2_2_TI2V,
+    "hunyuan_video_15": hunyuan_video.HUNYUAN_VIDEO_15_PIPELINE,
 }
 # Lone DiTs (no stage before them), by their checkpoint's pipeline class (model_index.json ``_class_name``, a
 # declaration's model_arch): the ones whose request mapping omni_serve implements. An image DiT's mapping is per
@@ -37,7 +38,11 @@ IMAGE_DITS: dict[str, ImageDitHooks] = {
     "QwenImagePipeline": qwen_image.QWEN_IMAGE,
     "QwenImageEditPipeline": qwen_image.QWEN_IMAGE_EDIT,
 }
-VIDEO_DITS: dict[str, VideoDitHooks] = {"WanPipeline": wan.WAN}
+VIDEO_DITS: dict[str, VideoDitHooks] = {
+    "WanPipeline": wan.WAN,
+    "HunyuanVideo15Pipeline": hunyuan_video.HUNYUAN_VIDEO_15,
+    "HunyuanVideo15ImageToVideoPipeline": hunyuan_video.HUNYUAN_VIDEO_15_I2V,
+}
 
 # The execution types omni_serve's vllm_omni family runs, and the engine kind for each.
 KINDS = {"llm_ar": "autoregressive", "llm_generation": "generation"}

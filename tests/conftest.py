@@ -342,6 +342,19 @@ def graphs(ray_cluster: str) -> Graphs:
     return Graphs(ray_cluster)
 
 
+@pytest.fixture(scope="module")
+def graph(deployed: tuple[Graphs, Any]) -> Graphs:
+    """The graph of a module that deploys it beside native vLLM-Omni (its ``deployed`` fixture, from
+    :meth:`Graphs.own_beside`: the graph, native's replies); a module deploying its graph alone defines its own."""
+    return deployed[0]
+
+
+@pytest.fixture(scope="module")
+def oracle(deployed: tuple[Graphs, Any]) -> Any:
+    """Native vLLM-Omni's replies beside such a module's graph (see :func:`graph`)."""
+    return deployed[1]
+
+
 @contextlib.contextmanager
 def serve_driver(address: str) -> Iterator[None]:
     """This process as the driver of the cluster at ``address``; on leaving, Serve shut down, then the driver."""

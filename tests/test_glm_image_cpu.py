@@ -64,16 +64,6 @@ def deployed(graphs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple
 
 
 @pytest.fixture(scope="module")
-def graph(deployed: tuple[Any, dict[str, bytes]]) -> Any:
-    return deployed[0]
-
-
-@pytest.fixture(scope="module")
-def oracle(deployed: tuple[Any, dict[str, bytes]]) -> dict[str, bytes]:
-    return deployed[1]
-
-
-@pytest.fixture(scope="module")
 def client(graph: Any) -> Any:
     from openai import OpenAI
 

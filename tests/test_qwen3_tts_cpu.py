@@ -80,16 +80,6 @@ def deployed(graphs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple
         yield deployed
 
 
-@pytest.fixture(scope="module")
-def graph(deployed: tuple[Any, dict[str, bytes]]) -> Any:
-    return deployed[0]
-
-
-@pytest.fixture(scope="module")
-def oracle(deployed: tuple[Any, dict[str, bytes]]) -> dict[str, bytes]:
-    return deployed[1]
-
-
 def samples(graph: Any, **fields: Any) -> np.ndarray:
     return tts_properties.samples(graph, SPEAKER, **fields)
 

@@ -109,16 +109,6 @@ def deployed(graphs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple
 
 
 @pytest.fixture(scope="module")
-def graph(deployed: tuple[Any, dict[str, Any]]) -> Any:
-    return deployed[0]
-
-
-@pytest.fixture(scope="module")
-def oracle(deployed: tuple[Any, dict[str, Any]]) -> dict[str, Any]:
-    return deployed[1]
-
-
-@pytest.fixture(scope="module")
 def client(graph) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{graph.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
 

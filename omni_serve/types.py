@@ -248,6 +248,8 @@ class VideoRules(BaseModel):
     max_pixels: int
     max_frames: int
     max_inference_steps: int
+    # The stage animates an image (image-to-video): every job carries one (``input_reference``), none otherwise.
+    takes_image: bool = False
 
 
 @dataclass

@@ -128,9 +128,11 @@ def chat_edit(url: str, prompt: str, image: bytes, extra: dict[str, Any]) -> lis
     return [base64.b64decode(part["image_url"]["url"].split(",", 1)[1]) for part in parts]
 
 
-def video(url: str, form: dict[str, Any], timeout_s: float = 600) -> bytes:
-    """Native ``/v1/videos``: create the job (multipart form, as OpenAI's client sends it), wait, download the MP4."""
-    fields = {k: (None, str(v)) for k, v in form.items()}
+def video(url: str, form: dict[str, Any], timeout_s: float = 600, files: dict[str, bytes] | None = None) -> bytes:
+    """Native ``/v1/videos``: create the job (multipart form, as OpenAI's client sends it, with ``files``: an
+    image-to-video pipeline's ``input_reference``), wait, download the MP4."""
+    fields: dict[str, Any] = {k: (None, str(v)) for k, v in form.items()}
+    fields.update({name: (name, data) for name, data in (files or {}).items()})
     created = httpx.post(f"{url}/v1/videos", files=fields, timeout=60)
     created.raise_for_status()
     video_id = created.json()["id"]

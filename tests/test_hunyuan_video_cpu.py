@@ -6,8 +6,8 @@ engine as a list of frames, read as vLLM-Omni's server reads it.
 
 The oracle is native vLLM-Omni's ``/v1/videos`` on the same tiny checkpoint (``tiny-hunyuan-video-1.5``), started
 beside the graph's deploy and stopped after its reply: for a seed, the same MP4, byte for byte (same engine, same
-platform, the same form fields, frames rounded and encoded alike). Text-to-video only over HTTP: the image-to-video
-checkpoint runs on the engine (tests/test_tiny_hunyuan_video.py), its ``input_reference`` not yet taken by the API.
+platform, the same form fields, frames rounded and encoded alike). Image-to-video, its own checkpoint class, is
+tests/test_hunyuan_video_i2v_cpu.py's.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def deployed(graphs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple
 
 
 @pytest.fixture(scope="module")
-def client(deployed: tuple[Any, bytes]) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{deployed[0].base_url}/v1", api_key="alice", max_retries=0, timeout=120)
+def client(graph: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{graph.base_url}/v1", api_key="alice", max_retries=0, timeout=120)
 
 
 def video(client: openai.OpenAI, **ask: Any) -> bytes:
@@ -80,8 +80,8 @@ def test_a_job_ends_in_an_mp4_of_the_asked_frames_and_size(client: openai.OpenAI
     assert frames.shape == (5, 16, 32, 3)
 
 
-def test_same_mp4_as_native_vllm_omni_for_a_seed(client: openai.OpenAI, deployed: tuple[Any, bytes]) -> None:
-    ours, native = video(client), deployed[1]
+def test_same_mp4_as_native_vllm_omni_for_a_seed(client: openai.OpenAI, oracle: bytes) -> None:
+    ours, native = video(client), oracle
     (our_frames, our_fps), (native_frames, native_fps) = decoded(ours), decoded(native)
     assert our_frames.shape == native_frames.shape == (9, 32, 48, 3) and our_fps == native_fps == 8
     assert np.array_equal(our_frames, native_frames)
@@ -98,15 +98,14 @@ def test_same_seed_same_video_other_seed_another(client: openai.OpenAI) -> None:
     [
         ({"size": "40x32"}, "size"),  # not a multiple of 16 (its VAE's): vLLM-Omni would round it down
         ({"num_frames": 8}, "num_frames"),  # not 4k + 1 (its VAE's 4x in time): vLLM-Omni would round it down
-        ({"input_reference": "x"}, "input_reference"),  # a text-to-video checkpoint animates no image
+        ({"input_reference": b"\x89PNG"}, "input_reference"),  # an image upload: text-to-video would ignore it
     ],
 )
 def test_what_the_model_would_round_or_ignore_is_a_400_naming_the_field(
-    deployed: tuple[Any, bytes], ask: dict[str, Any], field: str
+    graph: Any, ask: dict[str, Any], field: str
 ) -> None:
     form = {"model": MODEL, **FORM, **ask}
-    reply = httpx.post(
-        f"{deployed[0].base_url}/v1/videos", files={k: (None, str(v)) for k, v in form.items()}, timeout=60
-    )
+    files = {k: (k, v) if isinstance(v, bytes) else (None, str(v)) for k, v in form.items()}
+    reply = httpx.post(f"{graph.base_url}/v1/videos", files=files, timeout=60)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == field, reply.text

@@ -18,7 +18,7 @@ import pytest
 from ray.serve.exceptions import BackPressureError
 
 from omni_serve.api.openai.errors import APIError
-from omni_serve.api.openai.videos import VideoCreateRequest, VideoJob, job_error, refuse_files
+from omni_serve.api.openai.videos import VideoCreateRequest, VideoJob, input_reference, job_error
 from omni_serve.api.video_jobs import (
     VideoJobs,
     actor_key_in,
@@ -32,11 +32,14 @@ from omni_serve.api.video_jobs import (
 from omni_serve.exceptions import InvalidStageInput
 from omni_serve.graph.request import OmniRequest
 from omni_serve.graph.transport import StageTransport
-from omni_serve.types import FinishReason, Modality, SamplingParams, StageOutput, StageRequest, VideoParams
+from omni_serve.types import FinishReason, Modality, SamplingParams, StageOutput, StageRequest, VideoParams, VideoRules
 
 KEY = "ab" * 16
 PARAMS = VideoParams(width=64, height=64, num_frames=9, fps=8, num_inference_steps=2, guidance_scale=4.0)
 BOUND = mp4_bound(PARAMS)  # what a job in flight counts against max_bytes
+RULES = VideoRules(
+    defaults=PARAMS, size_multiple=32, frame_multiple=4, max_pixels=65536, max_frames=33, max_inference_steps=200
+)
 GRAPH: dict[str, Any] = {
     "served_model_name": "v",
     "videos": {"max_jobs": 3, "max_bytes": 3 * BOUND, "ttl_s": 1.0},
@@ -226,8 +229,14 @@ def test_form_fields_map_to_video_params() -> None:
     assert (params.width, params.height, params.num_frames, params.fps) == (96, 64, 33, 16)  # 2 s x 16 fps + 1
     explicit = VideoCreateRequest.model_validate({"prompt": "p", "seconds": "2", "num_frames": "9", "fps": "8"})
     assert (explicit.video_params(defaults).num_frames, explicit.video_params(defaults).fps) == (9, 8)
-    with pytest.raises(APIError, match="input_reference"):
-        refuse_files({"input_reference": b"png"})
+    text_to_video, image_to_video = RULES, RULES.model_copy(update={"takes_image": True})
+    assert input_reference({}, text_to_video) is None and input_reference({"input_reference": b"png"}, image_to_video)
+    for files, rules in (({"input_reference": b"png"}, text_to_video), ({}, image_to_video)):
+        with pytest.raises(APIError, match="input_reference") as refused:
+            input_reference(files, rules)
+        assert refused.value.param == "input_reference"
+    with pytest.raises(APIError, match="mask: unknown field"):
+        input_reference({"mask": b"png"}, image_to_video)
     assert job_error(APIError(400, "size: no", type="invalid_request_error", param="size"))["param"] == "size"
 
 

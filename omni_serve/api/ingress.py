@@ -52,7 +52,7 @@ from omni_serve.api.openai.images import (
 )
 from omni_serve.api.openai.speech import SpeechRequest, speech_request
 from omni_serve.api.openai.transcriptions import TranscriptionRequest, audio_file, transcription_request
-from omni_serve.api.openai.videos import VideoCreateRequest, list_query, refuse_files, video_request
+from omni_serve.api.openai.videos import VideoCreateRequest, input_reference, list_query, video_request
 from omni_serve.api.openai.voices import voices_json
 from omni_serve.api.realtime.admission import Sessions
 from omni_serve.api.realtime.connection import serve_session
@@ -334,9 +334,15 @@ class Ingress:
         self.context.check_auth(request)
         check_json_or_form(request.headers.get("content-type"))  # the 415 first, as on every POST route
         owner = self._video_owner(request)
-        body = await read_json_or_form(request, self.graph.max_request_bytes, VideoCreateRequest, refuse_files)
+        files: dict[str, bytes] = {}
+        body = await read_json_or_form(request, self.graph.max_request_bytes, VideoCreateRequest, files.update)
         self.context.check_model(body.model, "/v1/videos")
-        omni, job = video_request(body, await self.videos.rules(), owner, request, self.context)
+        rules = await self.videos.rules()
+        reference = input_reference(files, rules)
+        image = None
+        if reference is not None:
+            image, _ = upload(reference, "image", "input_reference", self.graph.media_input.max_bytes)
+        omni, job = video_request(body, image, rules, owner, request, self.context)
         return JSONResponse(await self.videos.create(job, omni))
 
     async def videos_retrieve(self, video_id: str, request: Request) -> JSONResponse:

@@ -33,8 +33,9 @@ class VideoLimits(Protocol):
     max_inference_steps: int
 
 
-def rules(limits: VideoLimits, size_multiple: int, frame_multiple: int) -> VideoRules:
-    """A stage's rules: its engine args' defaults and maxima, the checkpoint's multiples."""
+def rules(limits: VideoLimits, size_multiple: int, frame_multiple: int, takes_image: bool = False) -> VideoRules:
+    """A stage's rules: its engine args' defaults and maxima, the checkpoint's multiples, whether it animates an
+    image."""
     defaults = VideoParams(
         width=limits.default_width,
         height=limits.default_height,
@@ -50,6 +51,7 @@ def rules(limits: VideoLimits, size_multiple: int, frame_multiple: int) -> Video
         max_pixels=limits.max_pixels,
         max_frames=limits.max_frames,
         max_inference_steps=limits.max_inference_steps,
+        takes_image=takes_image,
     )
 
 

@@ -4,7 +4,9 @@ Pure models and builders (importable without Ray); the job runs in :mod:`omni_se
 The form is OpenAI's (``prompt``, ``model``, ``seconds``, ``size``; the official client sends it as
 multipart) plus the generation fields vLLM-Omni's ``/v1/videos`` takes under the same names
 (``num_frames``, ``fps``, ``num_inference_steps``, ``guidance_scale``, ``negative_prompt``, ``seed``).
-``input_reference`` (image-to-video) is refused: the served graphs generate from text. The frame count
+``input_reference`` (OpenAI's image-to-video upload) is the image a stage that animates one takes (vLLM-Omni's
+``/v1/videos`` passes it to the pipeline the same way), a chat image part by another name, required there and
+refused elsewhere. The frame count
 is ``num_frames``, or ``seconds`` x ``fps`` + 1 (the frames spanning that many seconds); the stage
 checks it against what the model can make (Wan 2.2: 4k + 1) and refuses the rest naming the field.
 """
@@ -22,7 +24,7 @@ from pydantic import Field, field_validator
 from omni_serve.api.openai.errors import APIError, bad_request
 from omni_serve.api.openai.messages import FORM, _Strict, not_blank
 from omni_serve.models import video_params
-from omni_serve.types import ChatMessage, Modality, VideoParams, VideoRules
+from omni_serve.types import ChatMessage, MediaPart, Modality, TextPart, VideoParams, VideoRules
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -71,8 +73,10 @@ class VideoCreateRequest(_Strict):
             raise ValueError(f"width and height must be in [1, {MAX_SIDE}]")
         return size
 
-    def messages(self) -> list[ChatMessage]:
-        return [ChatMessage(role="user", content=self.prompt)]
+    def messages(self, image: MediaPart | None) -> list[ChatMessage]:
+        if image is None:
+            return [ChatMessage(role="user", content=self.prompt)]
+        return [ChatMessage(role="user", content=[image, TextPart(text=self.prompt)])]
 
     def video_params(self, defaults: VideoParams) -> VideoParams:
         """What the stage is asked for: the request's values over the stage's defaults."""
@@ -96,12 +100,21 @@ class VideoCreateRequest(_Strict):
         )
 
 
-def refuse_files(files: dict[str, bytes]) -> None:
-    """The create form carries no files: ``input_reference`` (image-to-video) is not served."""
+def input_reference(files: dict[str, bytes], rules: VideoRules) -> bytes | None:
+    """The create form's one file: the image an image-to-video stage animates, required by it and refused by a
+    text-to-video one (which would ignore it); any other file is an unknown field."""
     for name in files:
-        if name == "input_reference":
-            raise bad_request("input_reference: not supported (this graph generates video from text)", name)
-        raise bad_request(f"{name}: unknown field", name)
+        if name != "input_reference":
+            raise bad_request(f"{name}: unknown field", name)
+    image = files.get("input_reference")
+    if image is not None and not rules.takes_image:
+        raise bad_request("input_reference: not supported (this graph generates video from text)", "input_reference")
+    if image is None and rules.takes_image:
+        raise bad_request(
+            "input_reference: this graph animates an image: send it as the multipart file 'input_reference'",
+            "input_reference",
+        )
+    return image
 
 
 @dataclass
@@ -190,17 +203,23 @@ def video_list(page: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
 
 
 def video_request(
-    body: VideoCreateRequest, rules: VideoRules, owner: str, http: Request, route: RouteContext
+    body: VideoCreateRequest,
+    image: MediaPart | None,
+    rules: VideoRules,
+    owner: str,
+    http: Request,
+    route: RouteContext,
 ) -> tuple[OmniRequest, VideoJob]:
-    """The create body as the graph's request and the job that will run it: the request's values over the video
-    stage's defaults, checked against its rules (a 400 naming the field, before any job exists)."""
+    """The create body (and the image it animates, the checked upload) as the graph's request and the job that will
+    run it: the request's values over the video stage's defaults, checked against its rules (a 400 naming the
+    field, before any job exists); the image travels by reference to the stage, which decodes it."""
     params = body.video_params(rules.defaults)
     video_params.check(params, rules)
     omni = route.request(
         http,
         modalities={Modality.VIDEO},
         sampling=route.sampling_defaults(body.seed),
-        messages=body.messages(),
+        messages=body.messages(image),
         video=params,
     )
     omni.deadline = None  # a job is not bound by this HTTP request's time limit: its own (videos.job_timeout_s)

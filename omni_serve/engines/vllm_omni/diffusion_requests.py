@@ -313,7 +313,8 @@ def requests_for(stage_name: str, args: EngineArgs, class_name: str, output_type
         )
     if video is not None:
         multiples = video.multiples(_local_checkpoint(model_path, args.revision))
-        return VideoRequests(stage_name, video_params.rules(args, *multiples), video.image_to_video)
+        rules = video_params.rules(args, *multiples, takes_image=video.image_to_video)
+        return VideoRequests(stage_name, rules, video.image_to_video)
     assert image is not None
     for name in ("default_width", "default_height"):
         if getattr(args, name) % image.size_multiple:

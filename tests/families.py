@@ -22,6 +22,9 @@ class Family:
     # that leaves does so mid-request).
     body: Callable[[bool], dict[str, Any]]
     pipeline: str | None = None  # its vLLM-Omni pipeline, for the vllm_omni families
+    # The route creates a job (``/v1/videos``): a request is the job made, waited for, downloaded and deleted,
+    # and a client that leaves is one that deletes its job (a job outlives its HTTP call by design).
+    jobs: bool = False
 
 
 def omni_chat(model: str, talker: str = "talker") -> Callable[[bool], dict[str, Any]]:
@@ -77,6 +80,16 @@ def text_handoff_chat(model: str) -> Callable[[bool], dict[str, Any]]:
     return body
 
 
+def text_chat(model: str, long_tokens: int) -> Callable[[bool], dict[str, Any]]:
+    """A text chat (a thinker alone); long: ``long_tokens`` tokens, all of them (``min_tokens``), seconds of decode."""
+
+    def body(long: bool) -> dict[str, Any]:
+        tokens = {"max_tokens": long_tokens, "min_tokens": long_tokens} if long else {"max_tokens": 8}
+        return {"model": model, "messages": [{"role": "user", "content": "Tell me a long story."}], "seed": 7, **tokens}
+
+    return body
+
+
 def image_generation(model: str) -> Callable[[bool], dict[str, Any]]:
     """An image request (an AR stage plans, a DiT draws); long: 256x256 in 100 denoising steps, which keeps the DiT
     drawing for seconds after the AR's part."""
@@ -84,6 +97,16 @@ def image_generation(model: str) -> Callable[[bool], dict[str, Any]]:
     def body(long: bool) -> dict[str, Any]:
         size, steps = ("256x256", 100) if long else ("64x64", 2)
         return {"model": model, "prompt": "a red fox", "size": size, "num_inference_steps": steps, "seed": 7}
+
+    return body
+
+
+def video_job(model: str, size: str, frames: int) -> Callable[[bool], dict[str, Any]]:
+    """A text-to-video job; long: 200 denoising steps (the most a job may ask), seconds of the DiT's work."""
+
+    def body(long: bool) -> dict[str, Any]:
+        steps = 200 if long else 2
+        return {"model": model, "prompt": "a red fox", "size": size, "num_frames": frames, "num_inference_steps": steps}
 
     return body
 
@@ -121,6 +144,40 @@ FAMILIES = (
         "/v1/chat/completions",
         text_handoff_chat("tiny-ming-flash-omni"),
         pipeline="ming_flash_omni",
+    ),
+    Family(
+        "vllm_omni.qwen3_omni_moe_thinker_only",
+        "tiny_qwen3_omni_thinker_vllm_omni.yaml",
+        "test_thinker_only_cpu",
+        "/v1/chat/completions",
+        text_chat("tiny-qwen3-omni", 900),
+        pipeline="qwen3_omni_moe_thinker_only",
+    ),
+    Family(
+        "vllm_omni.ming_flash_omni_thinker_only",
+        "tiny_ming_flash_omni_thinker_vllm_omni.yaml",
+        "test_thinker_only_cpu",
+        "/v1/chat/completions",
+        text_chat("tiny-ming-flash-omni", 1800),
+        pipeline="ming_flash_omni_thinker_only",
+    ),
+    Family(
+        "vllm_omni.wan2_2_ti2v",
+        "tiny_video.yaml",
+        "test_videos",
+        "/v1/videos",
+        video_job("tiny-wan2.2-ti2v", "64x32", 9),
+        pipeline="wan2_2_ti2v",
+        jobs=True,
+    ),
+    Family(
+        "vllm_omni.hunyuan_video_15",
+        "tiny_hunyuan_video_15.yaml",
+        "test_hunyuan_video_cpu",
+        "/v1/videos",
+        video_job("tiny-hunyuan-video-1.5", "48x32", 9),
+        pipeline="hunyuan_video_15",
+        jobs=True,
     ),
     Family(
         "vllm_omni.glm_image",

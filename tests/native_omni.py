@@ -147,6 +147,7 @@ def graph_deploy_config(stages: list[dict[str, Any]], async_chunk: bool) -> dict
         entries.append(entry)
         chunk = args.get("chunks") or chunk
     return {
+        "pipeline": stages[0]["engine_args"]["pipeline"],  # vLLM-Omni's choice among a checkpoint's pipelines
         "async_chunk": async_chunk,
         "connectors": {"shm": {"name": "SharedMemoryConnector", "extra": dict(chunk or {})}},
         "stages": entries,

@@ -21,8 +21,10 @@ import numpy as np
 import openai
 import pytest
 
+from tests import graph_properties
 from tests.conftest import HTTP_PORT
 from tests.deps import require
+from tests.families import BY_NAME
 from tests.video_client import decoded, finished
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm_cpu, pytest.mark.timeout(900)]
@@ -109,3 +111,10 @@ def test_what_the_model_would_round_or_ignore_is_a_400_naming_the_field(
     reply = httpx.post(f"{graph.base_url}/v1/videos", files=files, timeout=60)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == field, reply.text
+
+
+@pytest.mark.parametrize("check", graph_properties.PROPERTIES, ids=lambda check: check.__name__)
+def test_graph_property(graph, check) -> None:
+    """The properties every served family holds (tests/graph_properties.py), on this family's graph: a job made,
+    waited for, downloaded and deleted is its request, and deleting a running job is its client leaving."""
+    check(graph, BY_NAME["vllm_omni.hunyuan_video_15"])

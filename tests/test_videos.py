@@ -20,8 +20,10 @@ import numpy as np
 import openai
 import pytest
 
+from tests import graph_properties
 from tests.conftest import HTTP_PORT, graph_variant, wait_until
 from tests.deps import require
+from tests.families import BY_NAME
 from tests.invalid_params import VIDEO_CASES, VIDEO_LIST_CASES, VIDEO_MISSING, Case, cases, check
 from tests.playground_browser import browser as browser
 from tests.playground_browser import driver as driver
@@ -349,3 +351,10 @@ def test_playground_video_tab_plays_the_job_it_made(graph, page) -> None:  # noq
         dtype=np.int16,
     ).reshape(32, 64, 4)[..., :3]
     assert shown.std() > 5 and np.abs(shown - frames[0].astype(np.int16)).mean() < 8
+
+
+@pytest.mark.parametrize("check", graph_properties.PROPERTIES, ids=lambda check: check.__name__)
+def test_graph_property(graph, check) -> None:
+    """The properties every served family holds (tests/graph_properties.py), on this family's graph: a job made,
+    waited for, downloaded and deleted is its request, and deleting a running job is its client leaving."""
+    check(graph, BY_NAME["vllm_omni.wan2_2_ti2v"])

@@ -17,6 +17,7 @@ from omni_serve.checkpoints import (
     tiny_llm,
     tiny_ming_flash_omni,
     tiny_omni,
+    tiny_qwen2_5_omni,
     tiny_qwen3_tts,
     tiny_voxtral_tts,
     tiny_wan,
@@ -44,6 +45,7 @@ def test_registry_names_each_builder_once() -> None:
         "tiny-qwen3-tts",
         "tiny-voxtral-tts",
         "tiny-ming-flash-omni",
+        "tiny-qwen2.5-omni",
     ]
     assert list(checkpoints.CHECKPOINTS) == names
     assert {c.name for c in checkpoints.CHECKPOINTS.values()} == {
@@ -58,6 +60,7 @@ def test_registry_names_each_builder_once() -> None:
         tiny_qwen3_tts.TINY_NAME,
         tiny_voxtral_tts.TINY_NAME,
         tiny_ming_flash_omni.TINY_NAME,
+        tiny_qwen2_5_omni.TINY_NAME,
     }
 
 

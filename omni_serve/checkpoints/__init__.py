@@ -100,6 +100,12 @@ CHECKPOINTS: dict[str, TinyCheckpoint] = {
             "ensure_tiny_ming_flash_omni",
             "Ming-flash-omni 2.0 (MoE thinker, talker with CFM and AudioVAE) for vLLM-Omni's ming_flash_omni pipeline",
         ),
+        TinyCheckpoint(
+            "tiny-qwen2.5-omni",
+            "omni_serve.checkpoints.tiny_qwen2_5_omni",
+            "ensure_tiny_qwen2_5_omni",
+            "Qwen2.5-Omni (thinker, talker, token2wav: DiT and BigVGAN) for vLLM-Omni's qwen2_5_omni pipeline",
+        ),
     )
 }
 TINY = "tiny"  # the alias an engine family maps to its own tiny checkpoint

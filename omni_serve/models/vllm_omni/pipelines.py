@@ -17,7 +17,16 @@ import logging
 import sys
 from typing import Any
 
-from omni_serve.models.vllm_omni import glm_image, hunyuan_video, qwen3_tts, qwen_image, qwen_omni, voxtral_tts, wan
+from omni_serve.models.vllm_omni import (
+    glm_image,
+    hunyuan_video,
+    ming_flash_omni,
+    qwen3_tts,
+    qwen_image,
+    qwen_omni,
+    voxtral_tts,
+    wan,
+)
 from omni_serve.models.vllm_omni.hooks import ImageDitHooks, PipelineHooks, VideoDitHooks
 
 # Per-model hooks, by pipeline (model type). A pipeline not listed needs none.
@@ -26,6 +35,7 @@ HOOKS: dict[str, PipelineHooks] = {
     "qwen2_5_omni": qwen_omni.QWEN2_5_OMNI,
     "qwen3_tts": qwen3_tts.QWEN3_TTS,
     "voxtral_tts": voxtral_tts.VOXTRAL_TTS,
+    "ming_flash_omni_tts": ming_flash_omni.MING_FLASH_OMNI_TTS,
     "glm_image": glm_image.GLM_IMAGE,
     "wan2_2_ti2v": wan.WAN2_2_TI2V,
     "hunyuan_video_15": hunyuan_video.HUNYUAN_VIDEO_15_PIPELINE,

@@ -86,7 +86,7 @@ class AutoregressiveEngine(VllmOmniEngine):
             self.audio_input_rate = self.prompts.audio_input_rate
             self._generation_config = self._vllm_config.model_config.try_get_generation_config()
         if not self.emits_text:
-            self._speakers = self.prompts.speakers() or pipelines.speakers(hf_config)
+            self._speakers = self.prompts.speakers() or pipelines.speakers(hf_config) or list(self.hooks.speakers)
         name = self.args.tool_call_parser
         # vLLM is loaded in this process already: an unknown parser name fails the start (the graph file is wrong).
         self._tool_parser = load_parser(name) if name else None
@@ -240,7 +240,9 @@ class AutoregressiveEngine(VllmOmniEngine):
                 stopped=stopped,
                 rows={key: torch.cat(parts) if parts else None for key, parts in call.collected.items()},
             )
-            if call.entry_prompt is not None and out.handoff is not None:
+            if out.handoff is None:  # its declared processor withheld it: the next stage would wait for nothing
+                raise EngineError(f"stage {self.stage_name}: its declared processor handed nothing downstream")
+            if call.entry_prompt is not None:
                 out.handoff = with_entry_prompt(out.handoff, call.entry_prompt, call.params.seed)
 
     async def _prompt(

@@ -83,6 +83,19 @@ def _flat(multimodal_output: Mapping[str, Any]) -> dict[str, Any]:
     return dict(flatten_payload(dict(multimodal_output)))
 
 
+def runner_keys(flat: dict[str, Any], stage: Any) -> dict[str, Any]:
+    """A stage's multimodal output under the key its model runner produced it, as a producer-side processor reads
+    it worker-side: vLLM-Omni's client renames an AR runner's ``hidden`` (a generation runner's ``model_outputs``)
+    to the stage's ``engine_output_type`` (``MultimodalPayload.from_raw``). Qwen2.5-Omni's
+    ``thinker2talker_full_payload`` reads ``hidden``; here it would find only ``latent``."""
+    key = (stage.engine_output_type or "").lower()
+    ar = str(getattr(stage.execution_type, "value", stage.execution_type)) == "llm_ar"
+    produced = "hidden" if ar else "model_outputs"
+    if not key or key == produced or key not in flat or produced in flat:
+        return flat
+    return {**{k: v for k, v in flat.items() if k != key}, produced: flat[key]}
+
+
 def _consolidated(value: Any) -> Any:
     """One tensor from a value vLLM-Omni accumulated as a list of per-step tensors."""
     import torch
@@ -155,7 +168,7 @@ class Producer:
         if path is None:
             return to_handoff(SOURCE_OUTPUT, {k: _consolidated(v) for k, v in flat.items()}, **meta)
         request = request_view(request_id, prompt_token_ids, output_token_ids, stopped=stopped)
-        payload = function(path)(model_config_view(self.hf_config), flat, request)
+        payload = function(path)(model_config_view(self.hf_config), runner_keys(flat, self.stage), request)
         if payload is None:
             return None
         if self.hooks.fix_payload is not None:

@@ -73,6 +73,8 @@ class StageHooks:
     # Generation stages whose decoder cuts a prompt's left context (``meta.left_context_size``) itself when it
     # decodes without async-chunk state: the replica must not cut it again.
     decoder_cuts_left_context: bool = False
+    # A speaking stage's voices (lower case) where its checkpoint's config lists none.
+    speakers: tuple[str, ...] = ()
 
 
 DEFAULT = StageHooks()

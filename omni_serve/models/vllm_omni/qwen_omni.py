@@ -7,10 +7,10 @@ Each place, and why the declaration is not enough:
   vLLM-Omni runs Qwen3-Omni with); vLLM's CPU platform schedules synchronously and never computes it.
 - **Thinker step rows**: its async-chunk processor reads the captured hidden-state layers step by step
   (``hidden_states.layers``), not codec frames.
-- **Talker codes** (``generated_rows_only``): its engine holds an all-zero placeholder row per prompt
+- **Talker codes** (``generated_rows_only``, Qwen3-Omni's): its engine holds an all-zero placeholder row per prompt
   position in ``codes.audio``; ``talker2code2wav_full_payload`` aligns rows from the end, so with
   synchronous scheduling (one frame fewer than tokens) a placeholder would be taken for a frame.
-- **Talker steps** (``extra_steps``): a codec frame's residual code groups come with the next step, so
+- **Talker steps** (``extra_steps``, Qwen3-Omni's): a codec frame's residual code groups come with the next step, so
   the last sampled token never gets a frame; one more step yields ``max_tokens`` whole frames.
 - **Streamed talker input**: its placeholder prompt is sized from chunk 0 as vLLM-Omni's async-chunk
   prewarm sizes it (``compute_talker_prompt_ids_length``); a thinker's whole handoff is turned into
@@ -131,13 +131,18 @@ QWEN3_OMNI = PipelineHooks(
 )
 QWEN2_5_OMNI = PipelineHooks(
     stages={
+        # Its talker samples one codec id a step, carried as its output token ids (talker2code2wav_full_payload):
+        # no placeholder rows, no residual groups a step late.
         "thinker": StageHooks(fix_payload=keep_computed_rows),
-        "talker": StageHooks(generated_rows_only=("codes.audio",), extra_steps=1),
+        # vLLM-Omni's Qwen2.5-Omni speaks Chelsie whatever a request asks: its talker keeps the voice of its first
+        # forward (``voice_type``, "temporal hack" in qwen2_5_omni.py) and its code2wav's default is Chelsie.
+        "talker": StageHooks(speakers=("chelsie",)),
     },
     tool_call_parser="hermes",  # Qwen's <tool_call> JSON syntax
     reference_model="Qwen/Qwen2.5-Omni-7B",
-    voice_aliases={
-        **dict.fromkeys(["alloy", "coral", "marin", "nova", "sage", "shimmer"], "chelsie"),
-        **dict.fromkeys(["ash", "ballad", "cedar", "echo", "fable", "onyx", "verse"], "ethan"),
-    },
+    # Its one voice (above): an OpenAI client must name one, so each of OpenAI's is Chelsie.
+    voice_aliases=dict.fromkeys(
+        "alloy ash ballad cedar coral echo fable marin nova onyx sage shimmer verse".split(),
+        "chelsie",
+    ),
 )

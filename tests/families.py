@@ -162,6 +162,22 @@ FAMILIES = (
         pipeline="ming_flash_omni_thinker_only",
     ),
     Family(
+        "vllm_omni.qwen2_5_omni",
+        "tiny_qwen2_5_omni_vllm_omni.yaml",
+        "test_qwen2_5_omni_cpu",
+        "/v1/chat/completions",
+        omni_chat("tiny-qwen2.5-omni"),
+        pipeline="qwen2_5_omni",
+    ),
+    Family(
+        "vllm_omni.qwen2_5_omni_thinker_only",
+        "tiny_qwen2_5_omni_thinker_vllm_omni.yaml",
+        "test_thinker_only_cpu",
+        "/v1/chat/completions",
+        text_chat("tiny-qwen2.5-omni", 1800),
+        pipeline="qwen2_5_omni_thinker_only",
+    ),
+    Family(
         "vllm_omni.wan2_2_ti2v",
         "tiny_video.yaml",
         "test_videos",

@@ -3,6 +3,7 @@ hand, and a local HTTP media server (127.0.0.1 only) that records every request 
 
 from __future__ import annotations
 
+import base64
 import io
 import struct
 import threading
@@ -47,6 +48,24 @@ def wav(seconds: float = 1.0, rate: int = 16000, seed: int = 0) -> bytes:
     buffer = io.BytesIO()
     sf.write(buffer, tone(seconds, rate, seed=seed), rate, format="WAV", subtype="PCM_16")
     return buffer.getvalue()
+
+
+def described(*media: dict) -> list[dict]:
+    """A chat message's content: the media parts, then a text part asking about them."""
+    return [*media, {"type": "text", "text": "Describe it."}]
+
+
+def image_part() -> dict:
+    """A 64x64 PNG as an ``image_url`` content part (a data URL)."""
+    return {
+        "type": "image_url",
+        "image_url": {"url": "data:image/png;base64," + base64.b64encode(png(64, 64)).decode()},
+    }
+
+
+def audio_part() -> dict:
+    """A 1 s 16 kHz WAV tone as an ``input_audio`` content part."""
+    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav(1.0)).decode(), "format": "wav"}}
 
 
 def flac(samples: np.ndarray, rate: int = 16000) -> bytes:

@@ -423,6 +423,8 @@ def test_pipelines_that_cannot_be_served_say_why(pipeline: str, why: str):
         ("tiny_qwen3_omni_thinker_vllm_omni.yaml", "qwen3_omni_moe_thinker_only", "tiny-qwen3-omni"),
         ("tiny_ming_flash_omni_thinker_vllm_omni.yaml", "ming_flash_omni_thinker_only", "tiny-ming-flash-omni"),
         ("tiny_ming_flash_omni_tts_vllm_omni.yaml", "ming_flash_omni_tts", "tiny-ming-flash-omni"),
+        ("tiny_qwen2_5_omni_vllm_omni.yaml", "qwen2_5_omni", "tiny-qwen2.5-omni"),
+        ("tiny_qwen2_5_omni_thinker_vllm_omni.yaml", "qwen2_5_omni_thinker_only", "tiny-qwen2.5-omni"),
         ("tiny_video.yaml", "wan2_2_ti2v", "tiny-wan2.2-ti2v"),
         ("wan2_2_ti2v.yaml", "wan2_2_ti2v", "Wan-AI/Wan2.2-TI2V-5B-Diffusers"),
         ("tiny_hunyuan_video_15.yaml", "hunyuan_video_15", "tiny-hunyuan-video-1.5"),

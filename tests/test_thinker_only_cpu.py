@@ -1,19 +1,18 @@
-"""The thinker-only pipelines served for real: vLLM-Omni's qwen3_omni_moe_thinker_only and
-ming_flash_omni_thinker_only (a speech-to-speech model's thinker alone: text, image and audio in, text out), each
-its generated graph made for a CPU (graphs/tiny_qwen3_omni_thinker_vllm_omni.yaml,
-graphs/tiny_ming_flash_omni_thinker_vllm_omni.yaml) on the tiny checkpoint its full pipeline serves, through chat
-(whole, and streamed by the official client).
+"""The thinker-only pipelines served for real: vLLM-Omni's qwen3_omni_moe_thinker_only,
+ming_flash_omni_thinker_only and qwen2_5_omni_thinker_only (a speech-to-speech model's thinker alone: text, image
+and audio in, text out), each its generated graph made for a CPU (graphs/tiny_qwen3_omni_thinker_vllm_omni.yaml,
+graphs/tiny_ming_flash_omni_thinker_vllm_omni.yaml, graphs/tiny_qwen2_5_omni_thinker_vllm_omni.yaml) on the tiny
+checkpoint its full pipeline serves, through chat (whole, and streamed by the official client).
 
 The oracle is native vLLM-Omni on the same checkpoint and the graph's own configuration
 (``native_omni.graph_deploy_config``, which names the pipeline: a checkpoint serves both its full and its
 thinker-only pipeline), started beside the graph's deploy and stopped after its replies: for a seed, the thinker's
 text is native's token for token, for a text prompt, an image and an audio clip (the same engine, the same prompt
-processor). The module deploys one graph, then the other (its ``deployed`` fixture is parametrized by family).
+processor). The module deploys one graph after the other (its ``deployed`` fixture is parametrized by family).
 """
 
 from __future__ import annotations
 
-import base64
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,23 +35,19 @@ from omni_serve.checkpoints import ensure  # noqa: E402
 from omni_serve.cli.launch import load_graph_file  # noqa: E402
 from tests import graph_properties, native_omni, native_vllm_omni  # noqa: E402
 from tests.families import BY_NAME, Family  # noqa: E402
-from tests.media import png, wav  # noqa: E402
+from tests.media import audio_part, described, image_part  # noqa: E402
 
-FAMILIES = (BY_NAME["vllm_omni.qwen3_omni_moe_thinker_only"], BY_NAME["vllm_omni.ming_flash_omni_thinker_only"])
+FAMILIES = tuple(
+    BY_NAME[f"vllm_omni.{pipeline}_thinker_only"] for pipeline in ("qwen3_omni_moe", "ming_flash_omni", "qwen2_5_omni")
+)
 NATIVE_PORT = HTTP_PORT + 28  # native vLLM-Omni, beside the session cluster (base, base + 1)
 
 
-def _parts(*media: dict[str, Any]) -> list[dict[str, Any]]:
-    return [*media, {"type": "text", "text": "Describe it."}]
-
-
-IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png(64, 64)).decode()}}
-AUDIO = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav(1.0)).decode(), "format": "wav"}}
 ORACLE_CHATS = {  # what native answers beside the graph, one seed; the graph's defaults otherwise
     "text": {"messages": [{"role": "user", "content": "Say hello."}], "seed": 7},
     "text_other_seed": {"messages": [{"role": "user", "content": "Say hello."}], "seed": 11},
-    "image": {"messages": [{"role": "user", "content": _parts(IMAGE)}], "seed": 7},
-    "audio": {"messages": [{"role": "user", "content": _parts(AUDIO)}], "seed": 7},
+    "image": {"messages": [{"role": "user", "content": described(image_part())}], "seed": 7},
+    "audio": {"messages": [{"role": "user", "content": described(audio_part())}], "seed": 7},
 }
 
 

@@ -211,9 +211,12 @@ def test_qwen3_codec_chunks_carry_left_context_and_cover_every_frame_once():
 
 
 def test_qwen2_5_thinker_to_talker_to_code2wav():
+    """The thinker's hidden states as its engine hands them over: under its ``engine_output_type`` (``latent``),
+    the key vLLM-Omni's client renames its runner's ``hidden`` to, while thinker2talker_full_payload reads
+    ``hidden``."""
     prompt, output = chat_prompt(user_len=9), [7, 8, 9, 151645]
     hidden = torch.randn(len(prompt) + len(output), 3584).to(torch.bfloat16)
-    payload = producer("qwen2_5_omni", 0, hf_config=None).whole("r2", prompt, output, {"hidden": hidden})
+    payload = producer("qwen2_5_omni", 0, hf_config=None).whole("r2", prompt, output, {"latent": hidden})
     assert payload is not None and payload.kind == "vllm_omni.qwen2_5_omni.thinker2talker_full_payload"
     talker = consumer("qwen2_5_omni", 1, through_object_store(payload))
     from vllm_omni.model_executor.stage_input_processors import qwen2_5_omni as upstream

@@ -4,7 +4,7 @@ checkpoint class on vLLM-Omni's diffusion engine, on CPU) through OpenAI's video
 
 The oracle is native vLLM-Omni's ``/v1/videos`` on the same tiny checkpoint (``tiny-hunyuan-video-1.5-i2v``) with
 the same image, started beside the graph's deploy and stopped after its reply: for a seed, the same MP4 byte for
-byte is the bar, and it does not hold yet (the test is a strict xfail, so that it fails CI the day it passes). A
+byte is the bar, and it holds in some runs only (an xfail, not traced yet); the frames' shape and rate always. A
 job without its image, or with a file of another name, is a 400 naming the field.
 """
 
@@ -86,17 +86,20 @@ def video(client: openai.OpenAI, image: bytes = TEAL, **ask: Any) -> bytes:
     return client.videos.download_content(created.id).read()
 
 
+def test_same_shape_and_rate_as_native_vllm_omni_for_a_seed_and_image(client: openai.OpenAI, oracle: bytes) -> None:
+    (our_frames, our_fps), (native_frames, native_fps) = decoded(video(client)), decoded(oracle)
+    assert our_frames.shape == native_frames.shape == (9, 32, 48, 3) and our_fps == native_fps == 8
+
+
 @pytest.mark.xfail(
-    strict=True,
-    reason="open (#53): for the same seed and image the frames differ from native's (its text-to-video twin is "
-    "byte-identical, and the same request repeats here); not traced yet: the image reaches both as a PIL RGB image "
-    "of the asked size, guidance is marked provided on both",
+    strict=False,
+    reason="open (#53): for the same seed and image the MP4 is native's in some runs and not in others (CI passed "
+    "it once as a strict xfail; its text-to-video twin is always byte-identical, and the same request repeats "
+    "here); not traced yet, so not strict until it is",
 )
 def test_same_mp4_as_native_vllm_omni_for_a_seed_and_image(client: openai.OpenAI, oracle: bytes) -> None:
     ours, native = video(client), oracle
-    (our_frames, our_fps), (native_frames, native_fps) = decoded(ours), decoded(native)
-    assert our_frames.shape == native_frames.shape == (9, 32, 48, 3) and our_fps == native_fps == 8
-    assert np.array_equal(our_frames, native_frames)
+    assert np.array_equal(decoded(ours)[0], decoded(native)[0])
     assert ours == native
 
 

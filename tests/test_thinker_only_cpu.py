@@ -37,8 +37,10 @@ from tests import graph_properties, native_omni, native_vllm_omni  # noqa: E402
 from tests.families import BY_NAME, Family  # noqa: E402
 from tests.media import audio_part, described, image_part  # noqa: E402
 
-FAMILIES = tuple(
-    BY_NAME[f"vllm_omni.{pipeline}_thinker_only"] for pipeline in ("qwen3_omni_moe", "ming_flash_omni", "qwen2_5_omni")
+FAMILIES = (
+    BY_NAME["vllm_omni.qwen3_omni_moe_thinker_only"],
+    BY_NAME["vllm_omni.ming_flash_omni_thinker_only"],
+    BY_NAME["vllm_omni.qwen2_5_omni_thinker_only"],
 )
 NATIVE_PORT = HTTP_PORT + 28  # native vLLM-Omni, beside the session cluster (base, base + 1)
 

@@ -3,6 +3,7 @@
     python benchmarks/vs_vllm_omni_family.py           # Qwen3-TTS; 3 rounds; c=1 and c=4, 4 requests a client
     python benchmarks/vs_vllm_omni_family.py --family voxtral_tts --rounds 2 --concurrency 1
     python benchmarks/vs_vllm_omni_family.py --family ming_flash_omni
+    python benchmarks/vs_vllm_omni_family.py --family qwen2_5_omni --pace thinker=0.03,talker=0.03,code2wav=0.05
     python benchmarks/vs_vllm_omni_family.py --family hunyuan_video_15 --rounds 2 --requests-per-client 2
 
 (Qwen3-Omni, with its async-chunk modes and GPU mode, has its own: ``vs_vllm_omni.py``.) Both servers on vLLM-Omni
@@ -26,7 +27,9 @@ request, by the route the family's users call:
   delta, 1.9 s of audio where the whole reply speaks 15.6 s, while omni_serve's speaks the whole text; whole,
   both speak the whole text); a seed gives both servers the same text (tests/test_ming_flash_omni_cpu.py),
   checked per request; the talker's audio is not a function of the request on either server (its noise comes
-  from the process's generator), so its length varies from reply to reply on both (``audio_s_per_request``).
+  from the process's generator), so its length varies from reply to reply on both (``audio_s_per_request``);
+  Qwen2.5-Omni's the same way, native on the graph's own configuration (its thinker greedy: the same text; native
+  samples its talker from the deploy config's seed, omni_serve from the request's, so their lengths may differ).
 
 Per concurrency: e2e p50 (the whole body), TTFA p50 (the first audio byte; a whole chat reply's: e2e) and req/s;
 rounds alternate which server goes first. It prints the median of each figure over the rounds and omni_serve / native.
@@ -69,6 +72,10 @@ FAMILIES = {
     "qwen3_tts": {"graph": "tiny_qwen3_tts_vllm_omni.yaml", "model": "tiny-qwen3-tts", "voice": "vivian"},
     "voxtral_tts": {"graph": "tiny_voxtral_tts_vllm_omni.yaml", "model": "tiny-voxtral-tts", "voice": "casual_male"},
     "ming_flash_omni": {"graph": "tiny_ming_flash_omni_vllm_omni.yaml", "model": "tiny-ming-flash-omni", "chat": "1"},
+    # Native serves the graph's own configuration (the oracle's, tests/test_qwen2_5_omni_cpu.py): no tests/native_omni
+    # family of its own.
+    "qwen2_5_omni": {"graph": "tiny_qwen2_5_omni_vllm_omni.yaml", "model": "tiny-qwen2.5-omni", "chat": "1"}
+    | {"native": "graph"},
     "hunyuan_video_15": {"graph": "tiny_hunyuan_video_15.yaml", "model": "tiny-hunyuan-video-1.5", "video": "1"},
 }
 # Guidance sent: the two servers' defaults differ (the graph's default_guidance_scale, the pipeline's own).
@@ -157,7 +164,29 @@ def native_server(args: argparse.Namespace, family: dict[str, str], port: int, l
         )  # fmt: skip
         return vs_native.server(argv, f"http://127.0.0.1:{port}/v1/models", logs / "native.log")
     min_step_s = stage_ids(family["graph"], args.pace)
+    if family.get("native") == "graph":
+        return graph_native(family, port, logs, min_step_s)
     return native_omni.serve(args.family, port, logs / "native.log", async_chunk=True, min_step_s=min_step_s)
+
+
+def graph_native(family: dict[str, str], port: int, logs: Path, min_step_s: dict[int, float]) -> Any:
+    """Native vLLM-Omni on the family graph's own configuration (``native_omni.graph_deploy_config``, whole
+    handoffs), paced like the graph."""
+    from omni_serve.checkpoints import ensure
+    from omni_serve.pacing import engine_config
+    from tests import native_omni, vllm_cli
+
+    config = native_omni.graph_deploy_config(graph_stages(family["graph"]), async_chunk=False)
+    for entry in config["stages"]:
+        if min_step_s.get(entry["stage_id"]):
+            entry["additional_config"] = engine_config(min_step_s[entry["stage_id"]], entry.get("additional_config"))
+    deploy = logs / "native.deploy.yaml"
+    deploy.write_text(yaml.safe_dump(config, sort_keys=False))
+    argv = vllm_cli.argv(
+        "vllm-omni", "serve", str(ensure(family["model"])), "--omni", "--deploy-config", str(deploy),
+        "--no-async-chunk", "--served-model-name", family["model"], "--host", "127.0.0.1", "--port", str(port),
+    )  # fmt: skip
+    return vs_native.server(argv, f"http://127.0.0.1:{port}/v1/models", logs / "native.log")
 
 
 async def load(port: int, family: dict[str, str], concurrency: int, requests: int, seed: int) -> dict[str, Any]:

@@ -74,8 +74,12 @@ FAMILIES = {
     "ming_flash_omni": {"graph": "tiny_ming_flash_omni_vllm_omni.yaml", "model": "tiny-ming-flash-omni", "chat": "1"},
     # Native serves the graph's own configuration (the oracle's, tests/test_qwen2_5_omni_cpu.py): no tests/native_omni
     # family of its own.
-    "qwen2_5_omni": {"graph": "tiny_qwen2_5_omni_vllm_omni.yaml", "model": "tiny-qwen2.5-omni", "chat": "1"}
-    | {"native": "graph"},
+    "qwen2_5_omni": {
+        "graph": "tiny_qwen2_5_omni_vllm_omni.yaml",
+        "model": "tiny-qwen2.5-omni",
+        "chat": "1",
+        "native": "graph",
+    },
     "hunyuan_video_15": {"graph": "tiny_hunyuan_video_15.yaml", "model": "tiny-hunyuan-video-1.5", "video": "1"},
 }
 # Guidance sent: the two servers' defaults differ (the graph's default_guidance_scale, the pipeline's own).
@@ -173,13 +177,9 @@ def graph_native(family: dict[str, str], port: int, logs: Path, min_step_s: dict
     """Native vLLM-Omni on the family graph's own configuration (``native_omni.graph_deploy_config``, whole
     handoffs), paced like the graph."""
     from omni_serve.checkpoints import ensure
-    from omni_serve.pacing import engine_config
     from tests import native_omni, vllm_cli
 
-    config = native_omni.graph_deploy_config(graph_stages(family["graph"]), async_chunk=False)
-    for entry in config["stages"]:
-        if min_step_s.get(entry["stage_id"]):
-            entry["additional_config"] = engine_config(min_step_s[entry["stage_id"]], entry.get("additional_config"))
+    config = native_omni.graph_deploy_config(graph_stages(family["graph"]), async_chunk=False, min_step_s=min_step_s)
     deploy = logs / "native.deploy.yaml"
     deploy.write_text(yaml.safe_dump(config, sort_keys=False))
     argv = vllm_cli.argv(

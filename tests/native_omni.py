@@ -130,12 +130,17 @@ ORACLE_REQUESTS: dict[str, dict[str, dict[str, Any]]] = {
 }  # fmt: skip
 
 
-def graph_deploy_config(stages: list[dict[str, Any]], async_chunk: bool) -> dict[str, Any]:
+def graph_deploy_config(
+    stages: list[dict[str, Any]], async_chunk: bool, min_step_s: Mapping[int, float] | None = None
+) -> dict[str, Any]:
     """Native vLLM-Omni's deploy config for an omni_serve graph's vllm_omni stages (its ``args.stages``), in the
     shape of vLLM-Omni's deploy YAMLs: each stage's engine settings and default sampling (with its sampling
     constraints) as the graph gives them, one shared-memory connector per edge with the graph's chunk settings; the
     pipeline declares the rest for both servers. So a graph and native serve one configuration that cannot drift
-    (benchmarks/vs_vllm_omni.py, tests/test_vllm_omni_cpu.py's oracle)."""
+    (benchmarks/vs_vllm_omni.py, tests/test_vllm_omni_cpu.py's oracle). ``min_step_s`` paces stages as
+    :func:`cpu_deploy_config`'s does."""
+    from omni_serve.pacing import engine_config
+
     entries, chunk = [], None
     ids = {stage["name"]: stage["engine_args"]["stage_id"] for stage in stages}
     for stage in stages:
@@ -144,6 +149,8 @@ def graph_deploy_config(stages: list[dict[str, Any]], async_chunk: bool) -> dict
         entry = {"stage_id": args["stage_id"], **dict(args.get("engine", {})), "default_sampling_params": sampling}
         for source in stage.get("inputs", []):
             entry.setdefault("input_connectors", {})[f"from_stage_{ids[source]}"] = "shm"
+        if min_step_s and min_step_s.get(args["stage_id"]):
+            entry["additional_config"] = engine_config(min_step_s[args["stage_id"]], entry.get("additional_config"))
         entries.append(entry)
         chunk = args.get("chunks") or chunk
     return {
